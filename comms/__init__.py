@@ -1,0 +1,1 @@
+"""comms: symmetric memory, all-reduce and MoE dispatch/combine (a library: never imports nvl72)."""

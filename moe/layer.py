@@ -1,0 +1,94 @@
+"""`moe.MoE`: the one entry point the service calls for a mixture-of-experts layer.
+
+Holds the router, this rank's slice of the routed experts (fused gate/up `w13` and `w2`) and an
+optional shared expert behind a sigmoid gate (Qwen3-Next / Qwen3.5). Expert parallelism: a rank
+owns experts `[expert_offset, expert_offset + num_local_experts)`; `forward` returns only the
+contribution of those experts (plus the shared expert on rank 0 of the EP group), so the caller
+sums across ranks (all-reduce in prefill, combine in decode).
+
+The pieces (`route`, `run_experts`, `shared`) are public so that a dispatch/combine path can put
+communication between routing and the expert GEMMs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe import reference
+
+
+class SharedExpert(nn.Module):
+    """A dense SwiGLU MLP (`gate_proj`, `up_proj`, `down_proj`, as in the checkpoints)."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype=None, device=None):
+        super().__init__()
+        kw = dict(bias=False, dtype=dtype, device=device)
+        self.gate_proj = nn.Linear(hidden, intermediate, **kw)
+        self.up_proj = nn.Linear(hidden, intermediate, **kw)
+        self.down_proj = nn.Linear(intermediate, hidden, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        intermediate: int,
+        *,
+        norm_topk_prob: bool = True,
+        shared_intermediate: int = 0,
+        ep_rank: int = 0,
+        ep_size: int = 1,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        if num_experts % ep_size:
+            raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+        self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
+        self.intermediate = intermediate
+        self.norm_topk_prob = norm_topk_prob
+        self.ep_rank, self.ep_size = ep_rank, ep_size
+        self.num_local_experts = num_experts // ep_size
+        self.expert_offset = ep_rank * self.num_local_experts
+        kw = dict(dtype=dtype, device=device)
+        self.gate = nn.Linear(hidden, num_experts, bias=False, **kw)  # router
+        # [E_local, 2I, H]: rows [0, I) are gate_proj, rows [I, 2I) are up_proj
+        self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * intermediate, hidden, **kw))
+        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden, intermediate, **kw))
+        if shared_intermediate:
+            self.shared_expert = SharedExpert(hidden, shared_intermediate, **kw)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, **kw)
+        else:
+            self.shared_expert = None
+            self.shared_expert_gate = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64)."""
+        return reference.route(self.gate(x), self.top_k, self.norm_topk_prob)
+
+    def run_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Weighted sum over this rank's experts for replicated tokens: [T, H] -> [T, H]."""
+        return reference.experts(x, topk_weights, topk_ids, self.w13, self.w2, self.expert_offset)
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        """sigmoid(x . w_gate) * shared_expert(x), or None when the model has no shared expert."""
+        if self.shared_expert is None:
+            return None
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.route(x)
+        out = self.run_experts(x, topk_weights, topk_ids)
+        if self.ep_rank == 0:
+            s = self.shared(x)
+            if s is not None:
+                out = out + s
+        return out

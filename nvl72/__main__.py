@@ -1,0 +1,5 @@
+import sys
+
+from nvl72.cli import main
+
+sys.exit(main())
