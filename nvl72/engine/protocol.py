@@ -1,0 +1,129 @@
+"""Typed messages between the HTTP front and the engine ranks.
+
+They travel over ZeroMQ as msgpack maps carrying a version field (vLLM engine-core convention);
+no pickle, no tensors. Token ids only: the front tokenizes and detokenizes (stop strings too).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be decoded: wrong version, unknown kind or bad fields."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; n >= 0: chosen token's logprob plus n top logprobs
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Message:
+    KIND: ClassVar[str] = ""
+
+
+@dataclass
+class AddRequest(Message):
+    KIND: ClassVar[str] = "add"
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass
+class AbortRequest(Message):
+    KIND: ClassVar[str] = "abort"
+    request_id: str
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput(Message):
+    """New tokens of one request since its previous output; finish_reason set on the last."""
+
+    KIND: ClassVar[str] = "output"
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # None | "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+@dataclass
+class LoadReport(Message):
+    """Periodic load and health report of one engine rank (doubles as its heartbeat)."""
+
+    KIND: ClassVar[str] = "load"
+    rank: int
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    time: float
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+_KINDS: dict[str, type[Message]] = {c.KIND: c for c in (AddRequest, AbortRequest, RequestOutput, LoadReport)}
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(x) for x in obj]
+    return obj
+
+
+def encode(msg: Message) -> bytes:
+    return msgpack.packb({"v": PROTOCOL_VERSION, "kind": msg.KIND, "body": _to_plain(msg)}, use_bin_type=True)
+
+
+def decode(data: bytes) -> Message:
+    try:
+        raw = msgpack.unpackb(data, raw=False)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise ProtocolError(f"undecodable message: {e}") from e
+    if not isinstance(raw, dict) or raw.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {raw.get('v') if isinstance(raw, dict) else raw!r}")
+    cls = _KINDS.get(raw.get("kind"))
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {raw.get('kind')!r}")
+    body = dict(raw["body"])
+    try:
+        if cls is AddRequest:
+            body["sampling"] = SamplingParams(**body["sampling"])
+        if cls is RequestOutput and body.get("logprobs") is not None:
+            body["logprobs"] = [
+                TokenLogprob(lp["token_id"], lp["logprob"], [tuple(t) for t in lp["top"]]) for lp in body["logprobs"]
+            ]
+        return cls(**body)
+    except (TypeError, KeyError) as e:
+        raise ProtocolError(f"bad fields for {cls.KIND!r}: {e}") from e
