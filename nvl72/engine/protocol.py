@@ -5,7 +5,9 @@ no pickle, no tensors. Token ids only: the front tokenizes and detokenizes (stop
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -127,3 +129,27 @@ def decode(data: bytes) -> Message:
         return cls(**body)
     except (TypeError, KeyError) as e:
         raise ProtocolError(f"bad fields for {cls.KIND!r}: {e}") from e
+
+
+class EngineClient(abc.ABC):
+    """What the HTTP front needs of an engine (in-process, or ranks reached over ZeroMQ)."""
+
+    max_model_len: int
+
+    @abc.abstractmethod
+    def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its outputs until one carries a finish_reason.
+
+        Closing the iterator early (client disconnect) aborts the request."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Abort a running or waiting request; its stream ends with finish_reason 'abort'."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, float]:
+        """Current engine gauges and counters (running, waiting, kv_usage, prefix hits, spec-decode
+        acceptance ...), read by /metrics and the router."""
+
+    async def shutdown(self) -> None:
+        """Stop the engine and release its resources."""
