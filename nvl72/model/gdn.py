@@ -1,0 +1,179 @@
+"""Gated DeltaNet, the linear-attention layer of Qwen3-Next and Qwen3.5 MoE (3 of every 4 layers).
+
+Per request it keeps two states in engine-owned slots: the conv tail (the last K-1 inputs of the
+causal depthwise conv over q|k|v) and the recurrent state [Hv, Dk, Dv] (fp32). `ForwardBatch` says
+which slot each sequence starts from and where the state after each token goes; the layer itself
+never allocates state. Parameter names equal the checkpoint keys under `linear_attn.`:
+
+    qwen3_next:  in_proj_qkvz, in_proj_ba (interleaved per key-head group), conv1d.weight,
+                 dt_bias, A_log, norm.weight, out_proj
+    qwen3_5_moe: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d.weight,
+                 dt_bias, A_log, norm.weight, out_proj
+
+Sequences longer than `RECURRENT_MAX_TOKENS` that write state only after their last token run the
+chunked rule (prefill); all others (decode, speculative verify with a state per draft position) run
+the recurrent rule. Both give the same result (tests/model/test_gdn_ops.py).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nvl72.model.batch import ForwardBatch
+from nvl72.model.gdn_ops import (causal_conv1d, chunk_gated_delta_rule, gated_rmsnorm, gdn_gating,
+                                 recurrent_gated_delta_rule)
+
+_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
+class GatedRMSNorm(nn.Module):
+    """`weight * rmsnorm(x) * silu(z)` over one value head; holds `norm.weight`."""
+
+    def __init__(self, dim: int, eps: float, dtype=None, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return gated_rmsnorm(x, z, self.weight, self.eps)
+
+
+class GatedDeltaNet(nn.Module):
+    RECURRENT_MAX_TOKENS = 16
+    CHUNK_SIZE = 64
+
+    def __init__(self, config, layer_idx: int, dtype=None, device=None):
+        super().__init__()
+        model_type = getattr(config, "model_type", None)
+        if model_type not in _MODEL_TYPES:
+            raise ValueError(f"GatedDeltaNet does not support model_type {model_type!r}; "
+                             f"expected one of {_MODEL_TYPES}")
+        self.fused_qkvz = model_type == "qwen3_next"
+        self.layer_idx = layer_idx
+        self.hidden_size = config.hidden_size
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"linear_num_value_heads {self.num_v_heads} is not a multiple of "
+                             f"linear_num_key_heads {self.num_k_heads}")
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = config.linear_conv_kernel_dim
+        kw = dict(dtype=dtype, device=device)
+
+        H = self.hidden_size
+        if self.fused_qkvz:
+            self.in_proj_qkvz = nn.Linear(H, 2 * self.key_dim + 2 * self.value_dim, bias=False, **kw)
+            self.in_proj_ba = nn.Linear(H, 2 * self.num_v_heads, bias=False, **kw)
+        else:
+            self.in_proj_qkv = nn.Linear(H, self.conv_dim, bias=False, **kw)
+            self.in_proj_z = nn.Linear(H, self.value_dim, bias=False, **kw)
+            self.in_proj_b = nn.Linear(H, self.num_v_heads, bias=False, **kw)
+            self.in_proj_a = nn.Linear(H, self.num_v_heads, bias=False, **kw)
+        # Holds `conv1d.weight` [conv_dim, 1, K] with the checkpoint's name and init; the conv itself
+        # runs through `causal_conv1d` so it can continue from the state slots.
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim,
+                                bias=False, **kw)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads, **kw))
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads, **kw).uniform_(0.01, 16).log())
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, **kw)
+        self.out_proj = nn.Linear(self.value_dim, H, bias=False, **kw)
+
+    @staticmethod
+    def state_shapes(config) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per-slot shapes: conv tail (conv_dim, K-1) and recurrent state (Hv, Dk, Dv)."""
+        conv_dim = (2 * config.linear_num_key_heads * config.linear_key_head_dim
+                    + config.linear_num_value_heads * config.linear_value_head_dim)
+        return ((conv_dim, config.linear_conv_kernel_dim - 1),
+                (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim))
+
+    def _project(self, hidden: torch.Tensor):
+        """Input projections -> mixed_qkv [T, conv_dim] (q | k | v, head-major), z [T, Hv, Dv],
+        b and a [T, Hv]."""
+        T = hidden.shape[0]
+        if not self.fused_qkvz:
+            return (self.in_proj_qkv(hidden), self.in_proj_z(hidden).view(T, self.num_v_heads, self.head_v_dim),
+                    self.in_proj_b(hidden), self.in_proj_a(hidden))
+        # qwen3_next interleaves per key-head group: [q_g, k_g, v_g (r heads), z_g (r heads)] and
+        # [b_g (r), a_g (r)], with r = Hv // Hk value heads per key head.
+        Hk, Dk, Dv = self.num_k_heads, self.head_k_dim, self.head_v_dim
+        r = self.num_v_heads // Hk
+        qkvz = self.in_proj_qkvz(hidden).view(T, Hk, 2 * Dk + 2 * r * Dv)
+        q, k, v, z = qkvz.split([Dk, Dk, r * Dv, r * Dv], dim=-1)
+        ba = self.in_proj_ba(hidden).view(T, Hk, 2 * r)
+        b, a = ba.split([r, r], dim=-1)
+        mixed_qkv = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)  # [T, conv_dim]
+        return (mixed_qkv, z.reshape(T, self.num_v_heads, Dv), b.reshape(T, self.num_v_heads),
+                a.reshape(T, self.num_v_heads))
+
+    def _check(self, hidden: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor,
+               recurrent_state: torch.Tensor) -> None:
+        if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden must be [T, {self.hidden_size}], got {tuple(hidden.shape)}")
+        if batch.state_read_slots is None or batch.state_write_slots is None:
+            raise ValueError(f"GatedDeltaNet layer {self.layer_idx} needs state_read_slots and "
+                             "state_write_slots in the ForwardBatch, got None")
+        T, B = hidden.shape[0], batch.query_start_loc.shape[0] - 1
+        if batch.state_write_slots.shape != (T,) or batch.state_read_slots.shape != (B,):
+            raise ValueError(f"state_write_slots must be [{T}] and state_read_slots [{B}], got "
+                             f"{tuple(batch.state_write_slots.shape)} and {tuple(batch.state_read_slots.shape)}")
+        conv_shape, rec_shape = (self.conv_dim, self.conv_kernel - 1), (self.num_v_heads, self.head_k_dim,
+                                                                         self.head_v_dim)
+        if conv_state.dim() != 3 or tuple(conv_state.shape[1:]) != conv_shape:
+            raise ValueError(f"conv_state must be [slots, {conv_shape[0]}, {conv_shape[1]}], "
+                             f"got {tuple(conv_state.shape)}")
+        if recurrent_state.dim() != 4 or tuple(recurrent_state.shape[1:]) != rec_shape:
+            raise ValueError(f"recurrent_state must be [slots, {', '.join(map(str, rec_shape))}], "
+                             f"got {tuple(recurrent_state.shape)}")
+        if recurrent_state.dtype != torch.float32:
+            raise TypeError(f"recurrent_state must be float32, got {recurrent_state.dtype}")
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor,
+                recurrent_state: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H] -> [T, H]; reads and writes the state slots named in `batch` in place."""
+        self._check(hidden, batch, conv_state, recurrent_state)
+        T = hidden.shape[0]
+        qsl, read, write = batch.query_start_loc, batch.state_read_slots, batch.state_write_slots
+        mixed_qkv, z, b, a = self._project(hidden)
+        mixed_qkv = causal_conv1d(mixed_qkv, self.conv1d.weight.squeeze(1), conv_state, qsl, read, write)
+        q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(T, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
+        k = k.reshape(T, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(T, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
+        g, beta = gdn_gating(self.A_log, a, self.dt_bias, b)
+
+        # Pick the rule per sequence (host-side; the runner may later pass these lists precomputed).
+        starts = qsl.tolist()
+        writes = write.tolist()
+        chunked = [i for i in range(len(starts) - 1)
+                   if starts[i + 1] - starts[i] > self.RECURRENT_MAX_TOKENS
+                   and all(s < 0 for s in writes[starts[i]:starts[i + 1] - 1])]
+        core = torch.empty_like(v)  # [T, Hv, Dv]
+        if chunked:
+            # Gather the chunked sequences' start states before the recurrent rule writes any slot.
+            c_rows, c_qsl = self._rows(starts, chunked, hidden.device)
+            c_init = recurrent_state[read[chunked]]  # [N, Hv, Dk, Dv]
+        rec = sorted(set(range(len(starts) - 1)) - set(chunked))
+        if rec:
+            rows, sub_qsl = self._rows(starts, rec, hidden.device)
+            core[rows] = recurrent_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows],
+                                                    recurrent_state, sub_qsl, read[rec], write[rows])
+        if chunked:
+            core[c_rows], final = chunk_gated_delta_rule(q[c_rows], k[c_rows], v[c_rows], g[c_rows], beta[c_rows],
+                                                         c_qsl, c_init, self.CHUNK_SIZE)
+            last_slots = write[[starts[i + 1] - 1 for i in chunked]]  # [N]
+            keep = last_slots >= 0
+            recurrent_state[last_slots[keep]] = final[keep]
+        out = self.norm(core, z).reshape(T, self.value_dim)  # [T, Hv*Dv]
+        return self.out_proj(out)
+
+    @staticmethod
+    def _rows(starts: list[int], seqs: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token rows of the chosen sequences [T'] and their cumulative lengths [N'+1]."""
+        rows = [t for i in seqs for t in range(starts[i], starts[i + 1])]
+        lens = [starts[i + 1] - starts[i] for i in seqs]
+        cu = torch.tensor([0] + lens, device=device).cumsum(0)
+        return torch.tensor(rows, dtype=torch.long, device=device), cu
