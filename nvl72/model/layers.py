@@ -1,0 +1,154 @@
+"""Building blocks of the Qwen MoE decoders: RMSNorm, gated GQA attention over paged KV, decoder layer.
+
+Parameter names mirror the Hugging Face checkpoints (`self_attn.q_proj`, `mlp.gate`, ...) so the
+loader maps keys one to one; only routed experts differ (`mlp.w13` / `mlp.w2`, see `moe.MoE`).
+The layers contain no communication: a tensor-parallel change inserts explicit all-reduces after
+`o_proj` / the MLP and shrinks the head counts, with matching weight loaders.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moe import MoE, SharedExpert
+from nvl72.config import FULL_ATTENTION, ModelConfig
+from nvl72.model import ops
+from nvl72.model.batch import ForwardBatch, ModelCaches
+from nvl72.model.weights import expert_weight_loader
+
+
+@dataclass
+class ForwardContext:
+    """What every layer of one forward shares: the batch, its caches and precomputed indexing."""
+
+    batch: ForwardBatch
+    caches: ModelCaches
+    attn: ops.AttentionMetadata | None  # None when the model has no attention layer in this pass
+    cos: torch.Tensor | None  # [T, rotary_dim]
+    sin: torch.Tensor | None
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; `zero_centered` stores w around 0 and scales by (1 + w) (Qwen3-Next / Qwen3.5)."""
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool, dtype=None, device=None):
+        super().__init__()
+        self.eps, self.zero_centered = eps, zero_centered
+        init = torch.zeros if zero_centered else torch.ones
+        self.weight = nn.Parameter(init(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps, self.zero_centered)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """[rotary_dim / 2] fp32 inverse frequencies (transformers' default RoPE, computed on CPU)."""
+    dim = config.rotary_dim
+    return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+
+class Attention(nn.Module):
+    """GQA with per-head q/k RMSNorm and (hybrid families) a sigmoid output gate.
+
+    With the gate, `q_proj` emits per head [query (D) | gate (D)] interleaved head by head, as
+    transformers' `view(T, heads, 2D).chunk(2)` reads it."""
+
+    def __init__(self, config: ModelConfig, cache_idx: int, dtype=None, device=None):
+        super().__init__()
+        self.cache_idx = cache_idx
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.gated = config.attn_output_gate
+        self.scale = self.head_dim**-0.5
+        h, d = config.hidden_size, self.head_dim
+        kw = dict(bias=config.attention_bias, dtype=dtype, device=device)
+        self.q_proj = nn.Linear(h, self.num_heads * d * (2 if self.gated else 1), **kw)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, **kw)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, **kw)
+        self.o_proj = nn.Linear(self.num_heads * d, h, **kw)
+        zc = config.zero_centered_norm
+        self.q_norm = RMSNorm(d, config.rms_norm_eps, zc, dtype=dtype, device=device)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps, zc, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q = self.q_proj(x)
+        gate = None
+        if self.gated:
+            q, gate = q.view(t, self.num_heads, 2 * d).chunk(2, dim=-1)  # [T, Hq, D] each
+            gate = gate.reshape(t, self.num_heads * d)
+        else:
+            q = q.view(t, self.num_heads, d)
+        q = ops.apply_rope(self.q_norm(q), ctx.cos, ctx.sin)  # [T, Hq, D]
+        k = ops.apply_rope(self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, d)), ctx.cos, ctx.sin)
+        v = self.v_proj(x).view(t, self.num_kv_heads, d)  # [T, Hkv, D]
+        kv_cache = ctx.caches.kv[self.cache_idx]
+        ops.write_kv(kv_cache, k, v, ctx.attn.slot_mapping)
+        out = ops.paged_attention(q, kv_cache, ctx.attn, self.scale).reshape(t, self.num_heads * d)  # [T, Hq*D]
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+
+def make_mlp(config: ModelConfig, sparse: bool, ep_rank: int, ep_size: int, dtype=None, device=None) -> nn.Module:
+    """`moe.MoE` for sparse layers (routed experts carry the expert loader), else a dense SwiGLU MLP."""
+    if not sparse:
+        return SharedExpert(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
+    mlp = MoE(
+        config.hidden_size,
+        config.num_experts,
+        config.num_experts_per_tok,
+        config.moe_intermediate_size,
+        norm_topk_prob=config.norm_topk_prob,
+        shared_intermediate=config.shared_expert_intermediate_size,
+        ep_rank=ep_rank,
+        ep_size=ep_size,
+        dtype=dtype,
+        device=device,
+    )
+    for p in (mlp.w13, mlp.w2):
+        p.weight_loader = expert_weight_loader
+        p.expert_offset, p.num_experts = mlp.expert_offset, mlp.num_experts
+    return mlp
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: token mixer (full attention or Gated DeltaNet), then MLP/MoE.
+
+    `cache_idx` is this layer's index in `ModelCaches` (the MTP layers come after the decoder's)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        cache_idx: int,
+        layer_type: str,
+        sparse: bool,
+        ep_rank: int = 0,
+        ep_size: int = 1,
+        dtype=None,
+        device=None,
+    ):
+        super().__init__()
+        self.cache_idx, self.layer_type = cache_idx, layer_type
+        eps, zc = config.rms_norm_eps, config.zero_centered_norm
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, zc, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zc, dtype=dtype, device=device)
+        if layer_type == FULL_ATTENTION:
+            self.self_attn = Attention(config, cache_idx, dtype=dtype, device=device)
+        else:
+            from nvl72.model.gdn import GatedDeltaNet
+
+            self.linear_attn = GatedDeltaNet(config, cache_idx, dtype=dtype, device=device)
+        self.mlp = make_mlp(config, sparse, ep_rank, ep_size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.layer_type == FULL_ATTENTION:
+            h = self.self_attn(h, ctx)
+        else:
+            i = self.cache_idx
+            h = self.linear_attn(h, ctx.batch, ctx.caches.conv[i], ctx.caches.recurrent[i])
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))

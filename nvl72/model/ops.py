@@ -1,0 +1,110 @@
+"""Device ops of the attention path, as pure-torch references.
+
+Each function here is the semantics a GPU kernel must reproduce, with the signature that kernel
+will share (CPU runs these; tests compare kernels against them on random data). Numerics follow
+transformers: norms reduce in fp32, RoPE tables are built in fp32 then cast to the activation
+dtype, attention softmax runs in fp32.
+
+KV pages are HND: `kv_cache` [num_pages, 2, kv_heads, page_size, head_dim] (K then V), so one
+page of one head is a contiguous [page_size, head_dim] tile that KV transfer can slice by head.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nvl72.model.batch import ForwardBatch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    """RMSNorm over the last dim. x [..., D], weight [D] -> [..., D] in x.dtype.
+
+    Standard (Qwen3-MoE): `w * x_hat.to(dtype)`. Zero-centred (Qwen3-Next/3.5): `(x_hat * (1 + w)).to(dtype)`
+    with the product in fp32 (the two families round at different points; this keeps both exact)."""
+    xf = x.float()
+    x_hat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centered:
+        return (x_hat * (1.0 + weight.float())).to(x.dtype)
+    return weight * x_hat.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] int64, inv_freq [R/2] fp32 -> (cos, sin) [T, R] in `dtype` (halves repeated)."""
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, R/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, R]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style (rotate-half) RoPE on the first R dims of each head; the rest pass through.
+
+    x [T, heads, D], cos/sin [T, R] with R <= D -> [T, heads, D]."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2 :]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    out = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.cat((out, x_pass), dim=-1) if rot < x.shape[-1] else out
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-forward attention indexing, built once and shared by every attention layer."""
+
+    batch: ForwardBatch
+    page_size: int
+    slot_mapping: torch.Tensor  # [T] int64: page_id * page_size + offset of each new token
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, page_size: int) -> "AttentionMetadata":
+        qlens = batch.query_lens().long()  # [B]
+        seq_of_token = torch.repeat_interleave(torch.arange(batch.num_seqs, device=qlens.device), qlens)  # [T]
+        pos = batch.positions.long()
+        pages = batch.page_table.long()[seq_of_token, pos // page_size]  # [T]
+        if bool((pages < 0).any()):
+            bad = int(torch.nonzero(pages < 0)[0, 0])
+            raise ValueError(
+                f"token {bad} at position {int(pos[bad])} has no KV page (page_table entry -1) in its sequence"
+            )
+        return cls(batch=batch, page_size=page_size, slot_mapping=pages * page_size + pos % page_size)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V in their pages, in place.
+
+    kv_cache [P, 2, Hkv, page_size, D]; k, v [T, Hkv, D]; slot_mapping [T] (page * page_size + offset)."""
+    page_size = kv_cache.shape[3]
+    pages, offs = slot_mapping // page_size, slot_mapping % page_size
+    kv_cache[pages, 0, :, offs] = k.to(kv_cache.dtype)  # advanced dims first: [T, Hkv, D]
+    kv_cache[pages, 1, :, offs] = v.to(kv_cache.dtype)
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal GQA attention of each sequence's new tokens over its whole context in the pages.
+
+    q [T, Hq, D] -> [T, Hq, D]. A query at position p sees keys 0..p of its own sequence (cached
+    prefix and this step's tokens, which `write_kv` has already stored)."""
+    batch = meta.batch
+    ps = meta.page_size
+    num_kv_heads = kv_cache.shape[2]
+    groups = q.shape[1] // num_kv_heads
+    out = torch.empty_like(q)
+    qsl = batch.query_start_loc.tolist()
+    seq_lens = batch.seq_lens.tolist()
+    for i, n in enumerate(seq_lens):
+        s, e = qsl[i], qsl[i + 1]
+        if e == s:
+            continue
+        kv = kv_cache[batch.page_table[i, : (n + ps - 1) // ps].long()]  # [np, 2, Hkv, ps, D]
+        kv = kv.permute(1, 2, 0, 3, 4).flatten(2, 3)[:, :, :n]  # [2, Hkv, n, D]
+        k = kv[0].repeat_interleave(groups, dim=0)  # [Hq, n, D]
+        v = kv[1].repeat_interleave(groups, dim=0)
+        qi = q[s:e].transpose(0, 1)  # [Hq, L, D]
+        scores = torch.matmul(qi, k.transpose(1, 2)) * scale  # [Hq, L, n]
+        key_pos = torch.arange(n, device=q.device)
+        masked = key_pos[None, :] > batch.positions[s:e, None]  # [L, n]
+        scores = scores.masked_fill(masked[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[s:e] = torch.matmul(probs, v).transpose(0, 1)  # [L, Hq, D]
+    return out
