@@ -16,6 +16,7 @@ from moe import MoE, SharedExpert
 from nvl72.config import FULL_ATTENTION, ModelConfig
 from nvl72.model import ops
 from nvl72.model.batch import ForwardBatch, ModelCaches
+from nvl72.model.gdn import GatedDeltaNet
 from nvl72.model.weights import expert_weight_loader
 
 
@@ -138,8 +139,6 @@ class DecoderLayer(nn.Module):
         if layer_type == FULL_ATTENTION:
             self.self_attn = Attention(config, cache_idx, dtype=dtype, device=device)
         else:
-            from nvl72.model.gdn import GatedDeltaNet
-
             self.linear_attn = GatedDeltaNet(config, cache_idx, dtype=dtype, device=device)
         self.mlp = make_mlp(config, sparse, ep_rank, ep_size, dtype=dtype, device=device)
 

@@ -15,6 +15,7 @@ from nvl72.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from nvl72.model import ops
 from nvl72.model.batch import ForwardBatch, ModelCaches
 from nvl72.model.cache_spec import CacheSpec, KVLayerSpec, StateLayerSpec
+from nvl72.model.gdn import GatedDeltaNet
 from nvl72.model.layers import DecoderLayer, ForwardContext, RMSNorm, rope_inv_freq
 from nvl72.model.weights import attach_default_loaders
 
@@ -143,8 +144,6 @@ class QwenMoeForCausalLM(nn.Module):
         kv.update({cfg.num_hidden_layers + j: kv_spec for j in range(num_mtp)})
         state = {}
         if LINEAR_ATTENTION in cfg.layer_types:
-            from nvl72.model.gdn import GatedDeltaNet
-
             conv_shape, rec_shape = GatedDeltaNet.state_shapes(cfg)
             s = StateLayerSpec(tuple(conv_shape), self.dtype, tuple(rec_shape), torch.float32)
             state = {i: s for i, t in enumerate(cfg.layer_types) if t == LINEAR_ATTENTION}
