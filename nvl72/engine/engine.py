@@ -1,0 +1,273 @@
+"""`LLMEngine`: the step loop (schedule -> run -> postprocess), single-threaded and synchronous.
+
+The clients in `nvl72.engine.client` drive it from a background thread or a separate process.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from nvl72.cache.pool import RefPool
+from nvl72.cache.prefix import PrefixCache
+from nvl72.cache.tensors import num_pages_for_budget, zero_slots
+from nvl72.engine.protocol import AddRequest, RequestOutput, SamplingParams, TokenLogprob
+from nvl72.engine.runner import ModelRunner
+from nvl72.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from nvl72.engine.sequence import Sequence, Status
+from nvl72.engine.spec import DraftInput, Drafter
+
+log = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses (bad sampling value, prompt too long, duplicate id...)."""
+
+
+@dataclass
+class EngineConfig:
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    page_size: int = 16
+    num_pages: int | None = None  # None: from kv_cache_bytes
+    kv_cache_bytes: int | None = None  # None: 90% of free GPU memory, or enough for max_num_seqs full contexts on CPU
+    # GDN slots: per running sequence its state plus k + 1 transient rows; the rest serve as
+    # prefix-cache checkpoints. None: max_num_seqs * (k + 4).
+    num_state_slots: int | None = None
+    num_speculative_tokens: int = 0
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0  # seeds the generators of requests that sample without their own seed
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
+                               self.num_speculative_tokens, self.enable_chunked_prefill)
+
+
+class LLMEngine:
+    def __init__(self, model, config: EngineConfig, drafter: Drafter | None = None,
+                 eos_token_ids: list[int] | None = None):
+        self.model = model
+        self.config = config
+        self.device = next(model.parameters()).device if any(True for _ in model.parameters()) else torch.device("cpu")
+        spec = model.cache_spec()
+        self.hybrid = bool(spec.state)
+        k = config.num_speculative_tokens
+        if k and drafter is None:
+            raise ValueError(f"num_speculative_tokens={k} needs a drafter")
+        if drafter is not None and drafter.num_tokens != k:
+            raise ValueError(f"drafter proposes {drafter.num_tokens} tokens, config says num_speculative_tokens={k}")
+        num_pages = config.num_pages or self._default_num_pages(spec)
+        min_pages = math.ceil((config.max_model_len + k) / config.page_size)
+        if num_pages < min_pages:
+            raise ValueError(f"num_pages={num_pages} cannot hold one sequence of max_model_len={config.max_model_len} "
+                             f"(needs {min_pages} pages of {config.page_size})")
+        num_slots = 0
+        if self.hybrid:
+            num_slots = config.num_state_slots or config.max_num_seqs * (k + 4)
+            if num_slots < k + 3:
+                raise ValueError(f"num_state_slots={num_slots} < {k + 3} (one sequence with k={k} drafts needs that many)")
+        self.caches = spec.allocate(num_pages, config.page_size, num_slots, device=self.device)
+        self.pages = RefPool("kv pages", num_pages)
+        self.slots = RefPool("gdn slots", num_slots) if self.hybrid else None
+        self.prefix = PrefixCache(config.page_size, self.pages, self.slots, hybrid=self.hybrid,
+                                  enabled=config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler_config(), self.pages, config.page_size, self.prefix, self.slots,
+                                   zero_slot=lambda s: zero_slots(self.caches, [s]))
+        self.runner = ModelRunner(model, self.caches, config.page_size, self.hybrid, self.device)
+        self.drafter = drafter
+        if drafter is not None:
+            drafter.bind(model, self.caches, config.page_size, self.device)
+        self.eos_token_ids = set(eos_token_ids or [])
+        self.vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+        self.seqs: dict[str, Sequence] = {}
+        self._arrival = 0
+        self._rng = torch.Generator().manual_seed(config.seed)
+        self.counters = dict(generation_tokens=0, spec_decode_num_drafts=0,
+                             spec_decode_num_draft_tokens=0, spec_decode_num_accepted_tokens=0, num_steps=0)
+        log.info("engine: %d KV pages of %d tokens (%.1f MiB), %d GDN slots, spec k=%d, prefix cache %s, device %s",
+                 num_pages, config.page_size, num_pages * spec.kv_bytes_per_page(config.page_size) / 2**20,
+                 num_slots, k, "on" if config.enable_prefix_caching else "off", self.device)
+
+    def _default_num_pages(self, spec) -> int:
+        c = self.config
+        budget = c.kv_cache_bytes
+        if budget is None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            slot_bytes = spec.state_bytes_per_slot() * (c.num_state_slots or c.max_num_seqs * (c.num_speculative_tokens + 4))
+            budget = int(0.9 * free) - slot_bytes
+        if budget is None:
+            return c.max_num_seqs * math.ceil((c.max_model_len + c.num_speculative_tokens) / c.page_size)
+        return num_pages_for_budget(spec, c.page_size, budget)
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, req: AddRequest) -> None:
+        self._validate(req)
+        p = req.sampling
+        gen = None
+        if not p.greedy:
+            seed = p.seed if p.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+        seq = Sequence(req.request_id, list(req.prompt_token_ids), p, self._arrival, gen)
+        self._arrival += 1
+        self.seqs[req.request_id] = seq
+        self.scheduler.add(seq)
+
+    def _validate(self, req: AddRequest) -> None:
+        p: SamplingParams = req.sampling
+        rid = req.request_id
+        if rid in self.seqs:
+            raise InvalidRequest(f"duplicate request_id {rid!r}")
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise InvalidRequest(f"request {rid!r}: empty prompt")
+        if n >= self.config.max_model_len:
+            raise InvalidRequest(f"request {rid!r}: prompt of {n} tokens leaves no room in max_model_len="
+                                 f"{self.config.max_model_len}")
+        if self.vocab_size is not None:
+            bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequest(f"request {rid!r}: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        checks = [
+            ("max_tokens", p.max_tokens, p.max_tokens >= 1),
+            ("temperature", p.temperature, 0.0 <= p.temperature and math.isfinite(p.temperature)),
+            ("top_p", p.top_p, 0.0 < p.top_p <= 1.0),
+            ("top_k", p.top_k, p.top_k == -1 or p.top_k >= 1),
+            ("min_p", p.min_p, 0.0 <= p.min_p <= 1.0),
+            ("repetition_penalty", p.repetition_penalty, p.repetition_penalty > 0.0),
+            ("presence_penalty", p.presence_penalty, -2.0 <= p.presence_penalty <= 2.0),
+            ("frequency_penalty", p.frequency_penalty, -2.0 <= p.frequency_penalty <= 2.0),
+            ("logprobs", p.logprobs, p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS),
+        ]
+        for name, value, ok in checks:
+            if not ok:
+                raise InvalidRequest(f"request {rid!r}: {name}={value!r} is out of range")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a waiting or running request (between steps); None if it is unknown or done."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.remove(seq)
+        seq.finish_reason = "abort"
+        return self._output(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        try:
+            result = self.runner.run(out.scheduled)
+        except Exception as e:  # the model failed: fail this step's requests, keep the engine alive
+            log.exception("model step failed")
+            outputs = []
+            for s in out.scheduled:
+                self.scheduler.release_step(s)
+                self.seqs.pop(s.seq.request_id, None)
+                self.scheduler.remove(s.seq)
+                s.seq.finish_reason = "error"
+                o = self._output(s.seq)
+                o.error = f"{type(e).__name__}: {e}"
+                outputs.append(o)
+            return outputs
+        self.counters["num_steps"] += 1
+        tokens = result.sampled.token_ids if result.sampled else []
+        by_seq: dict[int, list[int]] = {}
+        for r, (i, _) in enumerate(result.sample_rows):
+            by_seq.setdefault(i, []).append(r)
+        outputs: list[RequestOutput] = []
+        accepted = [0] * len(out.scheduled)
+        want = [False] * len(out.scheduled)
+        for i, s in enumerate(out.scheduled):
+            seq = s.seq
+            if not s.samples:
+                self.scheduler.commit(s, s.num_new)
+                accepted[i] = s.num_new
+                continue
+            rows = by_seq[i]
+            sampled = [tokens[r] for r in rows]
+            a = 0
+            while a < len(s.drafts) and s.drafts[a] == sampled[a]:
+                a += 1
+            if s.drafts:
+                self.counters["spec_decode_num_drafts"] += 1
+                self.counters["spec_decode_num_draft_tokens"] += len(s.drafts)
+                self.counters["spec_decode_num_accepted_tokens"] += a
+            emitted = 0
+            for j in range(a + 1):
+                self._append(seq, sampled[j], result.sampled, rows[j])
+                emitted += 1
+                if seq.finish_reason is not None:
+                    break
+            self.counters["generation_tokens"] += emitted
+            accepted[i] = s.num_new - len(s.drafts) + emitted - 1
+            self.scheduler.commit(s, accepted[i])
+            if seq.finish_reason is not None:
+                self.seqs.pop(seq.request_id, None)
+                self.scheduler.remove(seq)
+            else:
+                want[i] = self.drafter is not None
+            outputs.append(self._output(seq))
+        if any(want):
+            drafts = self.drafter.propose(DraftInput(result, out.scheduled, accepted, want))
+            for s, w, d in zip(out.scheduled, want, drafts):
+                if w:
+                    s.seq.drafts = list(d)
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, sampled, row: int) -> None:
+        p = seq.params
+        seq.output_ids.append(token)
+        if p.logprobs is not None:
+            seq.pending_logprobs.append(TokenLogprob(token, sampled.logprobs[row], sampled.top_logprobs[row]))
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            seq.finish_reason = "stop"
+        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            seq.finish_reason = "length"
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        new = seq.output_ids[seq.num_sent:]
+        seq.num_sent = len(seq.output_ids)
+        lps = None
+        if seq.params.logprobs is not None:
+            lps, seq.pending_logprobs = seq.pending_logprobs, []
+        return RequestOutput(seq.request_id, new, seq.finish_reason, len(seq.prompt_ids), seq.num_cached_tokens, lps)
+
+    # ---------------------------------------------------------------- gauges
+    def stats(self) -> dict[str, float]:
+        c = self.counters
+        used = self.pages.num_used - self.prefix.num_evictable_pages()
+        drafts = c["spec_decode_num_drafts"]
+        return {
+            "running": float(len(self.scheduler.running)),
+            "waiting": float(len(self.scheduler.waiting)),
+            "kv_usage": used / self.pages.size,
+            "kv_pages_total": float(self.pages.size),
+            "kv_pages_used": float(self.pages.num_used),
+            "state_slots_used": float(self.slots.num_used) if self.slots else 0.0,
+            "prefix_cache_queries": float(self.scheduler.prefix_queries),
+            "prefix_cache_hits": float(self.scheduler.prefix_hits),
+            "num_preemptions": float(self.scheduler.num_preemptions),
+            "prompt_tokens": float(self.scheduler.prefix_queries),  # every prompt token, once
+            "generation_tokens": float(c["generation_tokens"]),
+            "spec_decode_num_drafts": float(drafts),
+            "spec_decode_num_draft_tokens": float(c["spec_decode_num_draft_tokens"]),
+            "spec_decode_num_accepted_tokens": float(c["spec_decode_num_accepted_tokens"]),
+            "spec_decode_acceptance_rate": c["spec_decode_num_accepted_tokens"] / max(c["spec_decode_num_draft_tokens"], 1),
+            "spec_decode_tokens_per_step": (c["spec_decode_num_accepted_tokens"] + drafts) / max(drafts, 1),
+        }
+
+    def shutdown(self) -> None:
+        """Abort everything and release the prefix tree (all pages and slots return to the pools)."""
+        for rid in list(self.seqs):
+            self.abort_request(rid)
+        self.prefix.clear()

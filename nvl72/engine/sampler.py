@@ -1,0 +1,114 @@
+"""Batched token sampler (torch): penalties, temperature, min-p, top-k, top-p, seeded sampling.
+
+Order of operations (each row its own parameters): raw logprobs are taken from the model's logits
+(as vLLM reports them); then repetition penalty (HF convention: divide positive logits, multiply
+negative ones, over prompt and output tokens), frequency/presence penalties (OpenAI convention,
+over output tokens); greedy rows take the argmax; the others are divided by their temperature,
+masked by min-p (relative to the top probability), top-k and top-p (smallest set whose mass
+reaches p, the top token always kept), and sampled with the row's own `torch.Generator` by the
+exponential race `argmax(p / q), q ~ Exp(1)` (one draw per row, so a seed reproduces a stream
+whatever the batch around it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nvl72.engine.protocol import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]  # tokens generated before this position (for penalties)
+    generator: torch.Generator | None = None  # required unless greedy
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None  # chosen tokens' logprobs (raw model distribution), None: none wanted
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Penalised copy of `logits` [N, V]."""
+    out = logits.clone()
+    vocab = logits.shape[1]
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(r.prompt_ids + r.output_ids, dtype=torch.long, device=logits.device)
+            mask = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            mask[seen] = True
+            row = out[i]
+            pen = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            out[i] = torch.where(mask, pen, row)
+        if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and r.output_ids:
+            counts = torch.bincount(torch.tensor(r.output_ids, dtype=torch.long, device=logits.device),
+                                    minlength=vocab)[:vocab].to(out.dtype)
+            out[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(out.dtype)
+    return out
+
+
+def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor) -> torch.Tensor:
+    """Temperature-scaled logits [N, V] with min-p, top-k (<=0: off) and top-p masks as -inf."""
+    x = logits / temperature[:, None]
+    probs = x.softmax(-1)
+    x = x.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
+    sorted_x, order = x.sort(-1, descending=True)
+    vocab = x.shape[1]
+    rank = torch.arange(vocab, device=x.device)[None, :]
+    k = torch.where(top_k > 0, top_k, vocab)
+    sorted_x = sorted_x.masked_fill(rank >= k[:, None], float("-inf"))
+    sp = sorted_x.softmax(-1)
+    before = sp.cumsum(-1) - sp  # mass strictly before each sorted token
+    sorted_x = sorted_x.masked_fill((before >= top_p[:, None]) & (rank > 0), float("-inf"))
+    return torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+        """Pick one token per row of `logits` [N, V] (fp32)."""
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"logits has {logits.shape[0]} rows for {len(rows)} sample rows")
+        logits = logits.float()
+        want_lp = [r.params.logprobs for r in rows]
+        raw_lp = logits.log_softmax(-1) if any(n is not None for n in want_lp) else None
+        x = apply_penalties(logits, rows) if any(_has_penalty(r.params) for r in rows) else logits
+        tokens = x.argmax(-1)
+        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if rand:
+            idx = torch.tensor(rand, device=x.device)
+            ps = [rows[i].params for i in rand]
+            dev = x.device
+            filt = filter_logits(
+                x[idx],
+                torch.tensor([p.temperature for p in ps], dtype=x.dtype, device=dev),
+                torch.tensor([p.top_k for p in ps], device=dev),
+                torch.tensor([p.top_p for p in ps], dtype=x.dtype, device=dev),
+                torch.tensor([p.min_p for p in ps], dtype=x.dtype, device=dev))
+            probs = filt.softmax(-1)
+            q = torch.empty_like(probs)
+            for j, i in enumerate(rand):
+                if rows[i].generator is None:
+                    raise ValueError(f"sample row {i} (temperature {rows[i].params.temperature}) has no generator")
+                q[j].exponential_(generator=rows[i].generator)
+            tokens[idx] = (probs / q).argmax(-1)
+        token_list = tokens.tolist()
+        if raw_lp is None:
+            return SampleResult(token_list, None, None)
+        chosen = raw_lp.gather(1, tokens[:, None])[:, 0].tolist()
+        top: list[list[tuple[int, float]]] = []
+        nmax = max((n or 0) for n in want_lp)
+        vals, ids = raw_lp.topk(min(nmax, raw_lp.shape[1]), -1) if nmax > 0 else (None, None)
+        for i, n in enumerate(want_lp):
+            top.append([] if not n else list(zip(ids[i, :n].tolist(), vals[i, :n].tolist())))
+        return SampleResult(token_list, chosen, top)
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0

@@ -1,0 +1,55 @@
+"""`Sequence`: all per-request state of the engine, in one place (nano-vllm's split)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from nvl72.engine.protocol import SamplingParams, TokenLogprob
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int  # admission order; preemption picks the youngest
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    # Tokens whose KV (and GDN state) are in the cache. While decoding this is len(all_ids) - 1:
+    # the last sampled token is fed in the next step.
+    num_computed: int = 0
+    pages: list[int] = field(default_factory=list)  # KV page ids, in order
+    state_slot: int = -1  # GDN slot holding the state after num_computed tokens (one reference)
+    num_cached_tokens: int = 0  # prefix-cache hit of the first admission (reported to the front)
+    drafts: list[int] = field(default_factory=list)  # speculative tokens to verify next step
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    # Bookkeeping for streaming: how many output tokens were already sent to the front.
+    num_sent: int = 0
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    admitted_once: bool = False
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while more than one known token lacks KV (prompt, or recompute after preemption).
+
+        A step feeds `all_ids[num_computed:]` (whole or in chunks); the step that reaches the end
+        samples. Decoding is the case of a single missing token (plus speculative drafts)."""
+        return self.num_computed < self.num_tokens - 1
