@@ -8,6 +8,12 @@ sums across ranks (all-reduce in prefill, combine in decode).
 
 The pieces (`route`, `run_experts`, `shared`) are public so that a dispatch/combine path can put
 communication between routing and the expert GEMMs.
+
+The compute runs on a backend from moe/backend.py, chosen once per layer from the weights' device
+(or `backend=` / $NVL72_MOE_BACKEND) and logged; `prepare()` converts the expert weights for it
+(FP8 on GPU) and must be called again if the weights are reloaded (the first call does it
+otherwise). On CUDA the shared expert runs on a second stream, overlapping the routed experts, and
+`sigmoid(x . w_gate) * shared(x)` is added inside the un-permute kernel.
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe import reference
+from moe import backend as backends
 
 
 class SharedExpert(nn.Module):
@@ -46,6 +52,7 @@ class MoE(nn.Module):
         ep_size: int = 1,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        backend: str | None = None,
     ):
         super().__init__()
         if num_experts % ep_size:
@@ -69,14 +76,46 @@ class MoE(nn.Module):
         else:
             self.shared_expert = None
             self.shared_expert_gate = None
+        self.backend_name = backend
+        self._backend: backends.ExpertBackend | None = None
+        self._weights: backends.ExpertWeights | None = None
+        self._side_stream = None
+
+    def prepare(self) -> "MoE":
+        """Choose the backend (once) and convert the expert weights for it; call after loading."""
+        if self._backend is None:
+            self._backend = backends.select(self.w13.device, self.backend_name)
+        with torch.no_grad():
+            self._weights = self._backend.prepare(self.w13, self.w2)
+        return self
+
+    def _ready(self) -> backends.ExpertBackend:
+        if self._weights is None:
+            self.prepare()
+        return self._backend
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64)."""
-        return reference.route(self.gate(x), self.top_k, self.norm_topk_prob)
+        return self._ready().route(self.gate(x), self.top_k, self.norm_topk_prob)
 
-    def run_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Weighted sum over this rank's experts for replicated tokens: [T, H] -> [T, H]."""
-        return reference.experts(x, topk_weights, topk_ids, self.w13, self.w2, self.expert_offset)
+    def run_experts(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
+        shared_ready: torch.cuda.Event | None = None,
+    ) -> torch.Tensor:
+        """Weighted sum over this rank's experts for replicated tokens: [T, H] -> [T, H].
+
+        shared [T, H] and shared_gate [T, 1] (the raw gate logit), when given, are added as
+        sigmoid(shared_gate) * shared in the same pass, after waiting on `shared_ready` (the
+        event of the stream that computed them)."""
+        if x.dim() != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"x.shape={tuple(x.shape)}: expected [T, {self.hidden}]")
+        backend = self._ready()
+        return backend.run(x, topk_weights, topk_ids, self._weights, self.expert_offset, shared, shared_gate, shared_ready)
 
     def shared(self, x: torch.Tensor) -> torch.Tensor | None:
         """sigmoid(x . w_gate) * shared_expert(x), or None when the model has no shared expert."""
@@ -84,11 +123,27 @@ class MoE(nn.Module):
             return None
         return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
+    def _shared_parts(self, x: torch.Tensor):
+        """(shared_expert(x), gate logit, ready event): on a side stream on CUDA (event set), inline
+        elsewhere (event None); all None when this rank adds no shared expert."""
+        if self.shared_expert is None or self.ep_rank != 0:
+            return None, None, None
+        if x.device.type != "cuda":
+            return self.shared_expert(x), self.shared_expert_gate(x), None
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=x.device)
+        main = torch.cuda.current_stream(x.device)
+        self._side_stream.wait_stream(main)
+        with torch.cuda.stream(self._side_stream):
+            s, g = self.shared_expert(x), self.shared_expert_gate(x)
+            ready = torch.cuda.Event()
+            ready.record()
+        x.record_stream(self._side_stream)
+        s.record_stream(main)
+        g.record_stream(main)
+        return s, g, ready
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, g, ready = self._shared_parts(x)
         topk_weights, topk_ids = self.route(x)
-        out = self.run_experts(x, topk_weights, topk_ids)
-        if self.ep_rank == 0:
-            s = self.shared(x)
-            if s is not None:
-                out = out + s
-        return out
+        return self.run_experts(x, topk_weights, topk_ids, s, g, ready)

@@ -41,3 +41,98 @@ def experts(
         y = h @ w2[e].t()  # [n, H]
         out.index_add_(0, tok, y * topk_weights[tok, slot, None].to(y.dtype))
     return out
+
+
+# ---- references of the fused-pipeline ops (moe.ops); every GPU kernel has the same signature
+
+ACT_BLOCK = 128  # activation scale block along K for the Hopper FP8 path (one wgmma K tile)
+
+
+def _quant_rows(v: torch.Tensor, rows_per_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """v [M, K] fp32 -> (q [M, K] e4m3, scale [M / rows_per_batch, K/128, rows_per_batch] fp32)."""
+    from moe import mxfp8
+
+    q, s = mxfp8.quantize(v, ACT_BLOCK)
+    scale = torch.exp2(mxfp8.e8m0_to_exp(s).float())  # [M, K/128]
+    return q, scale.view(-1, rows_per_batch, scale.shape[-1]).transpose(1, 2).contiguous()
+
+
+def gather_quant(
+    x: torch.Tensor, row_of: torch.Tensor, num_rows: int, rows_per_batch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scatter tokens into the grouped order, quantized (power-of-two scale per 1 x 128).
+
+    x [T, H]; row_of [T, k] (-1: not here) -> (q [num_rows, H] e4m3, scale [num_rows /
+    rows_per_batch, H/128, rows_per_batch] fp32: the GEMM's a_scale layout). Rows no pair maps to
+    are unspecified (zeros here; the kernel leaves them unwritten)."""
+    rows = torch.zeros(num_rows, x.shape[1], dtype=torch.float32, device=x.device)
+    valid = row_of >= 0
+    tok = torch.arange(x.shape[0], device=x.device)[:, None].expand_as(row_of)
+    rows[row_of[valid]] = x[tok[valid]].float()
+    return _quant_rows(rows, rows_per_batch)
+
+
+def silu_mul_quant(h: torch.Tensor, rows_per_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [M, 2I] (gate | up) -> quantized silu(gate) * up: (q [M, I] e4m3, scale as gather_quant)."""
+    inter = h.shape[-1] // 2
+    hf = h.float()
+    return _quant_rows(F.silu(hf[:, :inter]) * hf[:, inter:], rows_per_batch)
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    b_scale: torch.Tensor | None,
+    aux: torch.Tensor,
+    masked: bool,
+    tile_m: int = 128,
+) -> torch.Tensor:
+    """out = dequant(a) @ dequant(b[e])^T per expert, in fp32, stored in out's dtype.
+
+    contiguous (masked=False): a [M, K], out [M, N], aux = tile_expert [M / tile_m];
+    masked: a [E, cap, K], out [E, cap, N], aux = counts [E] (rows past counts[e] untouched).
+    b [E, N, K]; fp8 operands take a_scale [L, K/128, rows] and b_scale [E, N/128, K/128]."""
+    def deq_a(rows_a, l, lo, hi):
+        v = rows_a.float()
+        if a_scale is None:
+            return v
+        return v * a_scale[l, :, lo:hi].t().repeat_interleave(ACT_BLOCK, dim=1)
+
+    def deq_b(e):
+        v = b[e].float()
+        if b_scale is None:
+            return v
+        return v * b_scale[e].repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)
+
+    if masked:
+        for e in range(a.shape[0]):
+            n = int(aux[e])
+            if n:
+                out[e, :n] = (deq_a(a[e, :n], e, 0, n) @ deq_b(e).t()).to(out.dtype)
+    else:
+        for i, e in enumerate(aux.tolist()):
+            if e >= 0:
+                lo, hi = i * tile_m, (i + 1) * tile_m
+                out[lo:hi] = (deq_a(a[lo:hi], 0, lo, hi) @ deq_b(e).t()).to(out.dtype)
+    return out
+
+
+def unpermute(
+    y: torch.Tensor,
+    row_of: torch.Tensor,
+    topk_weights: torch.Tensor,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out[t] = sum_j w[t, j] * y[row_of[t, j]] (rows -1 skipped) [+ sigmoid(shared_gate[t]) * shared[t]].
+
+    y [M, H] (masked layouts flattened to [E * cap, H]); row_of, topk_weights [T, k];
+    shared [T, H], shared_gate [T, 1] -> out [T, H] in y's dtype (sums in fp32)."""
+    valid = row_of >= 0
+    g = y[row_of.clamp(min=0)].float() * (topk_weights.float() * valid)[..., None]  # [T, k, H]
+    out = g.sum(dim=1)
+    if shared is not None:
+        out = out + torch.sigmoid(shared_gate.float()) * shared.float()
+    return out.to(y.dtype)

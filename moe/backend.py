@@ -1,0 +1,240 @@
+"""Expert-compute backends for moe.MoE, chosen once by capability and logged.
+
+  reference        pure torch, the layer's dtype (bf16), a loop over experts     CPU default
+  mxfp8-emulated   the FP8 pipeline below, run through the torch references      CPU (tests)
+  sm90-fp8         Triton route/permute/quant + CuTeDSL wgmma grouped GEMMs      sm_90 + kernel module
+  torch-grouped    torch._grouped_mm (bf16) with torch permutation               other CUDA GPUs
+
+The FP8 pipeline (one pass per MoE layer):
+  permute (contiguous for prefill, masked [E, cap] for decode) -> gather + quantize x (1 x 128
+  power-of-two scales) -> grouped GEMM with w13 -> SiLU-and-mul + quantize -> grouped GEMM with w2
+  -> weighted un-permute, adding sigmoid(x . w_gate) * shared(x) in the same kernel.
+Weights are converted once (`prepare`): MXFP8 (1 x 32, E8M0) then regrouped exactly into 128 x 128
+power-of-two blocks for Hopper (moe.mxfp8). A backend that cannot run raises at selection time,
+never in the hot path.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+
+from moe import mxfp8, reference
+from moe.routing import permute_contiguous, permute_masked
+
+log = logging.getLogger("moe.backend")
+TILE_M = 128
+DECODE_MAX_TOKENS = 256  # at or below this many tokens the masked (no host sync) layout is used
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend cannot run here (wrong device, missing kernel module)."""
+
+
+@dataclass
+class ExpertWeights:
+    """Per-backend converted weights of one MoE layer (rank-local experts)."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+
+
+def load_sm90_module():
+    """The compiled CuTeDSL grouped-GEMM module: the carried AOT bundle, else a JIT compile."""
+    try:
+        import cutedsl_carry  # on PYTHONPATH after the carry folder's setup_device.sh
+
+        return cutedsl_carry.load("sm90_grouped_gemm")
+    except ImportError:
+        pass
+    try:
+        from moe.kernels import sm90_grouped_gemm
+    except ImportError as e:
+        raise BackendUnavailable(f"no AOT bundle and CuTeDSL is not importable: {e}") from e
+    return SimpleNamespace(**sm90_grouped_gemm.compile_for_export("sm_90a"))
+
+
+class Sm90Gemm:
+    """Torch-facing wrapper of the four CuTeDSL variants (views as the kernel module documents)."""
+
+    def __init__(self, module):
+        self.mod = module
+        self._one = {}
+
+    def _dummy(self, device):
+        if device not in self._one:
+            self._one[device] = torch.ones(1, 1, 1, dtype=torch.float32, device=device)
+        return self._one[device]
+
+    def __call__(self, a, b, out, a_scale, b_scale, aux, masked, tile_m=TILE_M):
+        fp8 = a.dtype == torch.float8_e4m3fn
+        if fp8:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        else:
+            a_scale = b_scale = self._dummy(a.device).permute(1, 0, 2)
+        if masked:
+            a3, c3, sa = a.permute(1, 2, 0), out.permute(1, 2, 0), a_scale.permute(2, 1, 0) if fp8 else a_scale
+        else:
+            m = a.shape[0]
+            a3, c3 = a.view(1, m, -1).permute(1, 2, 0), out.view(1, m, -1).permute(1, 2, 0)
+            sa = a_scale.permute(2, 1, 0) if fp8 else a_scale
+        sb = b_scale.permute(1, 2, 0) if fp8 else b_scale
+        name = f"grouped_gemm_{'fp8' if fp8 else 'bf16'}_{'masked' if masked else 'contig'}"
+        getattr(self.mod, name)(a3, b.permute(1, 2, 0), c3, sa, sb, aux.to(torch.int32))
+        return out
+
+
+class ExpertBackend:
+    """Base: `prepare` converts weights once, `run` computes this rank's expert contribution."""
+
+    name = "base"
+
+    def prepare(self, w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
+        return ExpertWeights(w13, w2)
+
+    def route(self, router_logits, top_k, renormalize):
+        return reference.route(router_logits, top_k, renormalize)
+
+    def run(self, x, topk_weights, topk_ids, weights: ExpertWeights, expert_offset: int, shared=None, shared_gate=None, shared_ready=None):
+        raise NotImplementedError
+
+
+class ReferenceBackend(ExpertBackend):
+    name = "reference"
+
+    def run(self, x, topk_weights, topk_ids, weights, expert_offset, shared=None, shared_gate=None, shared_ready=None):
+        out = reference.experts(x, topk_weights, topk_ids, weights.w13, weights.w2, expert_offset)
+        if shared is not None:
+            out = out + torch.sigmoid(shared_gate) * shared
+        return out
+
+
+class Fp8PipelineBackend(ExpertBackend):
+    """The FP8 pipeline over a set of ops (references or kernels) with identical signatures."""
+
+    def __init__(self, name: str, ops: SimpleNamespace):
+        self.name, self.ops = name, ops
+
+    def route(self, router_logits, top_k, renormalize):
+        return self.ops.route(router_logits, top_k, renormalize)
+
+    def prepare(self, w13, w2):
+        for nm, w in (("w13", w13), ("w2", w2)):
+            if w.shape[1] % 128 or w.shape[2] % 128:
+                raise ValueError(f"{nm}.shape={tuple(w.shape)}: the FP8 path needs N and K multiples of 128")
+        c13, c2 = mxfp8.quantize_experts(w13.detach()), mxfp8.quantize_experts(w2.detach())
+        return ExpertWeights(c13["q_sm90"], c2["q_sm90"], c13["scale_sm90"], c2["scale_sm90"])
+
+    def run(self, x, topk_weights, topk_ids, weights, expert_offset, shared=None, shared_gate=None, shared_ready=None):
+        ops = self.ops
+        num_local, two_i, hidden = weights.w13.shape
+        t = x.shape[0]
+        masked = t <= DECODE_MAX_TOKENS
+        if masked:
+            cap = -(-t // TILE_M) * TILE_M  # an expert gets at most T pairs: no overflow possible
+            perm = permute_masked(topk_ids, num_local, cap, expert_offset)
+            aux, rows_per_batch = perm.counts, cap
+        else:
+            perm = permute_contiguous(topk_ids, num_local, expert_offset, TILE_M)
+            aux, rows_per_batch = perm.tile_expert, max(perm.num_rows, 1)
+        a, sa = ops.gather_quant(x, perm.row_of, perm.num_rows, rows_per_batch)
+        shape = (num_local, cap) if masked else (perm.num_rows,)
+        h = torch.empty(*shape, two_i, dtype=x.dtype, device=x.device)
+        ops.grouped_gemm(a.view(*shape, hidden), weights.w13, h, sa, weights.w13_scale, aux, masked)
+        a2, sa2 = ops.silu_mul_quant(h.view(-1, two_i), rows_per_batch)
+        y = torch.empty(*shape, hidden, dtype=x.dtype, device=x.device)
+        ops.grouped_gemm(a2.view(*shape, two_i // 2), weights.w2, y, sa2, weights.w2_scale, aux, masked)
+        if shared_ready is not None:
+            torch.cuda.current_stream(x.device).wait_event(shared_ready)
+        return ops.unpermute(y.view(-1, hidden), perm.row_of, topk_weights, shared, shared_gate)
+
+
+class TorchGroupedBackend(ExpertBackend):
+    """bf16 through torch._grouped_mm: the path for CUDA GPUs without our kernels (e.g. sm_100 today)."""
+
+    name = "torch-grouped"
+
+    def run(self, x, topk_weights, topk_ids, weights, expert_offset, shared=None, shared_gate=None, shared_ready=None):
+        num_local, two_i, hidden = weights.w13.shape
+        perm = permute_contiguous(topk_ids, num_local, expert_offset, align=1)
+        ends = torch.cumsum(perm.counts, 0).to(torch.int32)
+        a = x[perm.token_of]  # [M, H]
+        h = torch._grouped_mm(a, weights.w13.transpose(1, 2), offs=ends)
+        h = torch.nn.functional.silu(h[:, : two_i // 2]) * h[:, two_i // 2 :]
+        y = torch._grouped_mm(h, weights.w2.transpose(1, 2), offs=ends)
+        if shared_ready is not None:
+            torch.cuda.current_stream(x.device).wait_event(shared_ready)
+        return reference.unpermute(y, perm.row_of, topk_weights, shared, shared_gate)
+
+
+def _reference_ops() -> SimpleNamespace:
+    return SimpleNamespace(
+        route=reference.route,
+        gather_quant=reference.gather_quant,
+        silu_mul_quant=reference.silu_mul_quant,
+        grouped_gemm=reference.grouped_gemm,
+        unpermute=reference.unpermute,
+    )
+
+
+def _sm90_ops() -> SimpleNamespace:
+    from moe.kernels import triton_moe
+
+    gemm = Sm90Gemm(load_sm90_module())
+    return SimpleNamespace(
+        route=triton_moe.route,
+        gather_quant=triton_moe.gather_quant,
+        silu_mul_quant=triton_moe.silu_mul_quant,
+        grouped_gemm=gemm,
+        unpermute=triton_moe.unpermute,
+    )
+
+
+def _need_cuda(major: int | None = None) -> None:
+    if not torch.cuda.is_available():
+        raise BackendUnavailable("needs a CUDA device")
+    cap = torch.cuda.get_device_capability()
+    if major is not None and cap[0] != major:
+        raise BackendUnavailable(f"needs sm_{major}x, device is sm_{cap[0]}{cap[1]}")
+
+
+def _make_sm90():
+    _need_cuda(9)
+    return Fp8PipelineBackend("sm90-fp8", _sm90_ops())
+
+
+def _make_torch_grouped():
+    _need_cuda()
+    return TorchGroupedBackend()
+
+
+REGISTRY: dict[str, Callable[[], ExpertBackend]] = {
+    "reference": ReferenceBackend,
+    "mxfp8-emulated": lambda: Fp8PipelineBackend("mxfp8-emulated", _reference_ops()),
+    "sm90-fp8": _make_sm90,
+    "torch-grouped": _make_torch_grouped,
+}
+_chosen: dict[str, ExpertBackend] = {}
+
+
+def select(device: torch.device | str | None, name: str | None = None) -> ExpertBackend:
+    """The backend for `device` (or the named one / $NVL72_MOE_BACKEND), built once and logged."""
+    name = name or os.environ.get("NVL72_MOE_BACKEND")
+    if name is not None and name not in REGISTRY:
+        raise ValueError(f"unknown MoE backend {name!r}; known: {sorted(REGISTRY)}")
+    if name is None:
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        if dev.type != "cuda":
+            name = "reference"
+        else:
+            name = "sm90-fp8" if torch.cuda.get_device_capability(dev)[0] == 9 else "torch-grouped"
+    if name not in _chosen:
+        _chosen[name] = REGISTRY[name]()
+        log.info("MoE expert backend: %s (device %s)", name, device)
+    return _chosen[name]

@@ -1,0 +1,312 @@
+"""Hopper (sm_90a) grouped GEMM for the MoE experts, in CuTeDSL: TMA loads, wgmma, TMA store.
+
+C[rows of expert e] = A[rows of expert e] @ B[e]^T, with B the expert weights as stored ([E, N, K],
+K-major: w13 [E, 2I, H] or w2 [E, H, I]). One CTA computes a 128 x 128 tile of C with two
+consumer warpgroups (64 rows each); warp 0 also issues the TMA loads of an `ab_stage`-deep
+shared-memory ring (the structure of CUTLASS's Hopper dense GEMM example, written for our layouts).
+
+Layouts (see moe/routing.py):
+  * contiguous: A [M, K] (each expert's rows padded to a multiple of 128), C [M, N];
+    `aux` = tile_expert [M / 128] int32 names the expert of each M tile (-1: skip the tile).
+  * masked: A [E, cap, K], C [E, cap, N]; `aux` = counts [E] int32; tiles at or past counts[e]
+    are skipped (their rows of C are left as they were).
+
+FP8 (e4m3) operands: Hopper's wgmma has no block scales, so the 1 x 32 MXFP8 scales are regrouped
+exactly into power-of-two scales per (row, 128-wide K block) for A and per (128 x 128 block) for B
+(moe.mxfp8.regroup_pow2; error documented there). Each 128-wide K tile is accumulated by wgmma
+into a temporary fp32 fragment, which is then added into the main accumulator times
+sa[row, k] * sb[n_block, k] ("promotion" once per K tile, as DeepGEMM does).
+  a_scale: [L, K/128, M] fp32 (contiguous: L = 1, masked: L = E, M = cap)
+  b_scale: [E, N/128, K/128] fp32
+BF16 operands take the same entry point with the scale arguments ignored (pass 1-element tensors).
+
+Torch view convention at call time (what `compile_for_export` compiles against): every operand is
+passed as a rank-3 view (rows, K or N, batch) = t.permute(1, 2, 0) of the [batch, rows, cols]
+tensor; FP8 tensors travel as torch.uint8 views and are re-typed inside the kernel.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+
+TILE_M, TILE_N = 128, 128
+SCALE_BLOCK = 128
+
+
+class GroupedGemmSm90:
+    """One compiled variant: (fp8 with block scales | bf16) x (contiguous | masked)."""
+
+    def __init__(self, fp8: bool, masked: bool):
+        self.fp8, self.masked = fp8, masked
+        self.acc_dtype = cutlass.Float32
+        self.ab_dtype = cutlass.Float8E4M3FN if fp8 else cutlass.BFloat16
+        self.c_dtype = cutlass.BFloat16
+        self.atom_layout_mnk = (2, 1, 1)  # two consumer warpgroups, 64 rows each
+        self.threads = 256
+        self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
+
+    def _setup(self):
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K,
+            self.acc_dtype,
+            self.atom_layout_mnk,
+            tiler_mn=(64, TILE_N),
+        )
+        inst_k = cute.size(self.tiled_mma.shape_mnk, mode=[2])
+        self.tile_mnk = (TILE_M, TILE_N, inst_k * 4)  # fp8: K tile 128 = one scale block
+        self.epi_tile = sm90_utils.compute_tile_shape_or_override(self.tile_mnk, self.c_dtype, is_cooperative=True)
+        stage_bytes = (TILE_M + TILE_N) * self.tile_mnk[2] * self.ab_dtype.width // 8
+        self.ab_stage = min(8, (self.smem_capacity - 2048) // stage_bytes)
+        self.epi_stage = 4
+        a_layout = utils.LayoutEnum.ROW_MAJOR  # K-major
+        self.a_smem_staged = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
+        self.b_smem_staged = sm90_utils.make_smem_layout_b(a_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
+        self.epi_smem_staged = sm90_utils.make_smem_layout_epi(
+            self.c_dtype, utils.LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_stage
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Tensor,  # (M, K, L)   uint8 (fp8 bits) or bf16
+        b: cute.Tensor,  # (N, K, E)
+        c: cute.Tensor,  # (M, N, L)   bf16
+        a_scale: cute.Tensor,  # (M, K/128, L) fp32
+        b_scale: cute.Tensor,  # (N/128, K/128, E) fp32
+        aux: cute.Tensor,  # tile_expert (M/128,) or counts (E,) int32
+        stream,
+    ):
+        self._setup()
+        if cutlass.const_expr(self.fp8):
+            a = cute.make_tensor(cute.recast_ptr(a.iterator, dtype=self.ab_dtype), a.layout)
+            b = cute.make_tensor(cute.recast_ptr(b.iterator, dtype=self.ab_dtype), b.layout)
+        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tma_a, tma_ta = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, a, cute.slice_(self.a_smem_staged, (None, None, 0)), (self.tile_mnk[0], self.tile_mnk[2])
+        )
+        tma_b, tma_tb = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, b, cute.slice_(self.b_smem_staged, (None, None, 0)), (self.tile_mnk[1], self.tile_mnk[2])
+        )
+        tma_c, tma_tc = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
+            c,
+            cute.slice_(self.epi_smem_staged, (None, None, 0)),
+            self.epi_tile,
+        )
+        grid = (
+            cute.ceil_div(cute.size(c, mode=[0]), TILE_M),
+            cute.ceil_div(cute.size(c, mode=[1]), TILE_N),
+            cute.size(c, mode=[2]),
+        )
+
+        @cute.struct
+        class SharedStorage:
+            bars: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            tma_a, tma_ta, tma_b, tma_tb, tma_c, tma_tc, a_scale, b_scale, aux, self.tiled_mma,
+            self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
+        ).launch(
+            grid=grid, block=[self.threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_c: cute.CopyAtom,
+        mC: cute.Tensor,
+        mSA: cute.Tensor,
+        mSB: cute.Tensor,
+        aux: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        a_smem_staged: cute.ComposedLayout,
+        b_smem_staged: cute.ComposedLayout,
+        epi_smem_staged: cute.ComposedLayout,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        pid_m, pid_n, pid_l = cute.arch.block_idx()
+
+        if cutlass.const_expr(self.masked):
+            expert = pid_l
+            active = pid_m * TILE_M < aux[pid_l]
+        else:
+            expert = aux[pid_m]
+            active = expert >= 0
+        if active:
+            if warp_idx == 0:
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+            a_smem = cute.slice_(a_smem_staged, (None, None, 0))
+            b_smem = cute.slice_(b_smem_staged, (None, None, 0))
+            tx_bytes = cute.size_in_bytes(self.ab_dtype, a_smem) + cute.size_in_bytes(self.ab_dtype, b_smem)
+
+            smem = cutlass.utils.SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+            ab_pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.bars.data_ptr(),
+                num_stages=self.ab_stage,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32),
+                tx_count=tx_bytes,
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                defer_sync=True,
+            )
+            pipeline.pipeline_init_arrive()
+            sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+            sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+            sC = cute.make_tensor(
+                cute.recast_ptr(sA.iterator, epi_smem_staged.inner, dtype=self.c_dtype),
+                epi_smem_staged.outer,
+            )
+
+            # (bM, bK, RestK), (bN, bK, RestK), (bM, bN)
+            gA = cute.local_tile(mA, self.tile_mnk, (pid_m, pid_n, None, pid_l), proj=(1, None, 1))
+            gB = cute.local_tile(mB, self.tile_mnk, (pid_m, pid_n, None, expert), proj=(None, 1, 1))
+            gC = cute.local_tile(mC, self.tile_mnk, (pid_m, pid_n, None, pid_l), proj=(1, 1, None))
+
+            wg = cute.arch.make_warp_uniform(tidx // 128)
+            thr_mma = tiled_mma.get_slice(cute.make_layout(2, stride=128)(wg))
+            tCgC = thr_mma.partition_C(gC)
+
+            one = cute.make_layout(1)
+            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                tma_a, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+            )
+            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                tma_b, 0, one, cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+            )
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            acc = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
+            acc.fill(0.0)
+            pipeline.pipeline_init_wait()
+
+            k_tiles = cute.size(gA, mode=[2])
+            prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+            if warp_idx == 0:
+                for _ in cutlass.range(cutlass.min(self.ab_stage, k_tiles), unroll=1):
+                    ab_pipe.producer_acquire(prod)
+                    bar = ab_pipe.producer_get_barrier(prod)
+                    cute.copy(tma_a, tAgA[(None, prod.count)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
+                    cute.copy(tma_b, tBgB[(None, prod.count)], tBsB[(None, prod.index)], tma_bar_ptr=bar)
+                    ab_pipe.producer_commit(prod)
+                    prod.advance()
+
+            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            num_kb = cute.size(tCrA, mode=[2])
+            if cutlass.const_expr(self.fp8):
+                part = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
+                tCcC = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+                m0 = pid_m * TILE_M
+            else:
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            for kt in cutlass.range(k_tiles, unroll=1):
+                ab_pipe.consumer_wait(cons)
+                cute.nvgpu.warpgroup.fence()
+                if cutlass.const_expr(self.fp8):
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                    for kb in cutlass.range(num_kb, unroll_full=True):
+                        coord = (None, None, kb, cons.index)
+                        cute.gemm(tiled_mma, part, tCrA[coord], tCrB[coord], part)
+                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                else:
+                    for kb in cutlass.range(num_kb, unroll_full=True):
+                        coord = (None, None, kb, cons.index)
+                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(0)
+                ab_pipe.consumer_release(cons)
+                cons.advance()
+                if cutlass.const_expr(self.fp8):
+                    sb = mSB[(pid_n * (TILE_N // SCALE_BLOCK), kt, expert)]
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        row = m0 + tCcC[i][0]
+                        acc[i] = acc[i] + part[i] * (mSA[(row, kt, pid_l)] * sb)
+                if warp_idx == 0 and prod.count < k_tiles:
+                    ab_pipe.producer_acquire(prod)
+                    bar = ab_pipe.producer_get_barrier(prod)
+                    cute.copy(tma_a, tAgA[(None, prod.count)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
+                    cute.copy(tma_b, tBgB[(None, prod.count)], tBsB[(None, prod.index)], tma_bar_ptr=bar)
+                    ab_pipe.producer_commit(prod)
+                    prod.advance()
+
+            # ---- epilogue: registers -> smem (reusing sA) -> TMA store, epi_tile at a time
+            cute.arch.sync_threads()
+            r2s_atom = sm90_utils.get_smem_store_op(utils.LayoutEnum.ROW_MAJOR, self.c_dtype, self.acc_dtype)
+            c_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.c_dtype)
+            tiled_r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(c_atom, tiled_mma))
+            thr_r2s = tiled_r2s.get_slice(tidx)
+            tRS_sC = thr_r2s.partition_D(sC)
+            tRS_acc = tiled_r2s.retile(acc)
+            rD_layout = cute.make_layout(cute.shape(thr_r2s.partition_S(sC))[:3])
+            rD = cute.make_rmem_tensor_like(rD_layout, self.acc_dtype)
+            n_rd = cute.size(rD)
+            gC_epi = cute.zipped_divide(gC, self.epi_tile)
+            bSG_s, bSG_g = cute.nvgpu.cpasync.tma_partition(tma_c, 0, one, cute.group_modes(sC, 0, 2), gC_epi)
+            epi_shape = gC_epi.shape[1]
+            epi_order = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+            c_pipe = pipeline.PipelineTmaStore.create(
+                num_stages=self.epi_stage,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads),
+            )
+            for e in cutlass.range_constexpr(cute.size(gC_epi, mode=[1])):
+                for v in cutlass.range_constexpr(n_rd):
+                    rD[v] = tRS_acc[e * n_rd + v]
+                rOut = cute.make_rmem_tensor_like(rD_layout, self.c_dtype)
+                rOut.store(rD.load().to(self.c_dtype))
+                buf = e % self.epi_stage
+                cute.copy(tiled_r2s, rOut, tRS_sC[(None, None, None, buf)])
+                cute.arch.fence_proxy("async.shared", space="cta")
+                pipeline.sync(barrier_id=1)
+                if warp_idx == 0:
+                    cute.copy(tma_c, bSG_s[(None, buf)], bSG_g[(None, epi_order.get_hier_coord(e))])
+                    c_pipe.producer_commit()
+                    c_pipe.producer_acquire()
+                pipeline.sync(barrier_id=1)
+            if warp_idx == 0:
+                c_pipe.producer_tail()
+
+
+def _fake_args(fp8: bool, masked: bool):
+    """Fake tensors (symbolic sizes) matching the torch views documented in the module docstring."""
+    from cutlass.cute.runtime import make_fake_compact_tensor
+    from cutlass.runtime import make_fake_stream
+
+    m, n, k, e, l, kb, nb, t = (cute.sym_int() for _ in range(8))
+    ab = cutlass.Uint8 if fp8 else cutlass.BFloat16
+    kmaj = (1, 0, 2)  # mode 1 (K or N) is the stride-1 mode, the batch mode is outermost
+    a = make_fake_compact_tensor(ab, (m, k, l), stride_order=kmaj, assumed_align=16)
+    b = make_fake_compact_tensor(ab, (n, k, e), stride_order=kmaj, assumed_align=16)
+    c = make_fake_compact_tensor(cutlass.BFloat16, (m, n, l), stride_order=kmaj, assumed_align=16)
+    sa = make_fake_compact_tensor(cutlass.Float32, (m, kb, l), stride_order=(0, 1, 2), assumed_align=4)
+    sb = make_fake_compact_tensor(cutlass.Float32, (nb, kb, e), stride_order=kmaj, assumed_align=4)
+    aux = make_fake_compact_tensor(cutlass.Int32, (t,), assumed_align=4)
+    return a, b, c, sa, sb, aux, make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def compile_for_export(arch: str = "sm_90a") -> dict:
+    """{export name: compiled fn} for the four variants (see the module docstring for arguments)."""
+    if not arch.startswith("sm_90"):
+        raise ValueError(f"arch={arch!r}: the wgmma grouped GEMM needs sm_90a")
+    out = {}
+    for fp8 in (True, False):
+        for masked in (False, True):
+            name = f"grouped_gemm_{'fp8' if fp8 else 'bf16'}_{'masked' if masked else 'contig'}"
+            out[name] = cute.compile(
+                GroupedGemmSm90(fp8, masked), *_fake_args(fp8, masked), options=f"--gpu-arch {arch} --enable-tvm-ffi"
+            )
+    return out

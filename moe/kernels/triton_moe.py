@@ -1,0 +1,160 @@
+"""Triton kernels for the MoE data path (routing, permute + quantize, SiLU-and-mul + quantize,
+weighted un-permute with the gated shared expert added in place).
+
+Each function has the signature of its reference in moe/reference.py. The power-of-two scale
+exponent is computed from the bits of the block's amax exactly as moe.mxfp8.scale_exponent does,
+so quantized values match the reference bit for bit (up to the fp32 rounding of SiLU's exp).
+Imported only where Triton and a CUDA device exist (the GPU backends in moe/backend.py).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_K = 128
+
+
+@triton.jit
+def _pow2_scale(amax):
+    """(2^s, 2^-s) for s = ceil(log2(amax / 448)) clamped to [-126, 126] (bit formula)."""
+    bits = amax.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    s = e - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    s = tl.where(amax > 0, s, -126)
+    s = tl.minimum(tl.maximum(s, -126), 126)
+    scale = ((s + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - s) << 23).to(tl.float32, bitcast=True)
+    return scale, inv
+
+
+@triton.jit
+def _quant_store(v, q_ptr, s_ptr, row, kb, cols, ncols, nkb, rows_per_batch):
+    """Quantize one [BLOCK_K] slice of a row; scale goes to [row // R, kb, row % R]."""
+    amax = tl.max(tl.abs(v), axis=0)
+    scale, inv = _pow2_scale(amax)
+    q = (v * inv).to(tl.float8e4nv)
+    tl.store(q_ptr + row.to(tl.int64) * ncols + cols, q, mask=cols < ncols)
+    batch = row // rows_per_batch
+    r = row % rows_per_batch
+    tl.store(s_ptr + (batch.to(tl.int64) * nkb + kb) * rows_per_batch + r, scale)
+
+
+@triton.jit
+def _gather_quant_kernel(x_ptr, row_ptr, q_ptr, s_ptr, H, nkb, rows_per_batch, K: tl.constexpr, BLOCK: tl.constexpr):
+    pair = tl.program_id(0)
+    kb = tl.program_id(1)
+    row = tl.load(row_ptr + pair)
+    if row >= 0:
+        tok = pair // K
+        cols = kb * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + tok.to(tl.int64) * H + cols, mask=cols < H, other=0.0)
+        _quant_store(v.to(tl.float32), q_ptr, s_ptr, row, kb, cols, H, nkb, rows_per_batch)
+
+
+@triton.jit
+def _silu_mul_quant_kernel(h_ptr, q_ptr, s_ptr, inter, nkb, rows_per_batch, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    kb = tl.program_id(1)
+    cols = kb * BLOCK + tl.arange(0, BLOCK)
+    base = h_ptr + row.to(tl.int64) * (2 * inter)
+    g = tl.load(base + cols, mask=cols < inter, other=0.0).to(tl.float32)
+    u = tl.load(base + inter + cols, mask=cols < inter, other=0.0).to(tl.float32)
+    v = g / (1.0 + tl.exp(-g)) * u
+    _quant_store(v, q_ptr, s_ptr, row, kb, cols, inter, nkb, rows_per_batch)
+
+
+@triton.jit
+def _unpermute_kernel(
+    y_ptr, row_ptr, w_ptr, out_ptr, sh_ptr, g_ptr, H, K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr
+):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(K):
+        r = tl.load(row_ptr + t * K + j)
+        w = tl.load(w_ptr + t * K + j)
+        v = tl.load(y_ptr + tl.maximum(r, 0).to(tl.int64) * H + cols, mask=m & (r >= 0), other=0.0)
+        acc += v.to(tl.float32) * w
+    if HAS_SHARED:
+        g = tl.load(g_ptr + t).to(tl.float32)
+        sv = tl.load(sh_ptr + t.to(tl.int64) * H + cols, mask=m, other=0.0).to(tl.float32)
+        acc += sv / (1.0 + tl.exp(-g))
+    tl.store(out_ptr + t.to(tl.int64) * H + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _topk_softmax_kernel(logit_ptr, w_ptr, id_ptr, E, K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    x = tl.load(logit_ptr + t.to(tl.int64) * E + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    total = 0.0
+    for j in tl.static_range(K):
+        best = tl.max(p, axis=0)
+        idx = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)  # lowest index among ties, as torch.topk
+        tl.store(w_ptr + t * K + j, best)
+        tl.store(id_ptr + t * K + j, idx.to(tl.int64))
+        total += best
+        p = tl.where(offs == idx, -1.0, p)
+    if RENORM:
+        for j in tl.static_range(K):
+            w = tl.load(w_ptr + t * K + j)
+            tl.store(w_ptr + t * K + j, w / total)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    t, e = router_logits.shape
+    w = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=router_logits.device)
+    if t:
+        _topk_softmax_kernel[(t,)](
+            router_logits.contiguous(), w, ids, e, K=top_k, RENORM=renormalize, BLOCK_E=triton.next_power_of_2(e)
+        )
+    return w, ids
+
+
+def gather_quant(x: torch.Tensor, row_of: torch.Tensor, num_rows: int, rows_per_batch: int):
+    (t, k), h = row_of.shape, x.shape[1]
+    nkb = triton.cdiv(h, BLOCK_K)
+    q = torch.empty(num_rows, h, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(num_rows // rows_per_batch, nkb, rows_per_batch, dtype=torch.float32, device=x.device)
+    if t:
+        _gather_quant_kernel[(t * k, nkb)](
+            x.contiguous(), row_of.contiguous(), q, s, h, nkb, rows_per_batch, K=k, BLOCK=BLOCK_K
+        )
+    return q, s
+
+
+def silu_mul_quant(h: torch.Tensor, rows_per_batch: int):
+    m, inter = h.shape[0], h.shape[1] // 2
+    nkb = triton.cdiv(inter, BLOCK_K)
+    q = torch.empty(m, inter, dtype=torch.float8_e4m3fn, device=h.device)
+    s = torch.empty(m // rows_per_batch, nkb, rows_per_batch, dtype=torch.float32, device=h.device)
+    if m:
+        _silu_mul_quant_kernel[(m, nkb)](h.contiguous(), q, s, inter, nkb, rows_per_batch, BLOCK=BLOCK_K)
+    return q, s
+
+
+def unpermute(y, row_of, topk_weights, shared=None, shared_gate=None):
+    t, k = row_of.shape
+    h = y.shape[-1]
+    out = torch.empty(t, h, dtype=y.dtype, device=y.device)
+    has_shared = shared is not None
+    if t:
+        block = 1024
+        _unpermute_kernel[(t, triton.cdiv(h, block))](
+            y.reshape(-1, h),
+            row_of.contiguous(),
+            topk_weights.float().contiguous(),
+            out,
+            shared.contiguous() if has_shared else out,
+            shared_gate.contiguous() if has_shared else out,
+            h,
+            K=k,
+            HAS_SHARED=has_shared,
+            BLOCK=block,
+        )
+    return out
