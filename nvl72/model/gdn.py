@@ -16,6 +16,10 @@ the recurrent rule. Both give the same result (tests/model/test_gdn_ops.py).
 """
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -24,6 +28,23 @@ from nvl72.model.gdn_ops import (causal_conv1d, chunk_gated_delta_rule, gated_rm
                                  recurrent_gated_delta_rule)
 
 _MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def decode_ops(device_type: str) -> tuple[Callable, Callable]:
+    """(causal_conv1d, recurrent_gated_delta_rule) for a device type, chosen once and logged: the
+    Triton kernels on CUDA when Triton imports, the torch references otherwise."""
+    if device_type == "cuda":
+        try:
+            from nvl72.model import gdn_triton
+        except ImportError as e:
+            log.warning("GDN on cuda without Triton (%s): conv and recurrent rule run the torch references", e)
+        else:
+            log.info("GDN on cuda: Triton conv and recurrent-rule kernels; chunked rule: torch reference")
+            return gdn_triton.causal_conv1d, gdn_triton.recurrent_gated_delta_rule
+    log.info("GDN on %s: torch reference ops", device_type)
+    return causal_conv1d, recurrent_gated_delta_rule
 
 
 class GatedRMSNorm(nn.Module):
@@ -137,8 +158,9 @@ class GatedDeltaNet(nn.Module):
         self._check(hidden, batch, conv_state, recurrent_state)
         T = hidden.shape[0]
         qsl, read, write = batch.query_start_loc, batch.state_read_slots, batch.state_write_slots
+        conv_fn, recurrent_fn = decode_ops(hidden.device.type)
         mixed_qkv, z, b, a = self._project(hidden)
-        mixed_qkv = causal_conv1d(mixed_qkv, self.conv1d.weight.squeeze(1), conv_state, qsl, read, write)
+        mixed_qkv = conv_fn(mixed_qkv, self.conv1d.weight.squeeze(1), conv_state, qsl, read, write)
         q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
         k = k.reshape(T, self.num_k_heads, self.head_k_dim)
@@ -151,17 +173,18 @@ class GatedDeltaNet(nn.Module):
         chunked = [i for i in range(len(starts) - 1)
                    if starts[i + 1] - starts[i] > self.RECURRENT_MAX_TOKENS
                    and all(s < 0 for s in writes[starts[i]:starts[i + 1] - 1])]
-        core = torch.empty_like(v)  # [T, Hv, Dv]
-        if chunked:
+        if not chunked:  # pure decode / verify: one call, no gather
+            core = recurrent_fn(q, k, v, g, beta, recurrent_state, qsl, read, write)  # [T, Hv, Dv]
+        else:
+            core = torch.empty_like(v)  # [T, Hv, Dv]
             # Gather the chunked sequences' start states before the recurrent rule writes any slot.
             c_rows, c_qsl = self._rows(starts, chunked, hidden.device)
             c_init = recurrent_state[read[chunked]]  # [N, Hv, Dk, Dv]
-        rec = sorted(set(range(len(starts) - 1)) - set(chunked))
-        if rec:
-            rows, sub_qsl = self._rows(starts, rec, hidden.device)
-            core[rows] = recurrent_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows],
-                                                    recurrent_state, sub_qsl, read[rec], write[rows])
-        if chunked:
+            rec = sorted(set(range(len(starts) - 1)) - set(chunked))
+            if rec:
+                rows, sub_qsl = self._rows(starts, rec, hidden.device)
+                core[rows] = recurrent_fn(q[rows], k[rows], v[rows], g[rows], beta[rows],
+                                          recurrent_state, sub_qsl, read[rec], write[rows])
             core[c_rows], final = chunk_gated_delta_rule(q[c_rows], k[c_rows], v[c_rows], g[c_rows], beta[c_rows],
                                                          c_qsl, c_init, self.CHUNK_SIZE)
             last_slots = write[[starts[i + 1] - 1 for i in chunked]]  # [N]
