@@ -1,0 +1,303 @@
+"""Executing a transfer plan between processes with torch.distributed point-to-point (gloo on CPU,
+NCCL on GPU), layer group by layer group, every wait bounded.
+
+Wire format, per (prefill rank, decode rank) pair and request `seq`:
+  header   int64 [MAGIC, seq, layer groups, elements to come, kv/conv/recurrent item sizes]
+  part     one flat buffer per (layer group, cache kind): for each layer of the group that has the
+           cache, for each plan copy of that pair and kind (plan order), the copied slice, flattened
+  token    int64 [seq, first token id], from prefill TP rank 0 to every decode rank, sent last
+Both sides derive the same parts from the plan and their caches' shapes, so nothing but raw tensors
+travels. Tags keep requests and parts apart on gloo; NCCL matches in posting order, which both sides
+share.
+
+The receiver's completion rule (DESIGN.md): a request may decode only once every part from every
+source and the first token have arrived (`TransferReceipt.complete`).
+"""
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from nvl72.disagg.plan import AXIS, KINDS, TransferPlan
+
+MAGIC = 0x6E766C3732  # "nvl72"
+MAX_GROUPS = 80
+Caches = dict[str, list[torch.Tensor | None]]  # kind -> per-layer cache tensor (None: layer has none)
+
+
+class TransferError(RuntimeError):
+    """A transfer whose two sides disagree (sequence, sizes, dtypes) or that is used before it completed."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """A part of a transfer did not arrive (or leave) within its timeout."""
+
+
+def layer_groups(num_layers: int, per_group: int) -> list[list[int]]:
+    """Consecutive layer groups: the unit in which prefill hands finished layers to the transport."""
+    if per_group <= 0:
+        raise ValueError(f"layers per group must be positive, got {per_group}")
+    return [list(range(i, min(i + per_group, num_layers))) for i in range(0, num_layers, per_group)]
+
+
+def _tag(seq: int, slot: int) -> int:
+    return (seq % 65536) * 256 + slot
+
+
+def _part_slot(group: int, kind: str) -> int:
+    return 2 + group * len(KINDS) + KINDS.index(kind)
+
+
+def _views(plan: TransferPlan, caches: Caches, group: Sequence[int], kind: str, src: int, dst: int,
+           side: str) -> list[torch.Tensor]:
+    """The slices of one part, in wire order (layers outer, copies inner)."""
+    copies = plan.between(src, dst, kind)
+    out = []
+    for layer in group:
+        per_layer = caches.get(kind)
+        t = per_layer[layer] if per_layer else None
+        if t is None:
+            continue
+        for c in copies:
+            idx, lo = (c.src_index, c.src_lo) if side == "src" else (c.dst_index, c.dst_lo)
+            out.append(t[idx].narrow(AXIS[kind] - 1, lo, c.length))
+    return out
+
+
+def _parts(plan: TransferPlan, caches: Caches, groups: Sequence[Sequence[int]], src: int, dst: int,
+           side: str) -> list[tuple[int, str, list[torch.Tensor]]]:
+    out = []
+    for g, group in enumerate(groups):
+        for kind in KINDS:
+            views = _views(plan, caches, group, kind, src, dst, side)
+            if views:
+                out.append((g, kind, views))
+    return out
+
+
+def _header(seq: int, groups: int, parts, device) -> torch.Tensor:
+    sizes = {k: 0 for k in KINDS}
+    for _, kind, views in parts:
+        sizes[kind] = views[0].element_size()
+    elems = sum(v.numel() for _, _, views in parts for v in views)
+    return torch.tensor([MAGIC, seq, groups, elems, sizes["kv"], sizes["conv"], sizes["recurrent"]],
+                        dtype=torch.int64, device=device)
+
+
+def _device(caches: Caches) -> torch.device:
+    for ts in caches.values():
+        for t in ts:
+            if t is not None:
+                return t.device
+    raise TransferError("caches hold no tensor")
+
+
+def _wait(work, deadline: float, what: str) -> None:
+    left = max(deadline - time.monotonic(), 0.001)
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=left))
+    except RuntimeError as e:
+        raise TransferTimeout(f"{what}: not completed within the transfer timeout ({e})") from e
+
+
+@dataclass
+class Sender:
+    """One prefill TP rank's side of one request's transfer.
+
+    Call `send_group(g)` as each layer group's caches are final (or `send_all`), then
+    `send_first_token`, then `wait`."""
+
+    seq: int
+    plan: TransferPlan
+    tp_rank: int
+    src_ranks: Sequence[int]  # global rank of each prefill TP rank
+    dst_ranks: Sequence[int]  # global rank of each decode TP rank
+    caches: Caches
+    groups: Sequence[Sequence[int]]
+    group: dist.ProcessGroup | None = None
+    _work: list = field(default_factory=list)
+    _parts: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if len(self.groups) > MAX_GROUPS:
+            raise TransferError(f"{len(self.groups)} layer groups exceed the transport's {MAX_GROUPS}")
+        dev = _device(self.caches)
+        for d, dst in enumerate(self.dst_ranks):
+            parts = _parts(self.plan, self.caches, self.groups, self.tp_rank, d, "src")
+            self._parts[d] = {(g, k): views for g, k, views in parts}
+            if parts:
+                self._isend(_header(self.seq, len(self.groups), parts, dev), dst, 0, f"header to rank {dst}")
+
+    def _isend(self, t: torch.Tensor, dst: int, slot: int, what: str) -> None:
+        self._work.append((dist.isend(t, dst, group=self.group, tag=_tag(self.seq, slot)), t, what))
+
+    def send_group(self, g: int) -> None:
+        for d, dst in enumerate(self.dst_ranks):
+            for kind in KINDS:
+                views = self._parts[d].get((g, kind))
+                if views:
+                    buf = torch.cat([v.reshape(-1) for v in views])
+                    self._isend(buf, dst, _part_slot(g, kind), f"request {self.seq} layer group {g} {kind} to rank {dst}")
+
+    def send_all(self) -> None:
+        for g in range(len(self.groups)):
+            self.send_group(g)
+
+    def send_first_token(self, token_id: int) -> None:
+        """Prefill TP rank 0 sends the first generated token after all its parts."""
+        if self.tp_rank != 0:
+            return
+        dev = _device(self.caches)
+        for dst in self.dst_ranks:
+            t = torch.tensor([self.seq, token_id], dtype=torch.int64, device=dev)
+            self._isend(t, dst, 1, f"request {self.seq} first token to rank {dst}")
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for work, _, what in self._work:
+            _wait(work, deadline, what)
+        self._work.clear()
+
+
+@dataclass
+class TransferReceipt:
+    """The receiver's completion rule: pages, states and the first token all arrived."""
+
+    seq: int
+    expected: set[tuple[int, int, str]]  # (prefill TP rank, layer group, kind)
+    arrived: set[tuple[int, int, str]] = field(default_factory=set)
+    first_token: int | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.arrived >= self.expected and self.first_token is not None
+
+    def missing(self) -> list[str]:
+        out = [f"rank {s} group {g} {k}" for s, g, k in sorted(self.expected - self.arrived)]
+        return out + ([] if self.first_token is not None else ["first token"])
+
+    def require_complete(self) -> int:
+        """The first token, once everything arrived; decode must not start before."""
+        if not self.complete:
+            raise TransferError(f"request {self.seq} is not complete: missing {', '.join(self.missing())}")
+        return self.first_token
+
+
+@dataclass
+class Receiver:
+    """One decode TP rank's side of one request's transfer: posts every receive at once, then
+    unpacks parts as they arrive (`poll`, non-blocking) or blocks until complete (`wait`); either way
+    all of it must arrive within `timeout` seconds of construction.
+
+    Gloo's receive work reports completion only through wait(), so on gloo one waiter thread per
+    request waits on the receives in order and hands finished buffers to the caller's thread, which
+    alone writes the caches."""
+
+    seq: int
+    plan: TransferPlan
+    tp_rank: int
+    src_ranks: Sequence[int]
+    dst_ranks: Sequence[int]
+    caches: Caches
+    groups: Sequence[Sequence[int]]
+    timeout: float
+    group: dist.ProcessGroup | None = None
+    receipt: TransferReceipt = field(init=False)
+    _pending: list = field(default_factory=list)
+
+    def __post_init__(self):
+        dev = _device(self.caches)
+        expected = set()
+        for s, src in enumerate(self.src_ranks):
+            parts = _parts(self.plan, self.caches, self.groups, s, self.tp_rank, "dst")
+            if not parts:
+                continue
+            want = _header(self.seq, len(self.groups), parts, dev)
+            self._irecv(torch.empty_like(want), src, 0, ("header", s, want))
+            for g, kind, views in parts:
+                expected.add((s, g, kind))
+                buf = torch.empty(sum(v.numel() for v in views), dtype=views[0].dtype, device=dev)
+                self._irecv(buf, src, _part_slot(g, kind), ("part", s, (g, kind, views)))
+        self._irecv(torch.empty(2, dtype=torch.int64, device=dev), self.src_ranks[0], 1, ("token", 0, None))
+        self.receipt = TransferReceipt(self.seq, expected)
+        self._deadline = time.monotonic() + self.timeout
+        self._arrived: queue.Queue = queue.Queue()
+        self._next = 0  # first pending receive not yet handed over (is_completed backends)
+        self._threaded = dist.get_backend(self.group) == "gloo"
+        if self._threaded:
+            threading.Thread(target=self._waiter, name=f"kv-recv-{self.seq}", daemon=True).start()
+
+    def _irecv(self, t: torch.Tensor, src: int, slot: int, what) -> None:
+        self._pending.append((dist.irecv(t, src, group=self.group, tag=_tag(self.seq, slot)), t, what))
+
+    def _waiter(self) -> None:
+        for work, buf, what in self._pending:
+            try:
+                _wait(work, self._deadline, f"request {self.seq}: {what[0]} from prefill rank {what[1]}")
+            except TransferTimeout as e:
+                self._arrived.put(e)
+                return
+            self._arrived.put((buf, what))
+
+    def _take(self, block: bool):
+        """The next arrived (buffer, what), None if nothing arrived yet (non-blocking)."""
+        if self._threaded:
+            try:
+                item = self._arrived.get(timeout=max(self._deadline - time.monotonic(), 0) + 1) if block \
+                    else self._arrived.get_nowait()
+            except queue.Empty:
+                if block:
+                    raise TransferTimeout(f"request {self.seq}: missing {', '.join(self.receipt.missing())}") from None
+                return None
+            if isinstance(item, TransferTimeout):
+                raise item
+            return item
+        work, buf, what = self._pending[self._next]
+        if block:
+            _wait(work, self._deadline, f"request {self.seq}: {what[0]} from prefill rank {what[1]}")
+        elif not work.is_completed():
+            if time.monotonic() > self._deadline:
+                raise TransferTimeout(f"request {self.seq}: missing {', '.join(self.receipt.missing())}")
+            return None
+        self._next += 1
+        return buf, what
+
+    def _finish(self, buf: torch.Tensor, what) -> None:
+        kind_of, s, info = what
+        if kind_of == "header":
+            if not torch.equal(buf, info):
+                raise TransferError(f"request {self.seq}: header from prefill rank {s} is {buf.tolist()}, this decode "
+                                    f"rank expects {info.tolist()} (seq, groups, elements, item sizes)")
+        elif kind_of == "part":
+            g, kind, views = info
+            off = 0
+            for v in views:
+                v.copy_(buf[off:off + v.numel()].view(v.shape))
+                off += v.numel()
+            self.receipt.arrived.add((s, g, kind))
+        else:
+            if int(buf[0]) != self.seq:
+                raise TransferError(f"first token for request {int(buf[0])} arrived on request {self.seq}'s channel")
+            self.receipt.first_token = int(buf[1])
+
+    def poll(self) -> bool:
+        """Unpack whatever arrived; True once the receipt is complete. Raises past the deadline."""
+        while not self.receipt.complete:
+            item = self._take(block=False)
+            if item is None:
+                break
+            self._finish(*item)
+        return self.receipt.complete
+
+    def wait(self) -> TransferReceipt:
+        """Block until complete (or raise TransferTimeout at the deadline)."""
+        while not self.receipt.complete:
+            self._finish(*self._take(block=True))
+        return self.receipt

@@ -1,0 +1,83 @@
+"""Worker of test_transport_mp: under `mpiexec -n 3`, ranks 0-1 are a TP2 prefill instance and rank 2 a
+TP1 decode rank; a request's KV pages and GDN states go over gloo and must arrive bit-exactly."""
+import sys
+import time
+
+import torch
+
+from nvl72.disagg.plan import CacheLayout, build_transfer_plan, shard
+from nvl72.disagg.transport import Receiver, Sender, TransferTimeout, layer_groups
+from nvl72.parallel import init_distributed
+from nvl72.topology import launch_env
+
+LAYOUT = CacheLayout(kv_heads=2, gdn_k_heads=2, gdn_v_heads=4, gdn_k_dim=6, gdn_v_dim=5)
+LAYERS, PAGES, SLOTS = 4, 6, 3  # layers 0 and 3: attention; 1, 2: GDN
+SRC_PAGES, DST_PAGES, SRC_SLOT, DST_SLOT = [4, 1, 2], [0, 5, 3], 2, 0
+TIMEOUT = 30.0
+
+
+def full_caches(gen):
+    kv = [torch.randn(PAGES, 2, 2, 4, 8, generator=gen).to(torch.bfloat16) if l in (0, 3) else None for l in range(LAYERS)]
+    conv_dim = 2 * 2 * 6 + 4 * 5
+    conv = [torch.randn(SLOTS, conv_dim, 3, generator=gen).to(torch.bfloat16) if l in (1, 2) else None for l in range(LAYERS)]
+    rec = [torch.randn(SLOTS, 4, 6, 5, generator=gen) if l in (1, 2) else None for l in range(LAYERS)]
+    return {"kv": kv, "conv": conv, "recurrent": rec}
+
+
+def sharded(full, tp, rank):
+    return {k: [None if t is None else shard(t, k, LAYOUT, tp, rank) for t in ts] for k, ts in full.items()}
+
+
+def main():
+    env = launch_env()
+    assert env.world_size == 3, env
+    init_distributed(env, "cpu", TIMEOUT)
+    full = full_caches(torch.Generator().manual_seed(7))  # the same on every rank: the reference
+    plan = build_transfer_plan(LAYOUT, 2, 1, SRC_PAGES, DST_PAGES, SRC_SLOT, DST_SLOT)
+    groups = layer_groups(LAYERS, 2)
+    src_ranks, dst_ranks = [0, 1], [2]
+    if env.rank < 2:
+        s = Sender(11, plan, env.rank, src_ranks, dst_ranks, sharded(full, 2, env.rank), groups)
+        s.send_group(0)
+        time.sleep(1.0)  # the second layer group is "still computing"
+        s.send_group(1)
+        s.send_first_token(4242)
+        s.wait(TIMEOUT)
+    else:
+        gen = torch.Generator().manual_seed(99)
+        mine = {k: [None if t is None else torch.randn(t.shape, generator=gen).to(t.dtype) for t in ts]
+                for k, ts in sharded(full, 1, 0).items()}
+        r = Receiver(11, plan, 0, src_ranks, dst_ranks, mine, groups, TIMEOUT)
+        assert not r.poll(), "complete before the last layer group and the first token were sent"
+        polls = 0
+        while not r.poll():  # raises TransferTimeout past TIMEOUT
+            polls += 1
+            time.sleep(0.01)
+        assert polls > 0
+        assert r.receipt.require_complete() == 4242
+        want = sharded(full, 1, 0)
+        for l in (0, 3):
+            for sp, dp in zip(SRC_PAGES, DST_PAGES):
+                assert torch.equal(mine["kv"][l][dp], want["kv"][l][sp]), (l, sp, dp)
+        for kind in ("conv", "recurrent"):
+            for l in (1, 2):
+                assert torch.equal(mine[kind][l][DST_SLOT], want[kind][l][SRC_SLOT]), (kind, l)
+        print("TRANSFER_OK", flush=True)
+    # A request nobody sends must time out within its bound (this closes the gloo pairs, so it comes last
+    # and the ranks meet again over MPI).
+    from mpi4py import MPI
+
+    if env.rank == 2:
+        t0 = time.monotonic()
+        r = Receiver(12, plan, 0, src_ranks, dst_ranks, sharded(full, 1, 0), groups, timeout=1.0)
+        try:
+            r.wait()
+            raise SystemExit("a request nobody sent completed")
+        except TransferTimeout as e:
+            print(f"TIMEOUT_OK {time.monotonic() - t0:.1f}s {str(e)[:80]}", flush=True)
+    MPI.COMM_WORLD.Barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
