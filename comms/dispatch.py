@@ -16,7 +16,7 @@ The semantics, fixed here and matched bit for bit by the fused kernels (`comms.d
 * received rows are ordered by (source rank, source token); a local expert's packed entries are
   its received rows in that order; in the ``masked`` layout entry p of local expert e is row
   ``e * cap + p`` of ``recv.x`` ([E_local, cap, H]); in the ``contiguous`` layout it is row
-  ``offsets[e] + p`` of ``recv.x`` ([E_local * cap, H], offsets = exclusive cumsum of counts);
+  ``offsets[e] + p`` of ``recv.x`` ([rows, H], offsets = exclusive cumsum of counts);
 * combine: ``partial[row] = sum_{j local, ascending} w_j * y_j`` in fp32 (mul then add, no FMA),
   rounded to the payload dtype; ``out[t] = sum_{rank ascending, t sent there} partial`` in fp32,
   rounded to the input dtype.
@@ -57,8 +57,9 @@ class CapacityError(DispatchError):
 class DispatchRecv:
     """What `dispatch` hands to the expert GEMMs.
 
-    x        [E_local, cap, H] (masked) or [E_local * cap, H] (contiguous): packed expert inputs;
-             rows past a local expert's count hold stale data.
+    x        [E_local, cap, H] (masked) or [rows, H] (contiguous; rows = min(E_local * cap,
+             received tokens * min(top_k, E_local))): packed expert inputs; rows past a local
+             expert's count hold stale data.
     counts   [E_local] int32: entries per local expert.
     offsets  [E_local + 1] int32: first row of each expert in the flattened rows (masked: e * cap;
              contiguous: exclusive cumsum of counts).
@@ -197,6 +198,10 @@ class DispatchCombine:
         self.cap = rows_in if expert_capacity is None else int(expert_capacity)
         if not 1 <= self.cap:
             raise ValueError(f"expert_capacity={expert_capacity} must be positive")
+        # packed rows: masked E_local * cap; contiguous at most one row per (received token, local slot)
+        self.packed_rows = self.num_local * self.cap
+        if layout == "contiguous":
+            self.packed_rows = min(self.packed_rows, rows_in * min(top_k, self.num_local))
         self._all_reduce = all_reduce
         self._fused = None
         device = getattr(heap_or_group, "device", None)
@@ -207,6 +212,13 @@ class DispatchCombine:
         log.info("DispatchCombine: mode=%s layout=%s backend=%s world=%d experts=%d top_k=%d hidden=%d "
                  "max_tokens=%d cap=%d", mode, layout, "fused-cutedsl" if self._fused else "torch.distributed",
                  self.world, num_experts, top_k, hidden, max_tokens_per_rank, self.cap)
+
+    @staticmethod
+    def heap_size_hint(world: int, num_experts: int, top_k: int, hidden: int, max_tokens_per_rank: int) -> int:
+        """Bytes of symmetric heap the fused dp_ep path allocates (size the heap with this)."""
+        from comms.dispatch_fused import heap_bytes
+
+        return heap_bytes(world, num_experts, top_k, hidden, max_tokens_per_rank)
 
     # ------------------------------------------------------------------ public
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
@@ -243,7 +255,7 @@ class DispatchCombine:
 
     # ------------------------------------------------------------------ reference: dp_ep
     def _alloc_recv(self, device) -> tuple[torch.Tensor, int]:
-        rows = self.num_local * self.cap
+        rows = self.packed_rows
         if self.layout == "masked":
             x = torch.empty(self.num_local, self.cap, self.hidden, dtype=self.dtype, device=device)
         else:

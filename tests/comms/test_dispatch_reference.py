@@ -16,39 +16,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from comms.dispatch import CapacityError, DispatchCombine, pack_entries, token_rank_mask
+from tests.comms.test_dispatch_inputs import CASES, HIDDEN, TOPK, routing, tagged_tokens
 
-HIDDEN, TOPK, TIMEOUT_S = 32, 4, 60
-
-
-def _tagged_tokens(rank: int, T: int, gen: torch.Generator) -> torch.Tensor:
-    """[T, H] bf16 random rows whose channels 0/1 hold the source rank and token index (exact in bf16)."""
-    x = torch.randn(T, HIDDEN, generator=gen).to(torch.bfloat16)
-    x[:, 0] = rank
-    x[:, 1] = torch.arange(T, dtype=torch.float32)
-    return x
-
-
-def _routing(case: str, rank: int, world: int, T: int, E: int, gen: torch.Generator):
-    """[T, k] distinct expert ids and positive weights for one named routing pattern."""
-    per_rank = E // world
-    if T == 0:
-        return torch.empty(0, TOPK, dtype=torch.long), torch.empty(0, TOPK)
-    if case == "random":
-        ids = torch.stack([torch.randperm(E, generator=gen)[:TOPK] for _ in range(T)])
-    elif case == "empty_experts":  # only experts 0, 2, 4, ... of each rank's first half get tokens
-        pool = torch.tensor([r * per_rank + e for r in range(world) for e in range(0, per_rank // 2, 2)])
-        ids = torch.stack([pool[torch.randperm(pool.numel(), generator=gen)[:TOPK]] for _ in range(T)])
-    elif case == "one_rank":  # every token's experts all on rank 1
-        ids = torch.stack([per_rank + torch.randperm(per_rank, generator=gen)[:TOPK] for _ in range(T)])
-    elif case == "same_rank_slots":  # slots 0..k-2 on the next rank, slot k-1 on this one
-        dst = (rank + 1) % world
-        ids = torch.stack([torch.cat([dst * per_rank + torch.randperm(per_rank, generator=gen)[:TOPK - 1],
-                                      torch.tensor([rank * per_rank + int(torch.randint(per_rank, (1,), generator=gen))])])
-                           for _ in range(T)])
-    else:
-        raise ValueError(case)
-    w = torch.rand(T, TOPK, generator=gen) + 0.1
-    return ids.long(), w / w.sum(1, keepdim=True)
+TIMEOUT_S = 60
 
 
 def _expected(x, ids, w, per_rank, world):
@@ -67,8 +37,8 @@ def _check_dp_ep(rank, world, E, T, case, layout, gen):
     per_rank = E // world
     ep = DispatchCombine(dist.group.WORLD, E, TOPK, HIDDEN, max_tokens_per_rank=16,
                          mode="dp_ep", layout=layout)
-    x = _tagged_tokens(rank, T, gen)
-    ids, w = _routing(case, rank, world, T, E, gen)
+    x = tagged_tokens(rank, T, gen)
+    ids, w = routing(case, rank, world, T, E, gen)
     recv, handle = ep.dispatch(x, ids, w)
     # every packed row came from the rank/token its tag says and holds that token's routed expert
     all_x = [torch.empty(16, HIDDEN, dtype=torch.bfloat16) for _ in range(world)]
@@ -105,8 +75,8 @@ def _check_dp_ep(rank, world, E, T, case, layout, gen):
 
 def _check_replicated(rank, world, E, T, gen):
     gen.manual_seed(1234)  # same inputs on every rank
-    x = _tagged_tokens(0, T, gen)
-    ids, w = _routing("random", 0, world, T, E, gen)
+    x = tagged_tokens(0, T, gen)
+    ids, w = routing("random", 0, world, T, E, gen)
     ep = DispatchCombine(dist.group.WORLD, E, TOPK, HIDDEN, max_tokens_per_rank=16, mode="replicated")
     recv, handle = ep.dispatch(x, ids, w)
     per_rank = E // world
@@ -127,7 +97,7 @@ def _worker(rank, world, path):
         gen = torch.Generator().manual_seed(100 + rank)
         E = 8 * world
         for layout in ("masked", "contiguous"):
-            for case in ("random", "empty_experts", "one_rank", "same_rank_slots"):
+            for case in CASES:
                 for T in (1, 13):
                     _check_dp_ep(rank, world, E, T, case, layout, gen)
         _check_dp_ep(rank, world, E, 0, "random", "masked", gen)  # a rank with no tokens

@@ -1,0 +1,165 @@
+"""The fused DP-EP dispatch/combine path: host side of `comms.kernels.dispatch` on a CUDA heap.
+
+`DispatchCombine` builds a `FusedDispatch` when it is given a `comms.SymmetricHeap` on a CUDA
+device in ``dp_ep`` mode. Everything is allocated here, once: heap regions (sized for
+`max_tokens_per_rank`), the packed expert inputs and their metadata, and a pinned error word.
+`dispatch` and `combine` launch one kernel each on the current stream with no host sync, so both
+can be captured in a CUDA graph; results live in the pre-allocated buffers and stay valid until
+the next `dispatch`. Errors (a peer past `timeout_s`, expert capacity overflow) are recorded by
+the kernels in the error word; `check()` synchronises and raises them.
+
+Kernels come from the ahead-of-time bundle when the process has one (`cutedsl_carry`, the carry
+folder of /work/shared/gpu/README.md), else they are compiled here with CuTeDSL for this GPU.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from comms.dispatch import CapacityError, DispatchError, DispatchRecv, DispatchTimeoutError
+
+log = logging.getLogger(__name__)
+
+# mirrors of comms.kernels.dispatch (that module imports CuTeDSL, absent on bundle-only hosts)
+CHUNK_BYTES = 2048
+MAX_WORLD, MAX_LOCAL, MAX_PAIRS = 128, 512, 1024
+TOPK_VARIANTS = (1, 2, 4, 6, 8, 10)
+_ERR_KINDS = {1: "dispatch wait", 2: "combine wait", 3: "capacity"}
+
+
+@dataclass
+class FusedHandle:
+    """What `combine` needs from the fused `dispatch`: the token count and this rank's routing
+    (int32 [T, K]; the kernels keep the rest in the heap and in `row_pos`)."""
+
+    num_tokens: int
+    topk_ids: torch.Tensor
+
+
+def heap_bytes(world: int, num_experts: int, top_k: int, hidden: int, max_tokens: int) -> int:
+    """Symmetric-heap bytes one fused DispatchCombine takes (with 256-byte region alignment)."""
+    rows, L = world * max_tokens, num_experts // world
+    sizes = (rows * hidden * 2, rows * top_k * 4, rows * top_k * 4, rows * top_k * 4, rows * 4, world * 4,
+             world * L * 4, world * 4, rows * hidden * 2, world * 4, 16)
+    return sum(-(-s // 256) * 256 for s in sizes)
+
+
+def load_kernels(top_k: int):
+    """The tvm-ffi module (or a dict) holding dispatch_k{top_k} / combine_k{top_k}."""
+    try:
+        import cutedsl_carry  # the ahead-of-time carry folder, on hosts without CuTeDSL
+    except ImportError:
+        from comms.kernels import dispatch as kernels
+
+        major, minor = torch.cuda.get_device_capability()
+        arch = f"sm_{major}{minor}a"
+        log.info("dispatch kernels: compiling top_k=%d for %s with CuTeDSL", top_k, arch)
+        return kernels.compile_for_export(arch, topks=(top_k,))
+    log.info("dispatch kernels: loading the ahead-of-time bundle (dispatch.so)")
+    return cutedsl_carry.load("dispatch")
+
+
+def _fn(mod, name):
+    return mod[name] if isinstance(mod, dict) else getattr(mod, name)
+
+
+class FusedDispatch:
+    def __init__(self, heap, cfg, timeout_s: float, nblocks: int | None = None):
+        R, M, K, H, L = cfg.world, cfg.max_tokens, cfg.top_k, cfg.hidden, cfg.num_local
+        if cfg.dtype != torch.bfloat16:
+            raise ValueError(f"dtype={cfg.dtype}: the fused kernels move bf16")
+        if H % (CHUNK_BYTES // 2):
+            raise ValueError(f"hidden={H} must be a multiple of {CHUNK_BYTES // 2} for the fused kernels")
+        if K not in TOPK_VARIANTS:
+            raise ValueError(f"top_k={K} has no compiled kernel (compiled: {TOPK_VARIANTS})")
+        if R > MAX_WORLD or L > MAX_LOCAL or R * L > MAX_PAIRS:
+            raise ValueError(f"world={R}, local experts={L} exceed the kernel tables "
+                             f"(<= {MAX_WORLD} ranks, {MAX_LOCAL} local experts, {MAX_PAIRS} pairs)")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s} must be positive")
+        self.cfg, self.heap, self.device = cfg, heap, torch.device(heap.device)
+        self.timeout_ns = int(timeout_s * 1e9)
+        rows = R * M
+        self.off = {name: heap.alloc(nbytes, align=256) for name, nbytes in (
+            ("rx", rows * H * 2), ("rid", rows * K * 4), ("rw", rows * K * 4), ("rslot", rows * K * 4),
+            ("rstamp", rows * 4), ("rntok", R * 4), ("recnt", R * L * 4), ("dcnt", R * 4),
+            ("cx", rows * H * 2), ("ccnt", R * 4), ("state", 16))}
+        heap.barrier()
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        n = torch.tensor([nblocks or sms], dtype=torch.int64, device=self.device)
+        dist.all_reduce(n, op=dist.ReduceOp.MIN, group=heap.group)  # every rank counts the same arrivals
+        self.nblocks = int(n)
+        if self.nblocks > sms:
+            raise ValueError(f"nblocks={self.nblocks} exceeds the {sms} SMs: blocks must be co-resident")
+        nrows = cfg.packed_rows
+        kw = dict(device=self.device)
+        self.out_x = torch.empty(nrows, H, dtype=torch.bfloat16, **kw)
+        self.counts = torch.zeros(L, dtype=torch.int32, **kw)
+        self.offsets = torch.zeros(L + 1, dtype=torch.int32, **kw)
+        self.o_rank = torch.full((nrows,), -1, dtype=torch.int32, **kw)
+        self.o_tok = torch.full((nrows,), -1, dtype=torch.int32, **kw)
+        self.o_w = torch.zeros(nrows, dtype=torch.float32, **kw)
+        self.row_pos = torch.zeros(rows * K, dtype=torch.int32, **kw)
+        self.err = torch.zeros(1, dtype=torch.int32).pin_memory()  # written by the kernels (UVA)
+        self.recv_x = self.out_x.view(L, cfg.cap, H) if cfg.layout == "masked" else self.out_x
+        mod = load_kernels(K)
+        self._dispatch = _fn(mod, f"dispatch_k{K}")
+        self._combine = _fn(mod, f"combine_k{K}")
+        o = self.off
+        self._dargs = (heap.peer_ptrs, cfg.rank, R, L, M, cfg.cap, int(cfg.layout == "contiguous"), o["rx"],
+                       o["rid"], o["rw"], o["rslot"], o["rstamp"], o["rntok"], o["recnt"], o["dcnt"], o["state"],
+                       self.err.data_ptr(), self.timeout_ns, self.nblocks)
+        self._cargs = (heap.peer_ptrs, cfg.rank, R, L, M, o["rid"], o["rw"], o["rstamp"], o["rntok"], o["cx"],
+                       o["ccnt"], o["state"], self.err.data_ptr(), self.timeout_ns, self.nblocks)
+        log.info("fused dispatch: %d blocks, heap used %.1f MiB, packed rows %d", self.nblocks,
+                 heap.used / 2**20, nrows)
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        cfg = self.cfg
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != cfg.hidden or not x.is_contiguous():
+            raise ValueError(f"x must be a contiguous bf16 [T, {cfg.hidden}] tensor, got {x.dtype} {tuple(x.shape)}")
+        if x.shape[0] > cfg.max_tokens:
+            raise ValueError(f"x has {x.shape[0]} tokens, more than max_tokens_per_rank={cfg.max_tokens}")
+        if tuple(topk_ids.shape) != (x.shape[0], cfg.top_k) or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+            raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} "
+                             f"must be [{x.shape[0]}, top_k={cfg.top_k}]")
+        ids = topk_ids.to(torch.int32).contiguous()
+        w = topk_weights.to(torch.float32).contiguous()
+        self._dispatch(x, ids, w, self.out_x, self.counts, self.offsets, self.o_rank, self.o_tok, self.o_w,
+                       self.row_pos, *self._dargs)
+        recv = DispatchRecv(self.recv_x, self.counts, self.offsets, self.o_rank, self.o_tok, self.o_w)
+        return recv, FusedHandle(x.shape[0], ids)
+
+    def combine(self, expert_out: torch.Tensor, handle: FusedHandle) -> torch.Tensor:
+        if not isinstance(handle, FusedHandle):
+            raise TypeError(f"handle is a {type(handle).__name__}, expected FusedHandle")
+        H = self.cfg.hidden
+        if expert_out.dtype != torch.bfloat16 or expert_out.numel() != self.out_x.numel():
+            raise ValueError(f"expert_out must be bf16 shaped like recv.x {tuple(self.recv_x.shape)}, "
+                             f"got {expert_out.dtype} {tuple(expert_out.shape)}")
+        y = expert_out.reshape(-1, H)  # [rows, H]
+        out = torch.empty(handle.num_tokens, H, dtype=torch.bfloat16, device=self.device)
+        self._combine(y, handle.topk_ids, out, self.row_pos, *self._cargs)
+        return out
+
+    def check(self) -> None:
+        torch.cuda.synchronize(self.device)
+        code = int(self.err[0])
+        if code == 0:
+            return
+        kind, detail = code >> 16, code & 0xFFFF
+        what = _ERR_KINDS.get(kind, f"unknown error {code}")
+        if kind == 3:
+            raise CapacityError(f"local expert {detail} got more entries than expert capacity {self.cfg.cap}")
+        if kind in (1, 2):
+            raise DispatchTimeoutError(f"{what}: rank {detail} did not arrive within "
+                                       f"{self.timeout_ns / 1e9:.3g} s (rank {self.cfg.rank})")
+        raise DispatchError(what)
+
+    def destroy(self) -> None:
+        """Drop the buffers; the heap regions stay with the heap (freed by heap.destroy())."""
+        self.out_x = self.recv_x = None
+        self._dispatch = self._combine = None

@@ -1,0 +1,566 @@
+"""Fused DP-EP MoE dispatch and combine kernels over the symmetric heap (CuTeDSL; sm_90a / sm_100a).
+
+One kernel each; both are CUDA-graph safe (every epoch and counter lives in device memory, no host
+round trip) and every wait on a peer is bounded by `timeout_ns` of %globaltimer (on expiry the
+error word gets a code and the kernel carries on, so the host raises instead of the GPU hanging).
+All blocks of a launch must be co-resident (grid <= SM count, one block per SM): blocks wait for
+peers' blocks, never for blocks of their own launch.
+
+Heap regions (byte offsets chosen by `comms.dispatch_fused`, identical on every rank; R ranks,
+M = max tokens per rank, K = top-k, L = local experts):
+  rx    bf16  [R, M, H]  token rows, rank-major: row (s, t) = token t of source rank s
+  rid   int32 [R, M, K]  its top-k global expert ids;  rw fp32 [R, M, K] its weights
+  rslot int32 [R, M, K]  for slots on this rank: index of the token among source s's tokens of
+                         that expert (so packing needs no cross-block scan on the receiver)
+  rstamp int32 [R, M]    dispatch epoch at which row (s, t) was written (stale rows: older epochs)
+  rntok int32 [R]        tokens of source s this epoch;  recnt int32 [R, L] entries per (s, expert)
+  dcnt  int32 [R]        dispatch arrival counters (every block of s adds 1: monotonic, wrap-safe)
+  cx    bf16  [R, M, H]  combine partials: row (s, t) = rank s's partial for my token t
+  ccnt  int32 [R]        combine arrival counters
+  state int32 [4]        dispatch epoch, dispatch ticket, combine epoch, combine ticket
+
+dispatch (one launch):
+  A. send: warps 0..E-1 scan this rank's tokens for one global expert each (ballot + popc) and
+     write each hit's index (rslot) and the per-(rank, expert) count (recnt) to the owner; all
+     warps copy 2 KiB chunks of token rows (16-byte vectors, 4 per lane) to every distinct
+     destination rank of the token (once per rank, not per expert), plus ids, weights and stamp.
+     Block barrier, then thread d: fence.acq_rel.sys + red.release.sys.add(dcnt[me] on rank d).
+  B. wait until dcnt[s] reaches epoch * nblocks for every s (acquire, bounded).
+  C. pack: each block builds the (source, expert) exclusive prefix of recnt and the expert bases
+     in shared memory; then warps take (received row, chunk) units: load the chunk once and store
+     it to every local expert slot of the row at base[e] + prefix[s, e] + rslot. Output order
+     (per expert: source rank, then token) equals the torch reference's.
+combine (one launch):
+  A. per (received row, chunk): sum over the row's local slots (ascending) of w * y in fp32
+     (mul.rn then add.rn: no FMA, bitwise the reference's arithmetic), round to bf16, store into
+     the owner's cx[me, t]; signal ccnt like dispatch; wait.
+  B. per (own token, chunk): sum the partials of the token's distinct ranks in ascending rank
+     order in fp32, round to bf16.
+K is a compile-time constant (one export per top-k in TOPK_VARIANTS) so the per-slot loads are
+unrolled and in flight together.
+"""
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.memory import SmemAllocator
+
+from comms.kernels import ptx
+
+THREADS = 256
+WARPS = THREADS // 32
+CHUNK_VEC = 128      # 16-byte vectors per work unit: 4 per lane, 2 KiB of a row (H % 1024 == 0)
+MAX_WORLD = 128      # shared-memory table bounds (checked on the host)
+MAX_LOCAL = 512
+MAX_PAIRS = 1024     # R * L (source rank, local expert) pairs
+TOPK_VARIANTS = (1, 2, 4, 6, 8, 10)
+ERR_DISPATCH_TIMEOUT = 1 << 16   # error word = kind | detail (source rank or local expert)
+ERR_COMBINE_TIMEOUT = 2 << 16
+ERR_CAPACITY = 3 << 16
+
+
+# ------------------------------------------------------------------------------- PTX helpers
+@dsl_user_op
+def st_b32(addr, val, *, loc=None, ip=None) -> None:
+    ptx._asm(None, [ptx._i64(addr, loc, ip), ptx._i32(val, loc, ip)], "st.global.b32 [$0], $1;",
+             "l,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def ld_b32_cg(addr, *, loc=None, ip=None) -> Int32:
+    """4-byte load that bypasses L1 (heap data written by peers)."""
+    return Int32(ptx._asm(T.i32(), [ptx._i64(addr, loc, ip)], "ld.global.cg.b32 $0, [$1];",
+                          "=r,l,~{memory}", loc, ip))
+
+
+@dsl_user_op
+def red_add_release_sys(addr, val, *, loc=None, ip=None) -> None:
+    ptx._asm(None, [ptx._i64(addr, loc, ip), ptx._i32(val, loc, ip)], "red.release.sys.global.add.u32 [$0], $1;",
+             "l,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def fma_bf16x2_sel(lo, hi, v, w, ok, *, loc=None, ip=None):
+    """(lo, hi) + w * bf16x2(v) in fp32 (mul.rn, add.rn: never fused) where ok != 0, else (lo, hi)."""
+    r = ptx._asm(ptx._struct(2, "f32"),
+                 [ptx._f32(lo, loc, ip), ptx._f32(hi, loc, ip), ptx._i32(v, loc, ip), ptx._f32(w, loc, ip),
+                  ptx._i32(ok, loc, ip)],
+                 "{ .reg .b32 t; .reg .f32 l, h; .reg .pred q; shl.b32 t, $4, 16; mov.b32 l, t; "
+                 "and.b32 t, $4, 0xffff0000; mov.b32 h, t; mul.rn.f32 l, l, $5; mul.rn.f32 h, h, $5; "
+                 "add.rn.f32 l, $2, l; add.rn.f32 h, $3, h; setp.ne.s32 q, $6, 0; "
+                 "selp.f32 $0, l, $2, q; selp.f32 $1, h, $3, q; }",
+                 "=f,=f,f,f,r,f,r", loc, ip)
+    return [cutlass.Float32(x) for x in ptx._unpack(r, 2, T.f32())]
+
+
+@dsl_user_op
+def add_bf16x2_sel(lo, hi, v, ok, *, loc=None, ip=None):
+    """(lo, hi) + bf16x2(v) in fp32 (add.rn) where ok != 0, else (lo, hi)."""
+    r = ptx._asm(ptx._struct(2, "f32"),
+                 [ptx._f32(lo, loc, ip), ptx._f32(hi, loc, ip), ptx._i32(v, loc, ip), ptx._i32(ok, loc, ip)],
+                 "{ .reg .b32 t; .reg .f32 l, h; .reg .pred q; shl.b32 t, $4, 16; mov.b32 l, t; "
+                 "and.b32 t, $4, 0xffff0000; mov.b32 h, t; add.rn.f32 l, $2, l; add.rn.f32 h, $3, h; "
+                 "setp.ne.s32 q, $5, 0; selp.f32 $0, l, $2, q; selp.f32 $1, h, $3, q; }",
+                 "=f,=f,f,f,r,r", loc, ip)
+    return [cutlass.Float32(x) for x in ptx._unpack(r, 2, T.f32())]
+
+
+# ------------------------------------------------------------------------------- shared pieces
+def _i64(v):
+    return Int64(v)
+
+
+@cute.jit
+def _signal_all(peers: cute.Tensor, tid, world, cnt_off, rank):
+    """After a bar.sync: thread d releases one arrival into dcnt/ccnt[rank] on rank d."""
+    d = tid
+    while d < world:
+        ptx.fence_acq_rel_sys()
+        red_add_release_sys(peers[d] + cnt_off + _i64(rank) * 4, 1)
+        d += THREADS
+
+
+@cute.jit
+def _wait_all(my_base, tid, world, cnt_off, target, err_addr, timeout_ns, code):
+    """Thread s spins (acquire, sys) until cnt[s] - target >= 0 or the timeout (then error code|s)."""
+    s = tid
+    while s < world:
+        a = my_base + cnt_off + _i64(s) * 4
+        t0 = ptx.globaltimer()
+        f = ptx.ld_acquire_sys(a)
+        late = Int32(0)
+        while ((f - target) < 0) & (late == 0):
+            if ptx.globaltimer() - t0 > timeout_ns:
+                late = Int32(1)
+                ptx.st_release_sys(err_addr, code | s)
+            f = ptx.ld_acquire_sys(a)
+        s += THREADS
+
+
+@cute.jit
+def _advance(my_base, state_off, tid, nb, target):
+    """The last block to finish sets state[0] = target (state[1] is the ticket)."""
+    cute.arch.sync_threads()
+    if tid == 0:
+        t = ptx.atom_add_acq_rel_gpu(my_base + state_off + 4, 1)
+        if t == nb - 1:
+            ptx.st_relaxed_gpu(my_base + state_off + 4, 0)
+            ptx.st_relaxed_gpu(my_base + state_off, target)
+
+
+@cute.jit
+def _row_starts(my_base, rntok_off, tid, world, rstart: cute.Tensor):
+    """rstart[s] = sum of rntok[< s] (received rows of earlier sources), rstart[world] = total."""
+    s = tid
+    while s < world:
+        rstart[s + 1] = ld_b32_cg(my_base + rntok_off + _i64(s) * 4)
+        s += THREADS
+    cute.arch.sync_threads()
+    if tid == 0:
+        rstart[0] = Int32(0)
+        acc = Int32(0)
+        for i in cutlass.range(world):
+            acc = acc + rstart[i + 1]
+            rstart[i + 1] = acc
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def _find_source(rstart: cute.Tensor, world, rr):
+    """Largest s with rstart[s] <= rr (binary search in shared memory)."""
+    lo = Int32(0)
+    hi = world
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if rstart[mid] <= rr:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _lane_bits_below(lane):
+    return (Int32(1) << lane) - 1
+
+
+# ------------------------------------------------------------------------------- dispatch
+def _make_dispatch(K: int):
+    @cute.kernel
+    def kernel(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, out_x: cute.Tensor, counts: cute.Tensor,
+               offsets: cute.Tensor, o_rank: cute.Tensor, o_tok: cute.Tensor, o_w: cute.Tensor,
+               row_pos: cute.Tensor, peers: cute.Tensor, rank: Int32, world: Int32, ntok: Int32, nvec: Int32,
+               nlocal: Int32, maxt: Int32, cap: Int32, contiguous: Int32, off_rx: Int64, off_rid: Int64,
+               off_rw: Int64, off_rslot: Int64, off_rstamp: Int64, off_rntok: Int64, off_recnt: Int64,
+               off_dcnt: Int64, off_state: Int64, err_addr: Int64, timeout_ns: Int64):
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        nb, _, _ = cute.arch.grid_dim()
+        lane = tid % 32
+        gw = bid * WARPS + tid // 32
+        nw = nb * WARPS
+        me = peers[rank]
+        epoch = ptx.ld_relaxed_gpu(me + off_state) + 1
+        xa = x.iterator.toint()
+        oxa = out_x.iterator.toint()
+        row_bytes = _i64(nvec) * 16
+        nchunk = nvec // CHUNK_VEC
+        lane_off = _i64(lane) * 16
+
+        # ---- A1. per-expert slot indices of this rank's tokens (warp g: global expert g)
+        nexp = nlocal * world
+        g = gw
+        while g < nexp:
+            d = g // nlocal
+            dbase = peers[d]
+            running = Int32(0)
+            t0 = Int32(0)
+            while t0 < ntok:
+                t = t0 + lane
+                hit = Int32(-1)
+                if t < ntok:
+                    for j in cutlass.range_constexpr(K):
+                        if ids[t, j] == g:
+                            hit = Int32(j)
+                m = cute.arch.vote_ballot_sync(hit >= 0)
+                if hit >= 0:
+                    i = running + cute.arch.popc(m & _lane_bits_below(lane))
+                    row = _i64(rank) * maxt + t
+                    st_b32(dbase + off_rslot + (row * K + hit) * 4, i)
+                running = running + cute.arch.popc(m)
+                t0 = t0 + 32
+            if lane == 0:
+                st_b32(dbase + off_recnt + (_i64(rank) * nlocal + (g - d * nlocal)) * 4, running)
+            g = g + nw
+
+        # ---- A2. token rows, once per destination rank, 2 KiB chunks
+        u = gw
+        while u < ntok * nchunk:
+            t = u // nchunk
+            c = u - t * nchunk
+            idv = Int32(0)
+            wv = Int32(0)
+            dv = Int32(-1)
+            if lane < K:
+                idv = ids[t, lane]
+                wv = ptx.f32_as_i32(wts[t, lane])
+                dv = idv // nlocal
+            dup = Int32(0)
+            for j in cutlass.range_constexpr(K):
+                o = cute.arch.shuffle_sync(dv, j)
+                if (j < lane) & (o == dv):
+                    dup = Int32(1)
+            m = cute.arch.vote_ballot_sync((lane < K) & (dup == 0))
+            src = xa + _i64(t) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
+            v0 = ptx.ld_v4(src)
+            v1 = ptx.ld_v4(src + 512)
+            v2 = ptx.ld_v4(src + 1024)
+            v3 = ptx.ld_v4(src + 1536)
+            row = _i64(rank) * maxt + t
+            for j in cutlass.range_constexpr(K):
+                if ((m >> j) & 1) != 0:
+                    db = peers[cute.arch.shuffle_sync(dv, j)]
+                    dst = db + off_rx + row * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
+                    ptx.st_v4(dst, v0)
+                    ptx.st_v4(dst + 512, v1)
+                    ptx.st_v4(dst + 1024, v2)
+                    ptx.st_v4(dst + 1536, v3)
+                    if c == 0:
+                        if lane < K:
+                            st_b32(db + off_rid + (row * K + lane) * 4, idv)
+                            st_b32(db + off_rw + (row * K + lane) * 4, wv)
+                        if lane == 0:
+                            st_b32(db + off_rstamp + row * 4, epoch)
+            u = u + nw
+
+        cute.arch.sync_threads()
+        if bid == 0:
+            d = tid
+            while d < world:
+                st_b32(peers[d] + off_rntok + _i64(rank) * 4, ntok)
+                d += THREADS
+            cute.arch.sync_threads()
+        _signal_all(peers, tid, world, off_dcnt, rank)
+
+        # ---- B. wait for every source's blocks
+        _wait_all(me, tid, world, off_dcnt, epoch * nb, err_addr, timeout_ns, ERR_DISPATCH_TIMEOUT)
+        cute.arch.sync_threads()
+
+        # ---- C. pack into per-local-expert rows
+        smem = SmemAllocator()
+        pre = smem.allocate_tensor(Int32, cute.make_layout(MAX_PAIRS))
+        base = smem.allocate_tensor(Int32, cute.make_layout(MAX_LOCAL + 1))
+        rstart = smem.allocate_tensor(Int32, cute.make_layout(MAX_WORLD + 1))
+        npairs = world * nlocal
+        i = tid
+        while i < npairs:
+            pre[i] = ld_b32_cg(me + off_recnt + _i64(i) * 4)
+            i += THREADS
+        _row_starts(me, off_rntok, tid, world, rstart)
+        e = tid
+        while e < nlocal:  # exclusive prefix over sources, per local expert
+            acc = Int32(0)
+            for s in cutlass.range(world):
+                cnt = pre[s * nlocal + e]
+                pre[s * nlocal + e] = acc
+                acc = acc + cnt
+            base[e] = acc
+            e += THREADS
+        cute.arch.sync_threads()
+        if tid == 0:
+            acc = Int32(0)
+            for e2 in cutlass.range(nlocal):
+                cnt = base[e2]
+                b = e2 * cap
+                if contiguous != 0:
+                    b = acc
+                base[e2] = b
+                if bid == 0:
+                    counts[e2] = cnt
+                    offsets[e2] = b
+                if cnt > cap:
+                    ptx.st_release_sys(err_addr, ERR_CAPACITY | e2)
+                acc = acc + cnt
+            last = nlocal * cap
+            if contiguous != 0:
+                last = acc
+            base[nlocal] = last
+            if bid == 0:
+                offsets[nlocal] = last
+        cute.arch.sync_threads()
+
+        total = rstart[world]
+        u = gw
+        while u < total * nchunk:
+            rr = u // nchunk
+            c = u - rr * nchunk
+            s = _find_source(rstart, world, rr)
+            t = rr - rstart[s]
+            row = _i64(s) * maxt + t
+            if ld_b32_cg(me + off_rstamp + row * 4) == epoch:
+                posv = Int32(-1)
+                if lane < K:
+                    lid = ld_b32_cg(me + off_rid + (row * K + lane) * 4) - rank * nlocal
+                    if (lid >= 0) & (lid < nlocal):
+                        p = pre[s * nlocal + lid] + ld_b32_cg(me + off_rslot + (row * K + lane) * 4)
+                        if p < cap:
+                            posv = base[lid] + p
+                m = cute.arch.vote_ballot_sync(posv >= 0)
+                src = me + off_rx + row * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
+                v0 = ptx.ld_v4_cg(src)
+                v1 = ptx.ld_v4_cg(src + 512)
+                v2 = ptx.ld_v4_cg(src + 1024)
+                v3 = ptx.ld_v4_cg(src + 1536)
+                for j in cutlass.range_constexpr(K):
+                    if ((m >> j) & 1) != 0:
+                        dst = oxa + _i64(cute.arch.shuffle_sync(posv, j)) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
+                        ptx.st_v4(dst, v0)
+                        ptx.st_v4(dst + 512, v1)
+                        ptx.st_v4(dst + 1024, v2)
+                        ptx.st_v4(dst + 1536, v3)
+                if c == 0:
+                    if posv >= 0:
+                        o_rank[posv] = s
+                        o_tok[posv] = t
+                        o_w[posv] = ptx.i32_as_f32(ld_b32_cg(me + off_rw + (row * K + lane) * 4))
+                        row_pos[row * K + lane] = posv
+            u = u + nw
+        _advance(me, off_state, tid, nb, epoch)
+
+    @cute.jit
+    def launch(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, out_x: cute.Tensor, counts: cute.Tensor,
+               offsets: cute.Tensor, o_rank: cute.Tensor, o_tok: cute.Tensor, o_w: cute.Tensor,
+               row_pos: cute.Tensor, peers: cute.Tensor, rank: Int32, world: Int32, nlocal: Int32, maxt: Int32,
+               cap: Int32, contiguous: Int32, off_rx: Int64, off_rid: Int64, off_rw: Int64, off_rslot: Int64,
+               off_rstamp: Int64, off_rntok: Int64, off_recnt: Int64, off_dcnt: Int64, off_state: Int64,
+               err_addr: Int64, timeout_ns: Int64, nblocks: Int32, stream):
+        ntok = x.shape[0]
+        nvec = x.shape[1] // 8
+        kernel(x, ids, wts, out_x, counts, offsets, o_rank, o_tok, o_w, row_pos, peers, rank, world, ntok, nvec,
+               nlocal, maxt, cap, contiguous, off_rx, off_rid, off_rw, off_rslot, off_rstamp, off_rntok, off_recnt,
+               off_dcnt, off_state, err_addr, timeout_ns).launch(grid=(nblocks, 1, 1), block=(THREADS, 1, 1),
+                                                                 stream=stream)
+
+    return launch
+
+
+# ------------------------------------------------------------------------------- combine
+def _make_combine(K: int):
+    @cute.kernel
+    def kernel(y: cute.Tensor, ids: cute.Tensor, out: cute.Tensor, row_pos: cute.Tensor, peers: cute.Tensor,
+               rank: Int32, world: Int32, ntok: Int32, nvec: Int32, nlocal: Int32, maxt: Int32, off_rid: Int64,
+               off_rw: Int64, off_rstamp: Int64, off_rntok: Int64, off_cx: Int64, off_ccnt: Int64,
+               off_state: Int64, err_addr: Int64, timeout_ns: Int64):
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        nb, _, _ = cute.arch.grid_dim()
+        lane = tid % 32
+        gw = bid * WARPS + tid // 32
+        nw = nb * WARPS
+        me = peers[rank]
+        d_epoch = ptx.ld_relaxed_gpu(me + off_state)
+        epoch = ptx.ld_relaxed_gpu(me + off_state + 8) + 1
+        ya = y.iterator.toint()
+        oa = out.iterator.toint()
+        row_bytes = _i64(nvec) * 16
+        nchunk = nvec // CHUNK_VEC
+        lane_off = _i64(lane) * 16
+        acc = cute.make_rmem_tensor(cute.make_layout(32), cutlass.Float32)
+
+        smem = SmemAllocator()
+        rstart = smem.allocate_tensor(Int32, cute.make_layout(MAX_WORLD + 1))
+        _row_starts(me, off_rntok, tid, world, rstart)
+
+        # ---- A. partial sums over this rank's experts, back to the token's owner
+        total = rstart[world]
+        u = gw
+        while u < total * nchunk:
+            rr = u // nchunk
+            c = u - rr * nchunk
+            s = _find_source(rstart, world, rr)
+            t = rr - rstart[s]
+            row = _i64(s) * maxt + t
+            if ld_b32_cg(me + off_rstamp + row * 4) == d_epoch:
+                ok = Int32(0)
+                posv = Int32(0)
+                wv = Int32(0)
+                if lane < K:
+                    lid = ld_b32_cg(me + off_rid + (row * K + lane) * 4) - rank * nlocal
+                    if (lid >= 0) & (lid < nlocal):
+                        ok = Int32(1)
+                        posv = row_pos[row * K + lane]
+                        wv = ld_b32_cg(me + off_rw + (row * K + lane) * 4)
+                m = cute.arch.vote_ballot_sync(ok != 0)
+                first = cute.arch.popc((m & (0 - m)) - 1)   # lowest local slot: a valid row to read
+                pfirst = cute.arch.shuffle_sync(posv, first)
+                for q in cutlass.range_constexpr(32):
+                    acc[q] = cutlass.Float32(0.0)
+                for j in cutlass.range_constexpr(K):
+                    okj = (m >> j) & 1
+                    pj = cute.arch.shuffle_sync(posv, j)
+                    if okj == 0:
+                        pj = pfirst
+                    wj = ptx.i32_as_f32(cute.arch.shuffle_sync(wv, j))
+                    a = ya + _i64(pj) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
+                    for q in cutlass.range_constexpr(4):
+                        dq = ptx.ld_v4(a + q * 512)
+                        for h in cutlass.range_constexpr(4):
+                            lo, hi = fma_bf16x2_sel(acc[8 * q + 2 * h], acc[8 * q + 2 * h + 1], dq[h], wj, okj)
+                            acc[8 * q + 2 * h] = lo
+                            acc[8 * q + 2 * h + 1] = hi
+                dst = peers[s] + off_cx + (_i64(rank) * maxt + t) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
+                for q in cutlass.range_constexpr(4):
+                    ptx.st_v4(dst + q * 512, [ptx.f32_to_bf16x2(acc[8 * q + 2 * h], acc[8 * q + 2 * h + 1])
+                                              for h in range(4)])
+            u = u + nw
+        cute.arch.sync_threads()
+        _signal_all(peers, tid, world, off_ccnt, rank)
+        _wait_all(me, tid, world, off_ccnt, epoch * nb, err_addr, timeout_ns, ERR_COMBINE_TIMEOUT)
+        cute.arch.sync_threads()
+
+        # ---- B. sum the partials of each own token in ascending rank order
+        u = gw
+        while u < ntok * nchunk:
+            t = u // nchunk
+            c = u - t * nchunk
+            dv = Int32(-1)
+            if lane < K:
+                dv = ids[t, lane] // nlocal
+            uniq = Int32(0)
+            if lane < K:
+                uniq = Int32(1)
+            order = Int32(0)
+            for j in cutlass.range_constexpr(K):
+                o = cute.arch.shuffle_sync(dv, j)
+                if (j < lane) & (o == dv):
+                    uniq = Int32(0)
+            for j in cutlass.range_constexpr(K):  # rank of dv among the distinct ranks
+                o = cute.arch.shuffle_sync(dv, j)
+                oj_first = Int32(1)
+                for i in cutlass.range_constexpr(j):
+                    if cute.arch.shuffle_sync(dv, i) == o:
+                        oj_first = Int32(0)
+                if (oj_first != 0) & (o < dv):
+                    order = order + 1
+            for q in cutlass.range_constexpr(32):
+                acc[q] = cutlass.Float32(0.0)
+            d0 = cute.arch.shuffle_sync(dv, 0)
+            for i in cutlass.range_constexpr(K):
+                mi = cute.arch.vote_ballot_sync((uniq != 0) & (order == i))
+                oki = Int32(0)
+                di = d0
+                if mi != 0:
+                    oki = Int32(1)
+                    di = cute.arch.shuffle_sync(dv, cute.arch.popc((mi & (0 - mi)) - 1))
+                a = me + off_cx + (_i64(di) * maxt + t) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
+                for q in cutlass.range_constexpr(4):
+                    dq = ptx.ld_v4_cg(a + q * 512)
+                    for h in cutlass.range_constexpr(4):
+                        lo, hi = add_bf16x2_sel(acc[8 * q + 2 * h], acc[8 * q + 2 * h + 1], dq[h], oki)
+                        acc[8 * q + 2 * h] = lo
+                        acc[8 * q + 2 * h + 1] = hi
+            dst = oa + _i64(t) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
+            for q in cutlass.range_constexpr(4):
+                ptx.st_v4(dst + q * 512, [ptx.f32_to_bf16x2(acc[8 * q + 2 * h], acc[8 * q + 2 * h + 1])
+                                          for h in range(4)])
+            u = u + nw
+        _advance(me, off_state + 8, tid, nb, epoch)
+
+    @cute.jit
+    def launch(y: cute.Tensor, ids: cute.Tensor, out: cute.Tensor, row_pos: cute.Tensor, peers: cute.Tensor,
+               rank: Int32, world: Int32, nlocal: Int32, maxt: Int32, off_rid: Int64, off_rw: Int64,
+               off_rstamp: Int64, off_rntok: Int64, off_cx: Int64, off_ccnt: Int64, off_state: Int64,
+               err_addr: Int64, timeout_ns: Int64, nblocks: Int32, stream):
+        ntok = out.shape[0]
+        nvec = out.shape[1] // 8
+        kernel(y, ids, out, row_pos, peers, rank, world, ntok, nvec, nlocal, maxt, off_rid, off_rw, off_rstamp,
+               off_rntok, off_cx, off_ccnt, off_state, err_addr, timeout_ns).launch(
+            grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+    return launch
+
+
+# ------------------------------------------------------------------------------- export
+def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
+    """Compile dispatch_k{K} and combine_k{K} for each K in `topks` against fake tensors (no GPU).
+
+    Call signatures (torch tensors; ints for scalars; the current torch stream):
+      dispatch_kK(x [T,H] bf16, ids [T,K] i32, wts [T,K] f32, out_x [rows,H] bf16, counts [L] i32,
+                  offsets [L+1] i32, o_rank [rows] i32, o_tok [rows] i32, o_w [rows] f32,
+                  row_pos [R*M*K] i32, peers [R] i64, rank, world, nlocal, maxt, cap, contiguous,
+                  off_rx, off_rid, off_rw, off_rslot, off_rstamp, off_rntok, off_recnt, off_dcnt,
+                  off_state, err_addr, timeout_ns, nblocks)
+      combine_kK(y [rows,H] bf16, ids [T,K] i32, out [T,H] bf16, row_pos, peers, rank, world, nlocal,
+                 maxt, off_rid, off_rw, off_rstamp, off_rntok, off_cx, off_ccnt, off_state, err_addr,
+                 timeout_ns, nblocks)
+    """
+    from cutlass.cute.runtime import make_fake_compact_tensor
+    from cutlass.runtime import make_fake_stream
+
+    opts = f"--gpu-arch {arch} --enable-tvm-ffi"
+    i32, i64 = Int32(0), Int64(0)
+    out = {}
+    for K in topks:
+        ntok, hid, rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
+
+        def ten(dt, shape, align=4):
+            return make_fake_compact_tensor(dt, shape, assumed_align=align)
+
+        x = ten(cutlass.BFloat16, (ntok, hid), 16)
+        ids = ten(Int32, (ntok, K))
+        wts = ten(cutlass.Float32, (ntok, K))
+        out_x = ten(cutlass.BFloat16, (rows, hid), 16)
+        counts, offsets = ten(Int32, (cute.sym_int(),)), ten(Int32, (cute.sym_int(),))
+        o_rank, o_tok, o_w = ten(Int32, (rows,)), ten(Int32, (rows,)), ten(cutlass.Float32, (rows,))
+        row_pos = ten(Int32, (cute.sym_int(),))
+        peers = ten(Int64, (cute.sym_int(),), 8)
+        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+        out[f"dispatch_k{K}"] = cute.compile(
+            _make_dispatch(K), x, ids, wts, out_x, counts, offsets, o_rank, o_tok, o_w, row_pos, peers,
+            i32, i32, i32, i32, i32, i32, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32, stream,
+            options=opts)
+        y = ten(cutlass.BFloat16, (cute.sym_int(), hid), 16)
+        o = ten(cutlass.BFloat16, (ntok, hid), 16)
+        out[f"combine_k{K}"] = cute.compile(
+            _make_combine(K), y, ids, o, row_pos, peers, i32, i32, i32, i32, i64, i64, i64, i64, i64, i64,
+            i64, i64, i64, i32, stream, options=opts)
+    return out

@@ -1,0 +1,208 @@
+"""Fused DP-EP dispatch/combine kernels == the torch.distributed reference, bit for bit (>= 2 GPUs).
+
+Each rank runs the fused path (SymmetricHeap + CuTeDSL kernels) and the NCCL all_to_all reference
+on the same rank-tagged inputs and compares: per-expert counts and offsets, every packed row (data,
+source rank, source token, weight) and the combine output, all exactly. Also: several epochs on one
+buffer, CUDA-graph capture and replay with fresh inputs, the capacity error, and the bounded wait
+(a peer that never arrives gives DispatchTimeoutError instead of a hung GPU).
+
+Runs under pytest (skipped without 2 GPUs) or directly, `python tests/comms/test_dispatch_gpu.py`,
+which prints one line per check (the GPU hosts need no pytest)."""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.comms.test_dispatch_inputs import CASES, routing, tagged_tokens
+
+try:
+    import pytest
+except ImportError:  # the GPU hosts run this file as a script
+    pytest = None
+
+TIMEOUT_S = 120
+# (experts, top_k, hidden, max_tokens, tokens per rank (rank 0, rank 1, ...), cases, layouts)
+CONFIGS = [
+    (16, 4, 1024, 64, (37, 64), CASES, ("masked", "contiguous")),
+    (16, 4, 1024, 64, (0, 1), ("random",), ("masked",)),
+    (128, 8, 4096, 128, (128, 100), ("random", "same_rank_slots"), ("masked", "contiguous")),
+    (256, 8, 7168, 32, (32, 17), ("random",), ("contiguous",)),
+]
+
+
+def _compare(rank, fused, ref, x, ids, w, tag):
+    """Dispatch on both paths, compare bitwise, combine identity experts on both, compare bitwise."""
+    rf, hf = fused.dispatch(x, ids, w)
+    fused.check()
+    rr, hr = ref.dispatch(x, ids, w)
+    assert torch.equal(rf.counts.cpu(), rr.counts.cpu()), f"{tag}: counts {rf.counts} != {rr.counts}"
+    assert torch.equal(rf.offsets.cpu(), rr.offsets.cpu()), f"{tag}: offsets {rf.offsets} != {rr.offsets}"
+    H = x.shape[1]
+    fx, rx = rf.x.reshape(-1, H), rr.x.reshape(-1, H)  # [rows, H]
+    idx = torch.cat([torch.arange(int(o), int(o) + int(c)) for o, c in zip(rr.offsets[:-1].tolist(),
+                                                                          rr.counts.tolist())] or
+                    [torch.empty(0, dtype=torch.long)]).to(x.device)
+    for name, a, b in (("x", fx[idx], rx[idx]), ("src_rank", rf.src_rank[idx], rr.src_rank[idx]),
+                       ("src_token", rf.src_token[idx], rr.src_token[idx]), ("weights", rf.weights[idx], rr.weights[idx])):
+        assert torch.equal(a, b), f"{tag}: packed {name} differs in {int((a != b).sum())} places"
+    y = torch.zeros_like(fx)
+    y[idx] = fx[idx]  # identity experts; rows past the counts are zero on both paths
+    of = fused.combine(y.view_as(rf.x), hf)
+    fused.check()
+    orf = ref.combine(y.view_as(rr.x).clone(), hr)
+    nbad = int((of != orf).sum())
+    assert nbad == 0, f"{tag}: combine differs in {nbad} of {of.numel()} values"
+    if x.shape[0]:
+        exact = (x.float()[:, None, :] * w.float()[:, :, None]).sum(1)
+        rel = float((of.float() - exact).norm() / exact.norm())
+        assert rel < 1e-2, f"{tag}: combine vs fp32 sum_k w_k x: rel err {rel}"
+    return int(idx.numel())
+
+
+def _graph_check(rank, world, fused, ref, E, K, H, T, gen):
+    """Capture dispatch + combine once, replay on fresh inputs, compare with the reference."""
+    dev = torch.device("cuda", rank)
+    sx = torch.zeros(T, H, dtype=torch.bfloat16, device=dev)
+    sids = torch.zeros(T, K, dtype=torch.int32, device=dev)
+    sw = torch.zeros(T, K, dtype=torch.float32, device=dev)
+    x, ids, w = _inputs("random", rank, world, T, E, K, H, gen, dev)
+    sx.copy_(x), sids.copy_(ids), sw.copy_(w)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        recv, h = fused.dispatch(sx, sids, sw)
+        fused.combine(recv.x, h)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        recv, h = fused.dispatch(sx, sids, sw)
+        out = fused.combine(recv.x, h)
+    for it in range(3):
+        x, ids, w = _inputs("random", rank, world, T, E, K, H, gen, dev)
+        sx.copy_(x), sids.copy_(ids), sw.copy_(w)
+        g.replay()
+        fused.check()
+        rr, hr = ref.dispatch(x, ids, w)
+        assert torch.equal(recv.counts.cpu(), rr.counts.cpu()), f"graph replay {it}: counts differ"
+        orf = ref.combine(rr.x, hr)
+        nbad = int((out != orf).sum())
+        assert nbad == 0, f"graph replay {it}: combine differs in {nbad} values"
+    return 3
+
+
+def _expect_raise(fn, exc, text):
+    try:
+        fn()
+    except exc as e:
+        assert text in str(e), f"{exc.__name__} message {e!r} does not name {text!r}"
+        return
+    raise AssertionError(f"expected {exc.__name__}")
+
+
+def _inputs(case, rank, world, T, E, K, H, gen, dev):
+    x = tagged_tokens(rank, T, gen, hidden=H).to(dev)
+    ids, w = routing(case, rank, world, T, E, gen, topk=K)
+    return x, ids.to(dev).to(torch.int32), w.to(dev)
+
+
+def _worker(rank, world, store_path, log):
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"file://{store_path}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S), device_id=dev)
+    from comms.dispatch import CapacityError, DispatchCombine, DispatchTimeoutError
+    from comms.heap import SymmetricHeap
+
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(7 + rank)
+    lines = []
+
+    def note(msg):
+        if rank == 0:
+            lines.append(msg)
+            print(msg, flush=True)
+
+    try:
+        for E, K, H, M, toks, cases, layouts in CONFIGS:
+            T = toks[rank % len(toks)]
+            for layout in layouts:
+                heap = SymmetricHeap(group, DispatchCombine.heap_size_hint(world, E, K, H, M), device=dev)
+                fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", layout=layout)
+                ref = DispatchCombine(group, E, K, H, M, mode="dp_ep", layout=layout)
+                assert fused._fused is not None, "heap on CUDA must select the fused kernels"
+                for case in cases:
+                    t0 = time.perf_counter()
+                    n = 0
+                    for it in range(2):  # two epochs on the same buffers
+                        x, ids, w = _inputs(case, rank, world, T, E, K, H, gen, dev)
+                        n += _compare(rank, fused, ref, x, ids, w, f"E={E} K={K} H={H} T={T} {layout} {case} it{it}")
+                    note(f"PASS exact  E={E:3d} K={K} H={H} M={M} T={T:3d} {layout:10s} {case:15s} "
+                         f"entries={n} ({time.perf_counter() - t0:.2f}s)")
+                if layout == layouts[0] and E == 128:
+                    _graph_check(rank, world, fused, ref, E, K, H, T, gen)
+                    note(f"PASS graph  E={E} K={K} H={H} T={T} {layout}: 3 replays == reference")
+                fused.destroy()
+                heap.destroy()
+        # capacity overflow -> CapacityError (rank 1 holds every token's experts)
+        E, K, H, M = 16, 4, 1024, 64
+        heap = SymmetricHeap(group, DispatchCombine.heap_size_hint(world, E, K, H, M), device=dev)
+        fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", expert_capacity=4)
+        x, ids, w = _inputs("one_rank", rank, world, 40, E, K, H, gen, dev)
+        fused.dispatch(x, ids, w)
+        if rank == 1:
+            _expect_raise(fused.check, CapacityError, "expert capacity 4")
+        else:
+            fused.check()
+        note("PASS capacity overflow -> CapacityError on the overflowing rank")
+        fused.destroy()
+        heap.destroy()
+        # bounded wait: only rank 0 dispatches; it must time out and raise, not hang
+        heap = SymmetricHeap(group, DispatchCombine.heap_size_hint(world, E, K, H, M), device=dev)
+        fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", timeout_s=0.5)
+        if rank == 0:
+            x, ids, w = _inputs("random", rank, world, 8, E, K, H, gen, dev)
+            t0 = time.perf_counter()
+            fused.dispatch(x, ids, w)
+            _expect_raise(fused.check, DispatchTimeoutError, "rank 1")
+            note(f"PASS timeout -> DispatchTimeoutError after {time.perf_counter() - t0:.2f}s")
+        dist.barrier()
+        fused.destroy()
+        heap.destroy()
+    finally:
+        if rank == 0 and log:
+            with open(log, "w") as f:
+                f.write("\n".join(lines) + "\n")
+        dist.destroy_process_group()
+
+
+def run(world: int, log: str | None = None):
+    with tempfile.TemporaryDirectory() as d:
+        ctx = mp.spawn(_worker, args=(world, os.path.join(d, "store"), log), nprocs=world, join=False)
+        t0 = time.monotonic()
+        while not ctx.join(timeout=5):
+            if time.monotonic() - t0 > TIMEOUT_S * 2:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"GPU dispatch workers did not finish within {TIMEOUT_S * 2} s")
+
+
+if pytest is not None:
+    @pytest.mark.gpu
+    @pytest.mark.multigpu
+    @pytest.mark.mp
+    def test_fused_dispatch_matches_reference():
+        run(2)
+
+
+if __name__ == "__main__":
+    run(int(sys.argv[1]) if len(sys.argv) > 1 else torch.cuda.device_count(),
+        sys.argv[2] if len(sys.argv) > 2 else None)
