@@ -30,6 +30,9 @@ class ForwardBatch:
     state_write_slots: torch.Tensor | None = None
     # Rows of the hidden states whose logits are wanted (e.g. the last token of each sequence).
     logits_indices: torch.Tensor | None = None  # [N] int64
+    # Host-side max of the query lengths, if the engine knows it: lets layers pick kernels (e.g. GDN
+    # recurrent vs chunked rule) without a device sync, as CUDA-graph decode needs.
+    max_query_len: int | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -10,9 +10,12 @@ never allocates state. Parameter names equal the checkpoint keys under `linear_a
     qwen3_5_moe: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d.weight,
                  dt_bias, A_log, norm.weight, out_proj
 
-Sequences longer than `RECURRENT_MAX_TOKENS` that write state only after their last token run the
-chunked rule (prefill); all others (decode, speculative verify with a state per draft position) run
-the recurrent rule. Both give the same result (tests/model/test_gdn_ops.py).
+Sequences longer than `RECURRENT_MAX_TOKENS` run the chunked rule (prefill), the others (decode,
+speculative verify writing a state per draft position) the recurrent rule; both honour every write
+slot and give the same result (tests/model/test_gdn_ops.py), so the choice is only about speed. When
+`batch.max_query_len` is set and small, the layer needs no host copy of the batch (CUDA graphs).
+A sequence may write its own read slot; a slot one sequence writes must not be another's read slot
+in the same batch.
 """
 from __future__ import annotations
 
@@ -167,31 +170,29 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(T, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
         g, beta = gdn_gating(self.A_log, a, self.dt_bias, b)
 
-        # Pick the rule per sequence (host-side; the runner may later pass these lists precomputed).
-        starts = qsl.tolist()
-        writes = write.tolist()
-        chunked = [i for i in range(len(starts) - 1)
-                   if starts[i + 1] - starts[i] > self.RECURRENT_MAX_TOKENS
-                   and all(s < 0 for s in writes[starts[i]:starts[i + 1] - 1])]
-        if not chunked:  # pure decode / verify: one call, no gather
+        B = read.shape[0]
+        max_len = batch.max_query_len
+        if max_len is None:
+            max_len = int(batch.query_lens().max()) if B else 0
+        if max_len <= self.RECURRENT_MAX_TOKENS:  # decode / verify: one call, no host data needed
             core = recurrent_fn(q, k, v, g, beta, recurrent_state, qsl, read, write)  # [T, Hv, Dv]
         else:
+            starts = qsl.tolist()
+            long = [i for i in range(B) if starts[i + 1] - starts[i] > self.RECURRENT_MAX_TOKENS]
+            short = sorted(set(range(B)) - set(long))
             core = torch.empty_like(v)  # [T, Hv, Dv]
-            # Gather the chunked sequences' start states before the recurrent rule writes any slot.
-            c_rows, c_qsl = self._rows(starts, chunked, hidden.device)
-            c_init = recurrent_state[read[chunked]]  # [N, Hv, Dk, Dv]
-            rec = sorted(set(range(len(starts) - 1)) - set(chunked))
-            if rec:
-                rows, sub_qsl = self._rows(starts, rec, hidden.device)
-                core[rows] = recurrent_fn(q[rows], k[rows], v[rows], g[rows], beta[rows],
-                                          recurrent_state, sub_qsl, read[rec], write[rows])
-            core[c_rows], final = chunk_gated_delta_rule(q[c_rows], k[c_rows], v[c_rows], g[c_rows], beta[c_rows],
-                                                         c_qsl, c_init, self.CHUNK_SIZE)
-            last_slots = write[[starts[i + 1] - 1 for i in chunked]]  # [N]
-            keep = last_slots >= 0
-            recurrent_state[last_slots[keep]] = final[keep]
+            for seqs, fn in ((short, recurrent_fn), (long, self._chunked)):
+                if len(seqs) == B:
+                    core = fn(q, k, v, g, beta, recurrent_state, qsl, read, write)
+                elif seqs:
+                    rows, sub_qsl = self._rows(starts, seqs, hidden.device)
+                    core[rows] = fn(q[rows], k[rows], v[rows], g[rows], beta[rows], recurrent_state, sub_qsl,
+                                    read[seqs], write[rows])
         out = self.norm(core, z).reshape(T, self.value_dim)  # [T, Hv*Dv]
         return self.out_proj(out)
+
+    def _chunked(self, *args) -> torch.Tensor:
+        return chunk_gated_delta_rule(*args, chunk_size=self.CHUNK_SIZE)
 
     @staticmethod
     def _rows(starts: list[int], seqs: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -97,15 +97,16 @@ def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                           beta: torch.Tensor, cu_seqlens: torch.Tensor, initial_state: torch.Tensor,
-                           chunk_size: int = 64,
-                           use_qk_l2norm: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gated delta rule over whole sequences in chunks (prefill): within a chunk the delta-rule updates
-    are folded into matmuls through the WY/UT form, (I + tril(beta k k^T * decay, -1))^-1, and the
-    state is carried from chunk to chunk in fp32.
+                           beta: torch.Tensor, state: torch.Tensor, query_start_loc: torch.Tensor,
+                           read_slots: torch.Tensor, write_slots: torch.Tensor, chunk_size: int = 64,
+                           use_qk_l2norm: bool = True) -> torch.Tensor:
+    """Gated delta rule in chunks (prefill), same contract as `recurrent_gated_delta_rule`: within a
+    chunk the delta-rule updates fold into matmuls through the WY/UT form,
+    (I + tril(beta k k^T * decay, -1))^-1, and the fp32 state is carried from chunk to chunk. The state
+    after any token (not only the last) can be written, so the two rules are interchangeable.
 
-    q, k: [T, Hk, Dk];  v: [T, Hv, Dv];  g, beta: [T, Hv];  cu_seqlens: [N+1];
-    initial_state: [N, Hv, Dk, Dv]  ->  (o [T, Hv, Dv] in v's dtype, final_state [N, Hv, Dk, Dv] fp32)
+    q, k: [T, Hk, Dk];  v: [T, Hv, Dv];  g, beta: [T, Hv];  state: [S, Hv, Dk, Dv] fp32;
+    query_start_loc: [B+1];  read_slots: [B];  write_slots: [T]  ->  o [T, Hv, Dv] in v's dtype
     """
     _check_heads(q, k, v)
     Hv, Dv = v.shape[1:]
@@ -113,9 +114,11 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     q, k = _prepare_qk(q, k, Hv, use_qk_l2norm)
     vf, g, beta = v.float(), g.float(), beta.float()
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    final = torch.empty(initial_state.shape, dtype=torch.float32, device=v.device)
     causal = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()  # [C, C] j <= i
-    bounds = cu_seqlens.tolist()
+    eye = torch.eye(C, device=v.device)
+    bounds = query_start_loc.tolist()
+    writes = write_slots.tolist()
+    init = state[read_slots].float()  # [B, H, Dk, Dv], read before any write
     for i in range(len(bounds) - 1):
         s, e = bounds[i], bounds[i + 1]
         L = e - s
@@ -129,21 +132,25 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         decay = (gam[..., :, None] - gam[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [H, n, C, C]
         kb = ks * bs[..., None]
         A = (kb @ ks.transpose(-1, -2) * decay).tril(-1)  # [H, n, C, C] strictly lower
-        eye = torch.eye(C, device=v.device)
         u = torch.linalg.solve_triangular(eye + A, vs * bs[..., None], upper=False)  # [H, n, C, Dv]
         w = torch.linalg.solve_triangular(eye + A, kb * gam.exp()[..., None], upper=False)  # [H, n, C, Dk]
         attn = qs @ ks.transpose(-1, -2) * decay  # [H, n, C, C]
         q_dec = qs * gam.exp()[..., None]
         k_dec = ks * (gam[..., -1:] - gam).exp()[..., None]
-        S = initial_state[i].float()  # [H, Dk, Dv]
+        S = init[i]  # [H, Dk, Dv]
         o = torch.empty(Hv, n, C, Dv, device=v.device)
         for c in range(n):
             v_new = u[:, c] - w[:, c] @ S  # [H, C, Dv]
             o[:, c] = q_dec[:, c] @ S + attn[:, c] @ v_new
+            pos = [p for p in range(min(C, L - c * C)) if writes[s + c * C + p] >= 0]
+            if pos:
+                # State after position p: exp(gam_p) S + sum_{j <= p} exp(gam_p - gam_j) k_j v_new_j^T.
+                k_p = ks[:, c, None] * decay[:, c, pos, :, None]  # [H, P, C, Dk]
+                S_p = gam[:, c, pos].exp()[..., None, None] * S[:, None] + k_p.transpose(-1, -2) @ v_new[:, None]
+                state[[writes[s + c * C + p] for p in pos]] = S_p.transpose(0, 1).to(state.dtype)  # [P, H, Dk, Dv]
             S = S * gam[:, c, -1].exp()[:, None, None] + k_dec[:, c].transpose(-1, -2) @ v_new
         out[s:e] = o.permute(1, 2, 0, 3).reshape(n * C, Hv, Dv)[:L]  # [L, H, Dv]
-        final[i] = S
-    return out.to(v.dtype), final
+    return out.to(v.dtype)
 
 
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

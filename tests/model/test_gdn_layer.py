@@ -47,8 +47,9 @@ class Pair:
         self.rec[slot] = 0
 
     @torch.no_grad()
-    def run(self, seqs):
-        """seqs: list of (hidden [L, H], read_slot, write_slots [L]) -> our outputs, one per sequence."""
+    def run(self, seqs, hint=False):
+        """seqs: list of (hidden [L, H], read_slot, write_slots [L]) -> our outputs, one per sequence;
+        hint: pass the host-side max_query_len."""
         lens = [h.shape[0] for h, _, _ in seqs]
         qsl = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
         T = int(qsl[-1])
@@ -56,7 +57,8 @@ class Pair:
                              query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
                              page_table=torch.zeros(len(seqs), 0, dtype=torch.int32),
                              state_read_slots=torch.tensor([r for _, r, _ in seqs]),
-                             state_write_slots=torch.tensor([w for _, _, ws in seqs for w in ws]))
+                             state_write_slots=torch.tensor([w for _, _, ws in seqs for w in ws]),
+                             max_query_len=max(lens) if hint else None)
         out = self.ours(torch.cat([h for h, _, _ in seqs]), batch, self.conv, self.rec)
         return list(out.split(lens))
 
@@ -124,10 +126,11 @@ def test_token_by_token_decode(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("recurrent_max", [GatedDeltaNet.RECURRENT_MAX_TOKENS, 0])
-def test_mixed_batch(kind, recurrent_max):
+@pytest.mark.parametrize("recurrent_max,hint", [(GatedDeltaNet.RECURRENT_MAX_TOKENS, False),
+                                                (GatedDeltaNet.RECURRENT_MAX_TOKENS, True), (0, False), (100, True)])
+def test_mixed_batch(kind, recurrent_max, hint):
     """A continued prefill chunk, a fresh prefill and a decode token in one batch, with scattered slots;
-    recurrent_max=0 sends every sequence through the chunked rule."""
+    recurrent_max=0 sends every sequence through the chunked rule, 100 every one through the recurrent."""
     p = Pair(kind, seed=3)
     p.ours.RECURRENT_MAX_TOKENS = recurrent_max
     ha, hb, hc = torch.randn(55, 32), torch.randn(18, 32), torch.randn(8, 32)
@@ -135,7 +138,7 @@ def test_mixed_batch(kind, recurrent_max):
     p.fresh(0)
     p.run([(ha[:30], 5, writes(30, 5)), (hc[:7], 0, writes(7, 0))])  # earlier step: prefixes of a and c
     p.fresh(3)
-    oa, ob, oc = p.run([(ha[30:], 5, writes(25, 1)), (hb, 3, writes(18, 3)), (hc[7:], 0, [6])])
+    oa, ob, oc = p.run([(ha[30:], 5, writes(25, 1)), (hb, 3, writes(18, 3)), (hc[7:], 0, [6])], hint)
     for o, h, split, slot in ((oa, ha, 30, 1), (ob, hb, 0, 3), (oc, hc, 7, 6)):
         refs, states = p.hf_run([h[:split], h[split:]] if split else [h])
         assert rel_err(o, refs[-1]) < 1e-4
@@ -144,10 +147,12 @@ def test_mixed_batch(kind, recurrent_max):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_spec_verify_writes_each_position(kind):
+@pytest.mark.parametrize("recurrent_max", [GatedDeltaNet.RECURRENT_MAX_TOKENS, 0])
+def test_spec_verify_writes_each_position(kind, recurrent_max):
     """4 draft tokens, each position's state into its own slot (the first reuses the read slot); each
-    written state equals transformers' state after the prefix up to that token."""
+    written state equals transformers' state after the prefix up to that token, by either rule."""
     p = Pair(kind, seed=4)
+    p.ours.RECURRENT_MAX_TOKENS = recurrent_max
     h = torch.randn(16, 32)
     p.fresh(2)
     p.run([(h[:12], 2, writes(12, 2))])

@@ -24,58 +24,70 @@ def _inputs(T, gen):
     return q, k, v, g, beta
 
 
+def _run_both(q, k, v, g, beta, state, qsl, read, write):
+    """Both rules on copies of `state` -> (o_chunked, state_chunked, o_recurrent, state_recurrent)."""
+    s_c, s_r = state.clone(), state.clone()
+    o_c = chunk_gated_delta_rule(q, k, v, g, beta, s_c, qsl, read, write)
+    o_r = recurrent_gated_delta_rule(q, k, v, g, beta, s_r, qsl, read, write)
+    return o_c, s_c, o_r, s_r
+
+
 @pytest.mark.parametrize("L", [1, 63, 64, 65, 130])
 @pytest.mark.parametrize("with_state", [False, True])
 def test_chunked_equals_recurrent(L, with_state):
     gen = torch.Generator().manual_seed(L * 2 + with_state)
     q, k, v, g, beta = _inputs(L, gen)
-    init = torch.randn(1, HV, DK, DV, generator=gen) if with_state else torch.zeros(1, HV, DK, DV)
-    cu = torch.tensor([0, L])
-    o_c, final = chunk_gated_delta_rule(q, k, v, g, beta, cu, init.clone())
-    # Slot 2 holds the start state, the final state goes to slot 0 (others untouched).
+    # Slot 2 holds the start state (zero for a fresh sequence), the final state goes to slot 0.
     state = torch.randn(3, HV, DK, DV, generator=gen)
-    state[2] = init[0]
-    untouched = state[1].clone()
+    if not with_state:
+        state[2] = 0
     write = torch.full((L,), -1)
     write[-1] = 0
-    o_r = recurrent_gated_delta_rule(q, k, v, g, beta, state, cu, torch.tensor([2]), write)
+    o_c, s_c, o_r, s_r = _run_both(q, k, v, g, beta, state, torch.tensor([0, L]), torch.tensor([2]), write)
     assert rel_err(o_c, o_r) < 1e-4
-    assert rel_err(final[0], state[0]) < 1e-4
-    assert torch.equal(state[1], untouched) and torch.equal(state[2], init[0])
+    assert rel_err(s_c[0], s_r[0]) < 1e-4
+    assert torch.equal(s_c[1:], state[1:]) and torch.equal(s_r[1:], state[1:])  # untouched
+
+
+def test_writes_at_any_position():
+    """States after arbitrary tokens (inside chunks, at chunk edges; the first into the read slot) agree
+    between the rules and with a run of the prefix alone."""
+    gen = torch.Generator().manual_seed(9)
+    L = 130
+    q, k, v, g, beta = _inputs(L, gen)
+    state = torch.randn(8, HV, DK, DV, generator=gen)
+    positions, slots = [0, 5, 63, 64, 100, 129], [1, 2, 3, 4, 5, 6]
+    write = torch.full((L,), -1)
+    write[positions] = torch.tensor(slots)
+    o_c, s_c, o_r, s_r = _run_both(q, k, v, g, beta, state, torch.tensor([0, L]), torch.tensor([1]), write)
+    assert rel_err(o_c, o_r) < 1e-4 and rel_err(s_c, s_r) < 1e-4
+    for p, slot in zip(positions, slots):
+        prefix = torch.full((p + 1,), -1)
+        prefix[-1] = 7
+        s_p = state.clone()
+        chunk_gated_delta_rule(q[:p + 1], k[:p + 1], v[:p + 1], g[:p + 1], beta[:p + 1], s_p,
+                               torch.tensor([0, p + 1]), torch.tensor([1]), prefix)
+        assert rel_err(s_c[slot], s_p[7]) < 1e-5
 
 
 def test_varlen_batches_are_independent():
     """Several sequences in one call give what each gives alone, in both rules."""
     gen = torch.Generator().manual_seed(7)
-    lens = [5, 70, 1]
     cu = torch.tensor([0, 5, 75, 76])
     q, k, v, g, beta = _inputs(76, gen)
-    init = torch.randn(3, HV, DK, DV, generator=gen)
-    o_all, fin_all = chunk_gated_delta_rule(q, k, v, g, beta, cu, init)
-    state = init.clone()
-    write = torch.full((76,), -1)
-    write[cu[1:] - 1] = torch.tensor([0, 1, 2])
-    o_rec = recurrent_gated_delta_rule(q, k, v, g, beta, state, cu, torch.tensor([0, 1, 2]), write)
-    for i, L in enumerate(lens):
-        s, e = cu[i].item(), cu[i + 1].item()
-        o_i, fin_i = chunk_gated_delta_rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], torch.tensor([0, L]),
-                                            init[i:i + 1])
-        assert rel_err(o_all[s:e], o_i) < 1e-5 and rel_err(fin_all[i], fin_i[0]) < 1e-5
-    assert rel_err(o_rec, o_all) < 1e-4 and rel_err(state, fin_all) < 1e-4
-
-
-def test_recurrent_writes_every_position():
-    """A verify-style sequence writing each position's state into its own slot (first one = read slot)."""
-    gen = torch.Generator().manual_seed(3)
-    q, k, v, g, beta = _inputs(4, gen)
     state = torch.randn(6, HV, DK, DV, generator=gen)
-    init = state[1].clone()
-    write = torch.tensor([1, 3, 4, 5])
-    recurrent_gated_delta_rule(q, k, v, g, beta, state, torch.tensor([0, 4]), torch.tensor([1]), write)
-    for j in range(4):
-        _, fin = chunk_gated_delta_rule(q[:j + 1], k[:j + 1], v[:j + 1], g[:j + 1], beta[:j + 1],
-                                        torch.tensor([0, j + 1]), init[None])
-        assert rel_err(state[write[j]], fin[0]) < 1e-5
+    read = torch.tensor([0, 1, 2])
+    write = torch.full((76,), -1)
+    write[cu[1:] - 1] = torch.tensor([3, 4, 2])  # the last sequence writes its own read slot
+    o_c, s_c, o_r, s_r = _run_both(q, k, v, g, beta, state, cu, read, write)
+    assert rel_err(o_c, o_r) < 1e-4 and rel_err(s_c, s_r) < 1e-4
+    for i in range(3):
+        s, e = cu[i].item(), cu[i + 1].item()
+        alone = state.clone()
+        o_i = chunk_gated_delta_rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], alone, torch.tensor([0, e - s]),
+                                     read[i:i + 1], write[s:e])
+        assert rel_err(o_c[s:e], o_i) < 1e-5
+        assert rel_err(s_c[write[e - 1]], alone[write[e - 1]]) < 1e-5
 
 
 def test_causal_conv1d_continues_from_slots():
