@@ -58,9 +58,17 @@ def host_address() -> str:
     if os.environ.get("NVL72_HOST_ADDR"):
         return os.environ["NVL72_HOST_ADDR"]
     try:
-        return socket.gethostbyname(socket.gethostname())
+        addr = socket.gethostbyname(socket.gethostname())
     except OSError:
-        return "127.0.0.1"
+        addr = "127.0.0.1"
+    if addr.startswith("127."):  # /etc/hosts maps the hostname to loopback: ask the routing table
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect(("10.255.255.255", 1))  # UDP connect sends nothing; it only picks a route
+                addr = s.getsockname()[0]
+        except OSError:
+            pass
+    return addr
 
 
 def rendezvous(env: LaunchEnv, environ: Mapping[str, str] | None = None) -> tuple[str, int]:

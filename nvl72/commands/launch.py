@@ -1,16 +1,404 @@
-"""`nvl72 launch`: start this rank's role under srun/mpirun (one process per GPU)."""
+"""`nvl72 launch`: start this rank's role under srun/mpirun (one process per GPU).
+
+Every rank: read its place from the launcher's environment, join the world (NCCL on GPU, gloo on
+CPU, with a gloo control group), gather hostnames, take the plan (`--plan` file, or computed from
+the same arguments as `nvl72 plan` on every rank), build its process groups, and run its role.
+The rank that the plan names for the front also runs the front's control plane in a thread: it
+collects each rank's readiness, heartbeats and goodbyes over ZeroMQ (ROUTER <- DEALER per rank,
+msgpack messages with a version field) and tells every rank to shut down on an operator's
+`shutdown` message, a signal, `--run-seconds`, or a rank that stops heartbeating.
+
+Role bodies (prefill engine, decode engine, HTTP front) come from the engine and server packages;
+until they land, every role is `idle_role`: report ready (with a check that its groups carry an
+all-reduce), heartbeat, exit cleanly when told.
+"""
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
+import pathlib
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
-from nvl72.cli import NotAvailableYet
+import msgpack
+
+from nvl72.cli import CLIError
+from nvl72.commands.plan import add_plan_arguments, plan_from_args
 
 HELP = "start this rank's role under srun/mpirun (one process per GPU)"
+log = logging.getLogger("nvl72.launch")
 
 
+# ---------------------------------------------------------------------------------------------
+# Control messages (front <-> ranks). Heartbeats are the engine protocol's LoadReport.
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class RankReady:
+    KIND: ClassVar[str] = "rank_ready"
+    rank: int
+    role: str
+    instance: str
+    host: str
+    pid: int
+    device: str
+    tp: list[int]  # [rank, size]
+    dp: list[int]
+    ep: list[int]
+    group_sums: dict[str, int] = field(default_factory=dict)  # all-reduce of ones over each group
+
+
+@dataclass
+class Shutdown:
+    KIND: ClassVar[str] = "shutdown"
+    reason: str
+
+
+@dataclass
+class RankBye:
+    KIND: ClassVar[str] = "rank_bye"
+    rank: int
+
+
+@dataclass
+class HeartbeatAck:
+    KIND: ClassVar[str] = "heartbeat_ack"
+    time: float
+
+
+_CONTROL = {c.KIND: c for c in (RankReady, Shutdown, RankBye, HeartbeatAck)}
+
+
+def encode(msg) -> bytes:
+    from nvl72.engine import protocol
+
+    if msg.KIND in _CONTROL:
+        return msgpack.packb({"v": protocol.PROTOCOL_VERSION, "kind": msg.KIND, "body": asdict(msg)}, use_bin_type=True)
+    return protocol.encode(msg)
+
+
+def decode(data: bytes):
+    from nvl72.engine import protocol
+
+    try:
+        raw = msgpack.unpackb(data, raw=False)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise protocol.ProtocolError(f"undecodable control message: {e}") from e
+    if isinstance(raw, dict) and raw.get("kind") in _CONTROL:
+        if raw.get("v") != protocol.PROTOCOL_VERSION:
+            raise protocol.ProtocolError(f"unsupported protocol version {raw.get('v')!r}")
+        try:
+            return _CONTROL[raw["kind"]](**raw["body"])
+        except TypeError as e:
+            raise protocol.ProtocolError(f"bad fields for {raw['kind']!r}: {e}") from e
+    return protocol.decode(data)
+
+
+def request_shutdown(address: str, reason: str = "operator", timeout: float = 5.0) -> None:
+    """Ask a running launch's front to shut every rank down (what an operator or a test calls)."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, int(timeout * 1000))
+    sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
+    try:
+        sock.connect(address)
+        sock.send(encode(Shutdown(reason)))
+    finally:
+        sock.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Front control plane
+# ---------------------------------------------------------------------------------------------
+class Front(threading.Thread):
+    """Collects readiness and heartbeats of all ranks; broadcasts shutdown; exit_code 0 when every
+    rank came up, stayed alive and said goodbye in time."""
+
+    def __init__(self, world_size: int, host: str, port: int, heartbeat_timeout: float, ready_timeout: float,
+                 shutdown_timeout: float, run_seconds: float | None, ready_file: str | None):
+        super().__init__(name="nvl72-front", daemon=True)
+        import zmq
+
+        self.world_size, self.hb_timeout, self.ready_timeout = world_size, heartbeat_timeout, ready_timeout
+        self.shutdown_timeout, self.run_seconds, self.ready_file = shutdown_timeout, run_seconds, ready_file
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if port == 0:
+            port = self.sock.bind_to_random_port("tcp://*")
+        else:
+            self.sock.bind(f"tcp://*:{port}")
+        self.address = f"tcp://{host}:{port}"
+        self.ready: dict[int, RankReady] = {}
+        self.identity: dict[int, bytes] = {}
+        self.last_seen: dict[int, float] = {}
+        self.bye: set[int] = set()
+        self.exit_code = 0
+        self._stop_reason: str | None = None
+        self._lock = threading.Lock()
+
+    def stop(self, reason: str, failed: bool = False) -> None:
+        with self._lock:
+            if self._stop_reason is None:
+                self._stop_reason = reason
+                log.info("front: shutting down all ranks (%s)", reason)
+            if failed:
+                self.exit_code = 1
+
+    def _all_ready(self) -> None:
+        ranks = [asdict(self.ready[r]) for r in sorted(self.ready)]
+        log.info("front: all %d ranks ready at %s: %s", self.world_size, self.address,
+                 ", ".join(f"{r['rank']}={r['instance']}" for r in ranks))
+        if self.ready_file:
+            tmp = pathlib.Path(self.ready_file + ".tmp")
+            tmp.write_text(json.dumps({"front": self.address, "world_size": self.world_size, "ranks": ranks}))
+            tmp.replace(self.ready_file)
+
+    def _handle(self, ident: bytes, data: bytes, now: float) -> None:
+        from nvl72.engine.protocol import LoadReport, ProtocolError
+
+        try:
+            msg = decode(data)
+        except ProtocolError as e:
+            log.warning("front: dropped a bad message: %s", e)
+            return
+        if isinstance(msg, RankReady):
+            self.ready[msg.rank], self.identity[msg.rank], self.last_seen[msg.rank] = msg, ident, now
+            log.info("front: rank %d ready (%s on %s, pid %d)", msg.rank, msg.instance, msg.host, msg.pid)
+        elif isinstance(msg, LoadReport):
+            self.last_seen[msg.rank] = now
+            self.sock.send_multipart([ident, encode(HeartbeatAck(now))])
+        elif isinstance(msg, RankBye):
+            self.bye.add(msg.rank)
+            if self._stop_reason is None:
+                self.stop(f"rank {msg.rank} left", failed=True)
+        elif isinstance(msg, Shutdown):
+            self.stop(msg.reason)
+
+    def run(self) -> None:
+        import zmq
+
+        start = time.monotonic()
+        all_ready_at = None
+        shutdown_started = last_sent = None
+        while True:
+            now = time.monotonic()
+            if self.sock.poll(100, zmq.POLLIN):
+                ident, data = self.sock.recv_multipart()
+                self._handle(ident, data, time.monotonic())
+                continue
+            if all_ready_at is None and len(self.ready) == self.world_size:
+                all_ready_at = now
+                self._all_ready()
+            if all_ready_at is None and now - start > self.ready_timeout:
+                missing = sorted(set(range(self.world_size)) - set(self.ready))
+                self.stop(f"ranks {missing} not ready within {self.ready_timeout:g} s", failed=True)
+            late = [r for r, t in self.last_seen.items() if r not in self.bye and now - t > self.hb_timeout]
+            if late and self._stop_reason is None:
+                self.stop(f"ranks {late} missed heartbeats for {self.hb_timeout:g} s", failed=True)
+            if all_ready_at is not None and self.run_seconds is not None and now - all_ready_at >= self.run_seconds:
+                self.stop(f"--run-seconds {self.run_seconds:g} elapsed")
+            if self._stop_reason is None:
+                continue
+            shutdown_started = shutdown_started or now
+            if self.bye >= set(self.identity):  # every rank that came up has left
+                break
+            if now - shutdown_started > self.shutdown_timeout:
+                log.error("front: ranks %s did not say goodbye within %g s", sorted(set(self.identity) - self.bye),
+                          self.shutdown_timeout)
+                self.exit_code = 1
+                break
+            if last_sent is None or now - last_sent > 0.5:  # resend until every rank said goodbye
+                for r, ident in self.identity.items():
+                    if r not in self.bye:
+                        self.sock.send_multipart([ident, encode(Shutdown(self._stop_reason))])
+                last_sent = now
+        self.sock.close()
+        log.info("front: done (exit code %d)", self.exit_code)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank side
+# ---------------------------------------------------------------------------------------------
+class RankAgent:
+    """A rank's line to the front: readiness, heartbeats, and whether to stop."""
+
+    def __init__(self, rank: int, address: str, heartbeat: float, heartbeat_timeout: float):
+        import zmq
+
+        self.rank, self.heartbeat_s, self.hb_timeout = rank, heartbeat, heartbeat_timeout
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, f"rank{rank}".encode())
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.connect(address)
+        self.stop_reason: str | None = None
+        self._last_beat = 0.0
+        self._last_ack = time.monotonic()
+
+    def send(self, msg) -> None:
+        self.sock.send(encode(msg))
+
+    def beat(self, stats: dict[str, float] | None = None) -> None:
+        """Send a heartbeat when one is due, read the front's messages for up to one heartbeat."""
+        import zmq
+
+        from nvl72.engine.protocol import LoadReport
+
+        now = time.monotonic()
+        if now - self._last_beat >= self.heartbeat_s:
+            self.send(LoadReport(self.rank, 0, 0, 0.0, time.time(), stats or {}))
+            self._last_beat = now
+        if self.sock.poll(int(self.heartbeat_s * 1000), zmq.POLLIN):
+            msg = decode(self.sock.recv())
+            if isinstance(msg, Shutdown):
+                self.stop_reason = msg.reason
+            elif isinstance(msg, HeartbeatAck):
+                self._last_ack = time.monotonic()
+        if self.stop_reason is None and time.monotonic() - self._last_ack > self.hb_timeout:
+            self.stop_reason = f"front silent for {self.hb_timeout:g} s"
+
+    def close(self) -> None:
+        self.send(RankBye(self.rank))
+        self.sock.close()
+
+
+@dataclass
+class RoleContext:
+    plan: object  # nvl72.plan.Plan
+    groups: object  # nvl72.parallel.ProcessGroups
+    agent: RankAgent
+    device: str
+    timeout: float
+    stop: threading.Event
+
+
+def _group_sums(ctx: RoleContext) -> dict[str, int]:
+    """All-reduce ones over each of this rank's groups: proves the groups carry a collective."""
+    import torch
+    import torch.distributed as dist
+
+    from nvl72.parallel import wait
+
+    out = {}
+    for name in ("instance", "tp", "ep", "dp"):
+        g = getattr(ctx.groups, name)
+        if g is None:
+            continue
+        t = torch.ones(1, device="cuda" if ctx.device == "cuda" else "cpu")
+        wait(dist.all_reduce(t, group=g, async_op=True), ctx.timeout, f"{name} group check")
+        out[name] = int(t.item())
+    return out
+
+
+def idle_role(ctx: RoleContext) -> int:
+    """The role body until the engine/server land: join, report ready, heartbeat, stop when told."""
+    r = ctx.groups.role
+    host = os.environ.get("PMI_HOSTNAME") or os.uname().nodename
+    ctx.agent.send(RankReady(r.rank, r.role, r.name, host, os.getpid(), ctx.device, [r.tp_rank, r.tp_size],
+                             [r.dp_rank, r.dp_size], [r.ep_rank, r.ep_size], _group_sums(ctx)))
+    while ctx.agent.stop_reason is None and not ctx.stop.is_set():
+        ctx.agent.beat()
+    return 0
+
+
+ROLES: dict[str, Callable[[RoleContext], int]] = {"prefill": idle_role, "decode": idle_role, "spare": idle_role}
+
+
+# ---------------------------------------------------------------------------------------------
+# Command
+# ---------------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    add_plan_arguments(parser, rack_default=None)
+    parser.add_argument("--plan", help="a plan written by `nvl72 plan --out` (instead of the plan arguments)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="cuda: one GPU per rank (NCCL); cpu: CPU workers (gloo); auto: cuda when present")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds for every collective (default 300)")
+    parser.add_argument("--front-port", type=int, default=0, help="port of the front's control socket (0: any)")
+    parser.add_argument("--front-host", help="address ranks use to reach the front (default: this host's)")
+    parser.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats (default 1)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=15.0,
+                        help="a rank (or the front) silent this long is lost: shut down (default 15)")
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for all ranks to be ready")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds for all ranks to leave")
+    parser.add_argument("--run-seconds", type=float, help="shut down this long after all ranks are ready")
+    parser.add_argument("--ready-file", help="the front writes the ranks' readiness here as JSON")
+
+
+def _gpu_name(device: str) -> str:
+    if device != "cuda":
+        return "cpu"
+    import torch
+
+    name = torch.cuda.get_device_name()
+    for known in ("GB200", "B200", "H200", "H100"):
+        if known in name:
+            return known
+    return name
 
 
 def run(args: argparse.Namespace) -> int:
-    raise NotAvailableYet("nvl72 launch")
+    import torch
+
+    from nvl72.parallel import (ParallelError, all_gather_strings, broadcast_string, build_groups, host_address,
+                                init_distributed)
+    from nvl72.plan import Plan, PlanError
+    from nvl72.topology import TopologyError, launch_env, rack_from_hostnames
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    try:
+        env = launch_env()
+        control = init_distributed(env, device, args.timeout)
+        hosts = all_gather_strings(env.hostname, control, args.timeout)
+        if args.plan:
+            plan = Plan.from_json(pathlib.Path(args.plan).read_text(), args.plan)
+        else:
+            rack = None if args.rack else rack_from_hostnames(hosts, _gpu_name(device))
+            plan = plan_from_args(args, rack)
+        if plan.rack.world_size != env.world_size:
+            raise CLIError(f"the plan's rack {plan.rack.name} has {plan.rack.world_size} ranks but the launcher "
+                           f"started {env.world_size}")
+        groups = build_groups(plan, control, args.timeout)
+    except (TopologyError, PlanError, ParallelError, OSError) as e:
+        raise CLIError(str(e)) from None
+
+    stop = threading.Event()
+    front = None
+    if env.rank == plan.front_rank:
+        front = Front(env.world_size, args.front_host or host_address(), args.front_port, args.heartbeat_timeout,
+                      args.ready_timeout, args.shutdown_timeout, args.run_seconds, args.ready_file)
+        front.start()
+        log.info("front control plane on %s", front.address)
+
+    def on_signal(signum, _frame):
+        stop.set()
+        if front is not None:
+            front.stop(f"signal {signum}")
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    address = broadcast_string(front.address if front else None, plan.front_rank, control, args.timeout)
+    agent = RankAgent(env.rank, address, args.heartbeat, args.heartbeat_timeout)
+    ctx = RoleContext(plan, groups, agent, device, args.timeout, stop)
+    code = ROLES[groups.role.role](ctx)
+    log.info("rank %d: %s leaving (%s)", env.rank, groups.role.name, agent.stop_reason or "signal")
+    agent.close()
+    if front is not None:
+        front.join(args.shutdown_timeout + 5)
+        code = code or front.exit_code or int(front.is_alive())
+    import torch.distributed as dist
+
+    from nvl72.parallel import CollectiveTimeout, wait
+
+    try:
+        wait(dist.barrier(group=control, async_op=True), args.timeout, "shutdown barrier")
+    except CollectiveTimeout as e:
+        log.error("rank %d: %s", env.rank, e)
+        code = code or 1
+    groups.destroy()
+    return code
