@@ -230,6 +230,8 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
         mtp = d.get("mtp_num_hidden_layers", d.get("num_nextn_predict_layers", 0)) or 0
+        if d.get("mtp_use_dedicated_embeddings"):
+            raise ConfigError("mtp_use_dedicated_embeddings=True is not supported (the MTP head shares the embedding)")
         if mtp and family not in _HYBRID:
             raise ConfigError(f"mtp_num_hidden_layers={mtp} but {mtype} has no MTP head")
         cfg = cls(

@@ -86,6 +86,7 @@ class QwenMoeForCausalLM(nn.Module):
         # fp32 RoPE table input; built at model dtype, so never `.to(dtype)` the model afterwards.
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
         attach_default_loaders(self)
+        self._cache_spec = self._make_cache_spec()
 
     @property
     def device(self) -> torch.device:
@@ -127,7 +128,7 @@ class QwenMoeForCausalLM(nn.Module):
         return F.linear(hidden, weight).float()
 
     def _check(self, batch: ForwardBatch, caches: ModelCaches) -> None:
-        n = self.cache_spec().num_layers
+        n = self._cache_spec.num_layers
         if len(caches.kv) != n:
             raise ValueError(f"ModelCaches has {len(caches.kv)} layers, the model needs {n} (see cache_spec())")
         if batch.positions.shape != batch.input_ids.shape:
@@ -137,6 +138,10 @@ class QwenMoeForCausalLM(nn.Module):
 
     # ---- caches --------------------------------------------------------------------------------
     def cache_spec(self) -> CacheSpec:
+        """Per-layer KV page and GDN state-slot shapes/dtypes the engine must allocate."""
+        return self._cache_spec
+
+    def _make_cache_spec(self) -> CacheSpec:
         cfg = self.config
         kv_spec = KVLayerSpec(cfg.num_key_value_heads, cfg.head_dim, self.dtype)
         num_mtp = 0 if self.mtp is None else len(self.mtp.layers)

@@ -171,3 +171,13 @@ def test_expert_parallel_loaders_slice_experts(qwen35):
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(0))
     parts = sum(m.model.layers[1].mlp(x) for m in ranks)
     assert rel_err(parts, mlp_full(x)) < 1e-5
+
+
+def test_dummy_bf16_tracks_fp32():
+    """The bf16 path (RoPE tables, norms, attention, GDN) stays close to the fp32 one on the same weights."""
+    cfg = ModelConfig.from_dict(hf_config("qwen3_next").to_dict())
+    f32 = load_model(None, config=cfg, dtype=torch.float32, device="cpu", load_format="dummy", seed=5)
+    b16 = load_model(None, config=cfg, dtype=torch.bfloat16, device="cpu", load_format="dummy", seed=5)
+    a, b = _logits(f32), _logits(b16)
+    assert b.dtype == torch.float32 and torch.isfinite(b).all()
+    assert rel_err(b, a) < 5e-2

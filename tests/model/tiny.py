@@ -135,21 +135,21 @@ class PagedRunner:
             write += [-1] * (len(toks) - 1) + [self.slot[sid]]
             self.cached[sid] = n
         width = max(len(t) for t in tables)
-        table = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
+        dev = self.model.device
         return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(pos, dtype=torch.int64),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(lens, dtype=torch.int32),
-            page_table=table,
-            state_read_slots=torch.tensor(read, dtype=torch.int64),
-            state_write_slots=torch.tensor(write, dtype=torch.int64),
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            page_table=torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            state_read_slots=torch.tensor(read, dtype=torch.int64, device=dev),
+            state_write_slots=torch.tensor(write, dtype=torch.int64, device=dev),
         )
 
     @torch.no_grad()
     def step(self, chunks: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
-        """One forward; returns each chunk's logits [len, V]."""
+        """One forward; returns each chunk's logits [len, V] (on the CPU)."""
         b = self.batch(chunks)
-        logits = self.model.compute_logits(self.model(b, self.caches))
+        logits = self.model.compute_logits(self.model(b, self.caches)).cpu()
         qsl = b.query_start_loc.tolist()
         return [logits[qsl[i] : qsl[i + 1]] for i in range(len(chunks))]
