@@ -118,7 +118,8 @@ class Scheduler:
             seq.state_slot = -1
         seq.drafts = []
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
+        """Free all cache of a running sequence and queue it first for recompute."""
         self.running.remove(seq)
         self._free(seq)
         seq.num_computed = 0
@@ -196,7 +197,7 @@ class Scheduler:
                 continue
             while not self._reserve(seq, sched, need_state=False):
                 victim = self.running[-1]
-                self._preempt(victim)
+                self.preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
