@@ -205,13 +205,22 @@ class DispatchCombine:
         self._all_reduce = all_reduce
         self._fused = None
         device = getattr(heap_or_group, "device", None)
+        if mode == "replicated" and all_reduce is None and hasattr(heap_or_group, "peer_ptrs"):
+            from comms.allreduce import AllReduce  # a heap: sum the partials through comms.AllReduce
+
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            self._all_reduce = AllReduce(heap_or_group, max_bytes=max_tokens_per_rank * hidden * itemsize,
+                                         timeout_s=timeout_s)
         if mode == "dp_ep" and device is not None and torch.device(device).type == "cuda":
             from comms.dispatch_fused import FusedDispatch
 
             self._fused = FusedDispatch(heap_or_group, self, timeout_s)
+        backend = "fused-cutedsl" if self._fused else (
+            "local+" + ("comms.AllReduce" if self._all_reduce is not None else "torch.distributed.all_reduce")
+            if mode == "replicated" else "torch.distributed.all_to_all")
         log.info("DispatchCombine: mode=%s layout=%s backend=%s world=%d experts=%d top_k=%d hidden=%d "
-                 "max_tokens=%d cap=%d", mode, layout, "fused-cutedsl" if self._fused else "torch.distributed",
-                 self.world, num_experts, top_k, hidden, max_tokens_per_rank, self.cap)
+                 "max_tokens=%d cap=%d", mode, layout, backend, self.world, num_experts, top_k, hidden,
+                 max_tokens_per_rank, self.cap)
 
     @staticmethod
     def heap_size_hint(world: int, num_experts: int, top_k: int, hidden: int, max_tokens_per_rank: int) -> int:
@@ -244,6 +253,8 @@ class DispatchCombine:
 
     def destroy(self) -> None:
         """Free the kernel buffers (the heap itself belongs to the caller)."""
+        if hasattr(self._all_reduce, "destroy"):
+            self._all_reduce.destroy()
         if self._fused is not None:
             self._fused.destroy()
             self._fused = None

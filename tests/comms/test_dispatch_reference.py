@@ -73,11 +73,14 @@ def _check_dp_ep(rank, world, E, T, case, layout, gen):
     assert rel < 1e-2, rel
 
 
-def _check_replicated(rank, world, E, T, gen):
+def _check_replicated(rank, world, E, T, gen, heap=None):
+    """Replicated inputs; partials summed by torch.distributed (group) or comms.AllReduce (heap)."""
     gen.manual_seed(1234)  # same inputs on every rank
     x = tagged_tokens(0, T, gen)
     ids, w = routing("random", 0, world, T, E, gen)
-    ep = DispatchCombine(dist.group.WORLD, E, TOPK, HIDDEN, max_tokens_per_rank=16, mode="replicated")
+    ep = DispatchCombine(heap if heap is not None else dist.group.WORLD, E, TOPK, HIDDEN, max_tokens_per_rank=16,
+                         mode="replicated")
+    assert (ep._all_reduce is not None) == (heap is not None)
     recv, handle = ep.dispatch(x, ids, w)
     per_rank = E // world
     for e in range(per_rank):
@@ -102,6 +105,13 @@ def _worker(rank, world, path):
                     _check_dp_ep(rank, world, E, T, case, layout, gen)
         _check_dp_ep(rank, world, E, 0, "random", "masked", gen)  # a rank with no tokens
         _check_replicated(rank, world, E, 13, gen)
+        from comms.heap import SymmetricHeap
+
+        with SymmetricHeap(dist.group.WORLD, 1 << 20, device="cpu", timeout_s=TIMEOUT_S) as heap:
+            _check_replicated(rank, world, E, 13, gen, heap)
+            # a CPU heap in dp_ep mode runs the reference all_to_all over the heap's group
+            ep = DispatchCombine(heap, E, TOPK, HIDDEN, 16, mode="dp_ep")
+            assert ep._fused is None
         dist.barrier()
     finally:
         dist.destroy_process_group()

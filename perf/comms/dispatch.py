@@ -1,0 +1,242 @@
+"""MoE dispatch/combine: fused DP-EP kernels vs an NCCL all_to_all path and the send/recv floor.
+
+One process per GPU (spawned here). Per (hidden, experts) one fused `DispatchCombine` on a
+`SymmetricHeap` sized for the largest token count; per tokens-per-rank T, on uniformly random
+top-k routing:
+  fused   CUDA-graph replay of `iters` dispatches, of `iters` combines, and of `iters`
+          dispatch+combine pairs (per-op time = replay time / iters; max over ranks);
+  nccl    the torch.distributed reference on NCCL (count exchange, all_to_all_single of rows and
+          metadata, per-expert permutation; combine: local weighted sum, all_to_all back, sum), eager
+          (it needs the counts on the host), wall clock per call, median;
+  a2a     all_to_all_single of exactly the rows that cross ranks (no permutation), events;
+  floor   bytes leaving this GPU / NCCL send-recv bandwidth measured in the same run.
+A dispatch-only (or combine-only) replay loop reuses buffers that a peer one call ahead already
+rewrites, so its numbers are timings only; the pair loop is the real sequence.
+Prints an nccl-tests-style table on rank 0 and writes JSON (`--json`).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def add_arguments(p):
+    p.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512,1024,2048,4096",
+                   help="tokens per rank, comma-separated")
+    p.add_argument("--hidden", default="4096,7168")
+    p.add_argument("--experts", default="128,256")
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--layout", default="contiguous", choices=("masked", "contiguous"),
+                   help="packed expert-input layout (masked needs E_local * world * max tokens rows)")
+    p.add_argument("--iters", type=int, default=20, help="ops per CUDA-graph replay")
+    p.add_argument("--nccl-iters", type=int, default=5)
+    p.add_argument("--nprocs", type=int, default=0, help="GPUs (default: all visible)")
+    p.add_argument("--json", default="", help="write results here (rank 0)")
+    p.add_argument("--timeout", type=float, default=300.0, help="whole run, seconds")
+
+
+def _ints(s):
+    return [int(v) for v in str(s).split(",") if v]
+
+
+def _sendrecv_bw(rank, world, dev, nbytes=256 << 20, reps=5):
+    """Bytes/s one GPU pushes to its ring neighbour while receiving from the other (NCCL p2p)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+
+    def once():
+        ops = [dist.P2POp(dist.isend, a, nxt), dist.P2POp(dist.irecv, b, prv)]
+        for r in dist.batch_isend_irecv(ops):
+            r.wait()
+    once()
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        once()
+    torch.cuda.synchronize()
+    bw = torch.tensor([nbytes * reps / (time.perf_counter() - t0)], device=dev)
+    dist.all_reduce(bw, op=dist.ReduceOp.MIN)
+    return float(bw)
+
+
+def _graph_time(fn, iters, dev):
+    """Capture `iters` calls of fn in one graph; seconds per call of a warm replay (max over ranks).
+
+    If capture fails, the same loop runs eagerly (timed with events) and `eager` is returned True."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    eager = False
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(iters):
+                fn()
+        run = g.replay
+    except Exception as e:  # noqa: BLE001  (reported in the table)
+        print(f"graph capture failed ({type(e).__name__}: {e}); timing eagerly", flush=True)
+        eager = True
+
+        def run():
+            for _ in range(iters):
+                fn()
+    run()
+    torch.cuda.synchronize()
+    dist.barrier()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    run()
+    e1.record()
+    torch.cuda.synchronize()
+    t = torch.tensor([e0.elapsed_time(e1) / 1e3 / iters], device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t), eager
+
+
+def _wall_median(fn, reps, dev):
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(ts)], device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _worker(rank, world, store, args, out_path):
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args.timeout), device_id=dev)
+    from comms.dispatch import DispatchCombine, token_rank_mask
+    from comms.heap import SymmetricHeap
+
+    group = dist.group.WORLD
+    K = args.topk
+    bw = _sendrecv_bw(rank, world, dev)
+    if rank == 0:
+        print(f"# NCCL send/recv (ring neighbour, both directions at once): {bw / 1e9:.1f} GB/s per GPU", flush=True)
+    rows = []
+    tokens = _ints(args.tokens)
+    M = max(tokens)
+    gen = torch.Generator(device=dev).manual_seed(1 + rank)
+    try:
+        for H in _ints(args.hidden):
+            for E in _ints(args.experts):
+                heap = SymmetricHeap(group, DispatchCombine.heap_size_hint(world, E, K, H, M), device=dev)
+                fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", layout=args.layout)
+                ref = DispatchCombine(group, E, K, H, M, mode="dp_ep", layout=args.layout)
+                for T in tokens:
+                    x = torch.randn(T, H, device=dev, generator=gen).to(torch.bfloat16)
+                    ids = torch.rand(T, E, device=dev, generator=gen).topk(K, dim=1).indices.to(torch.int32)
+                    w = torch.rand(T, K, device=dev, generator=gen)
+                    w = w / w.sum(1, keepdim=True)
+                    recv, h = fused.dispatch(x, ids, w)
+                    fused.combine(recv.x, h)
+                    fused.check()
+                    t_d, eager = _graph_time(lambda: fused.dispatch(x, ids, w), args.iters, dev)
+                    t_c, _ = _graph_time(lambda: fused.combine(recv.x, h), args.iters, dev)
+
+                    def pair():
+                        r, hh = fused.dispatch(x, ids, w)
+                        fused.combine(r.x, hh)
+
+                    t_dc, _ = _graph_time(pair, args.iters, dev)
+                    fused.check()
+                    state = {}
+
+                    def nccl_dispatch():
+                        state["r"] = ref.dispatch(x, ids, w)
+
+                    t_nd = _wall_median(nccl_dispatch, args.nccl_iters, dev)
+                    rr, hr = state["r"]
+                    t_nc = _wall_median(lambda: ref.combine(rr.x, hr), args.nccl_iters, dev)
+                    # rows that cross ranks, and the a2a that moves exactly them
+                    mask = token_rank_mask(ids, E // world, world)  # [T, R]
+                    mask[:, rank] = False
+                    remote = torch.tensor([int(mask.sum())], device=dev)
+                    dist.all_reduce(remote, op=dist.ReduceOp.MAX)
+                    send_counts = mask.sum(0).tolist()
+                    rc = torch.tensor(send_counts, device=dev)
+                    recv_counts = torch.empty_like(rc)
+                    dist.all_to_all_single(recv_counts, rc)
+                    recv_counts = recv_counts.tolist()
+                    dst, tok = torch.nonzero(mask.t(), as_tuple=True)
+                    sbuf = x[tok].contiguous()
+                    rbuf = torch.empty(sum(recv_counts), H, dtype=x.dtype, device=dev)
+                    t_a2a = _wall_median(lambda: dist.all_to_all_single(rbuf, sbuf, recv_counts, send_counts),
+                                         args.nccl_iters, dev)
+                    nbytes = int(remote) * H * 2
+                    floor = nbytes / bw
+                    rows.append(dict(tokens=T, hidden=H, experts=E, topk=K, world=world, layout=args.layout, graph=not eager,
+                                     fused_dispatch_us=t_d * 1e6, fused_combine_us=t_c * 1e6,
+                                     fused_pair_us=t_dc * 1e6, nccl_dispatch_us=t_nd * 1e6,
+                                     nccl_combine_us=t_nc * 1e6, nccl_a2a_rows_us=t_a2a * 1e6,
+                                     remote_bytes=nbytes, floor_us=floor * 1e6, sendrecv_GBps=bw / 1e9,
+                                     dispatch_GBps=nbytes / t_d / 1e9 if t_d else 0.0,
+                                     combine_GBps=nbytes / t_c / 1e9 if t_c else 0.0))
+                    if rank == 0:
+                        r = rows[-1]
+                        print(f"{T:6d} {H:6d} {E:4d} {r['fused_dispatch_us']:9.1f} {r['fused_combine_us']:9.1f} "
+                              f"{r['fused_pair_us']:9.1f} {r['nccl_dispatch_us']:9.1f} {r['nccl_combine_us']:9.1f} "
+                              f"{(r['nccl_dispatch_us'] + r['nccl_combine_us']) / r['fused_pair_us']:6.1f}x "
+                              f"{r['nccl_a2a_rows_us']:9.1f} {r['floor_us']:8.1f} {r['dispatch_GBps']:7.1f} "
+                              f"{r['combine_GBps']:7.1f} {100 * r['dispatch_GBps'] / r['sendrecv_GBps']:5.0f}%"
+                              f"{'' if r['graph'] else ' (eager)'}",
+                              flush=True)
+                fused.destroy()
+                heap.destroy()
+    finally:
+        if rank == 0 and out_path:
+            with open(out_path, "w") as f:
+                json.dump({"sendrecv_GBps": bw / 1e9, "gpu": torch.cuda.get_device_name(dev), "world": world,
+                           "rows": rows}, f, indent=1)
+        dist.destroy_process_group()
+
+
+HEADER = ("tokens hidden    E  disp(us)  comb(us)  pair(us) ncclD(us) ncclC(us) speedup  a2a(us) floor(us)"
+          " dispGB/s combGB/s %sendrecv")
+
+
+def run(args) -> int:
+    world = args.nprocs or torch.cuda.device_count()
+    if world < 2:
+        raise RuntimeError(f"dispatch benchmark needs >= 2 GPUs, found {world}")
+    print(f"# fused DP-EP dispatch/combine vs NCCL, {world} x {torch.cuda.get_device_name(0)}, top-{args.topk}, "
+          f"bf16, layout {args.layout}, {args.iters} ops per graph replay")
+    print(HEADER, flush=True)
+    with tempfile.TemporaryDirectory() as d:
+        ctx = mp.spawn(_worker, args=(world, os.path.join(d, "store"), args, args.json), nprocs=world, join=False)
+        t0 = time.monotonic()
+        while not ctx.join(timeout=5):
+            if time.monotonic() - t0 > args.timeout:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"dispatch benchmark did not finish within --timeout {args.timeout} s")
+    return 0
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    add_arguments(ap)
+    raise SystemExit(run(ap.parse_args()))

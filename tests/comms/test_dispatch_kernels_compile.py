@@ -1,0 +1,27 @@
+"""The fused dispatch/combine kernels compile for Hopper (sm_90a) and Blackwell (sm_100a) on a CPU.
+
+Compilation needs no GPU; it catches CuTeDSL tracing/lowering errors in CI. Running them needs
+two GPUs (tests/comms/test_dispatch_gpu.py)."""
+import pytest
+
+cute = pytest.importorskip("cutlass.cute")
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_dispatch_kernels_compile(arch):
+    from comms.kernels import dispatch
+
+    fns = dispatch.compile_for_export(arch, topks=(4,))
+    assert sorted(fns) == ["combine_k4", "dispatch_k4"]
+
+
+def test_host_mirrors_kernel_constants():
+    """comms.dispatch_fused restates the kernel bounds (it must not import CuTeDSL): keep them equal."""
+    from comms import dispatch_fused as host
+    from comms.kernels import dispatch as k
+
+    assert host.CHUNK_BYTES == k.CHUNK_VEC * 16
+    assert (host.MAX_WORLD, host.MAX_LOCAL, host.MAX_PAIRS) == (k.MAX_WORLD, k.MAX_LOCAL, k.MAX_PAIRS)
+    assert host.TOPK_VARIANTS == k.TOPK_VARIANTS
+    assert {1: k.ERR_DISPATCH_TIMEOUT, 2: k.ERR_COMBINE_TIMEOUT, 3: k.ERR_CAPACITY} == {
+        kind: kind << 16 for kind in host._ERR_KINDS}
