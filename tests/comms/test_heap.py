@@ -17,20 +17,23 @@ from comms.heap import HeapError, SymmetricHeap, exchange_fds
 JOIN_TIMEOUT_S = 90
 
 
-def _entry(rank, world, init_file, fn, args):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+def _entry(rank, world, init_file, fn, args, backend):
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60),
+                            device_id=torch.device("cuda", rank) if backend == "nccl" else None)
     try:
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args, timeout_s: float = JOIN_TIMEOUT_S):
-    """Run fn(rank, world, *args) in `world` spawned processes over a gloo group; raise on any
-    failure or when they are not all done within timeout_s."""
+def run_ranks(fn, world: int, *args, timeout_s: float = JOIN_TIMEOUT_S, backend: str = "gloo"):
+    """Run fn(rank, world, *args) in `world` spawned processes over a gloo (or NCCL: one GPU per
+    rank) group; raise on any failure or when they are not all done within timeout_s."""
     init_file = os.path.join(tempfile.mkdtemp(), "rdzv")
-    ctx = mp.start_processes(_entry, args=(world, init_file, fn, args), nprocs=world, join=False,
+    ctx = mp.start_processes(_entry, args=(world, init_file, fn, args, backend), nprocs=world, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):

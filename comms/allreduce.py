@@ -1,0 +1,260 @@
+"""`comms.AllReduce`: sum a tensor over the ranks of a symmetric heap's group.
+
+    ar = AllReduce(heap, algo="auto")
+    y = ar(x)                                                  # x: [...] bf16 | fp32
+    y, res = ar.add_rmsnorm(x, residual, weight, eps, zero_centered=False)
+
+Algorithms (kernels in `comms.kernels.allreduce`, loaded from the `aot` bundle):
+  oneshot   push x to every peer, each rank reduces all copies       (latency-bound sizes)
+  twoshot   reduce-scatter + all-gather over NVLink                    (bandwidth-bound sizes)
+  multimem  two-shot through NVLink SHARP (multimem.ld_reduce/st); needs a heap created with
+            enable_multicast=True on a device with multicast
+  nccl      torch.distributed.all_reduce on the heap's (NCCL) group
+  reference the CPU path: torch.distributed (gloo) all_reduce in fp32; what the tests compare to
+`auto` picks once per size class from `select_algo` (the crossovers below); the choice for a
+given size is logged the first time it is made, never changed silently.
+
+Measured crossovers (2 x H200, NVLink 4, multicast off, CUDA-graph replay; see perf/RESULTS.md):
+  size            best         note
+  <= 256 KiB      oneshot
+  256 KiB..cap    twoshot
+  > cap           nccl         cap = the workspace size given at construction (max_bytes)
+(multimem replaces twoshot where multicast is enabled; not measured on the lent hosts, which
+must not create multicast objects.)
+
+Semantics: sums in fp32 in rank order, rounded once to the input dtype; every rank gets bitwise
+the same result. add_rmsnorm: `res = (sum_r x_r + residual)` rounded to the dtype, then
+`y = res * rsqrt(mean(res^2) + eps) * w` (zero_centered: `* (1 + w)`), in fp32, rounded.
+A peer that does not arrive within `timeout_s` makes the kernel set an error word in pinned host
+memory and finish; the next call (or `check()`) raises `AllReduceTimeoutError`.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from comms.heap import SymmetricHeap
+
+log = logging.getLogger(__name__)
+
+ALGOS = ("auto", "oneshot", "twoshot", "multimem", "nccl", "reference")
+DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+KERNEL_MODULE = "comms.kernels.allreduce"
+# compile-time constants of comms.kernels.allreduce (kept here so CPU code need not import it)
+THREADS = 512
+MAX_BLOCKS = 64
+MAX_WORLD = 8
+VEC_BYTES = 16
+ONESHOT_MAX_BYTES = 256 << 10
+DEFAULT_MAX_BYTES = 64 << 20
+
+
+class AllReduceError(RuntimeError):
+    """Bad input or configuration for an all-reduce; the message names the bad value."""
+
+
+class AllReduceTimeoutError(AllReduceError):
+    """A kernel's bounded wait on a peer expired (the peer did not arrive in time)."""
+
+
+def select_algo(nbytes: int, world: int, *, device: str, multicast: bool, max_bytes: int) -> str:
+    """The `auto` choice for one message size (pure: tested on CPU)."""
+    if nbytes < 0 or world < 1:
+        raise AllReduceError(f"select_algo(nbytes={nbytes}, world={world}): need nbytes >= 0, world >= 1")
+    if device == "cpu":
+        return "reference"
+    if world > MAX_WORLD or nbytes > max_bytes:
+        return "nccl"
+    if nbytes <= ONESHOT_MAX_BYTES:
+        return "oneshot"
+    return "multimem" if multicast else "twoshot"
+
+
+def reference_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """fp32 sum over the group (torch.distributed), rounded to x's dtype."""
+    y = x.float().clone()
+    dist.all_reduce(y, group=group)
+    return y.to(x.dtype)
+
+
+def rmsnorm_reference(res: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    """RMSNorm of `res` over its last dim in fp32: standard `* w` or zero-centred `* (1 + w)`."""
+    r = res.float()
+    w = weight.float() + 1.0 if zero_centered else weight.float()
+    return (r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps) * w).to(res.dtype)
+
+
+class AllReduce:
+    """All-reduce over `heap.group` through `heap` (see the module docstring).
+
+    Args:
+        heap: the symmetric heap (CPU heap -> the reference path).
+        algo: one of ALGOS; "auto" picks per size.
+        max_bytes: largest message the kernels handle (workspace = (2W + 2) * max_bytes on the heap).
+        timeout_s: bound on each wait for a peer inside a kernel.
+    """
+
+    def __init__(self, heap: SymmetricHeap, algo: str = "auto", *, max_bytes: int = DEFAULT_MAX_BYTES,
+                 timeout_s: float = 10.0):
+        if algo not in ALGOS:
+            raise AllReduceError(f"algo={algo!r}: expected one of {ALGOS}")
+        if max_bytes <= 0 or max_bytes % VEC_BYTES:
+            raise AllReduceError(f"max_bytes={max_bytes}: expected a positive multiple of {VEC_BYTES}")
+        self.heap = heap
+        self.group = heap.group
+        self.rank, self.world = heap.rank, heap.world_size
+        self.device = heap.device
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+        self.multicast = heap.capabilities.multicast_enabled
+        self._chosen: dict = {}
+        if self.device.type == "cpu":
+            if algo not in ("auto", "reference"):
+                raise AllReduceError(f"algo={algo!r} needs a CUDA heap; a CPU heap runs 'reference'")
+            self.algo = "reference"
+            log.info("AllReduce: rank %d/%d on CPU: torch.distributed reference", self.rank, self.world)
+            return
+        if algo == "reference":
+            raise AllReduceError("algo='reference' is the CPU path; on GPU use 'nccl' for torch.distributed")
+        if algo == "multimem" and not self.multicast:
+            raise AllReduceError("algo='multimem' needs a heap created with enable_multicast=True on a "
+                                 "device that reports multicast")
+        if algo in ("oneshot", "twoshot", "multimem") and self.world > MAX_WORLD:
+            raise AllReduceError(f"algo={algo!r} supports at most {MAX_WORLD} ranks, group has {self.world}")
+        self.algo = algo
+        # heap layout: data [2 parity][W][cap] + gather [2][cap]; flags [2][MAX_WORLD][MAX_BLOCKS]; state
+        self.ws_off = heap.alloc((2 * self.world + 2) * max_bytes)
+        self.flag_off = heap.alloc(2 * MAX_WORLD * MAX_BLOCKS * 4)
+        self.state_off = heap.alloc(64)
+        self._err = torch.zeros(4, dtype=torch.int32, pin_memory=True)  # written by kernels (UVA)
+        self._kernels: dict = {}
+        heap.barrier()
+        log.info("AllReduce: rank %d/%d on %s, algo=%s, max_bytes=%d, multicast=%s", self.rank, self.world,
+                 self.device, algo, max_bytes, self.multicast)
+
+    # --- public API -------------------------------------------------------------------------
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum of `x` over the ranks; `out` (same shape/dtype, may be x itself) or a new tensor."""
+        self._check_input(x, "x")
+        if out is not None:
+            self._check_input(out, "out")
+            if out.shape != x.shape or out.dtype != x.dtype:
+                raise AllReduceError(f"out {tuple(out.shape)}/{out.dtype} does not match x {tuple(x.shape)}/{x.dtype}")
+        algo = self.algo_for(x)
+        if algo == "reference":
+            y = reference_all_reduce(x, self.group)
+            return out.copy_(y) if out is not None else y
+        if algo == "nccl":
+            y = out if out is not None else torch.empty_like(x)
+            if y.data_ptr() != x.data_ptr():
+                y.copy_(x)
+            dist.all_reduce(y, group=self.group)
+            return y
+        self.check()
+        return self._launch(algo, x, out if out is not None else torch.empty_like(x))
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                    zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """All-reduce x [T, H], add residual [T, H], RMSNorm with weight [H].
+
+        Returns (normed [T, H], new residual [T, H]) in x's dtype.
+        """
+        self._check_input(x, "x")
+        if x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype:
+            raise AllReduceError(f"add_rmsnorm: x {tuple(x.shape)} must be [T, H] and residual "
+                                 f"{tuple(residual.shape)}/{residual.dtype} must match it")
+        if weight.shape != (x.shape[1],):
+            raise AllReduceError(f"add_rmsnorm: weight shape {tuple(weight.shape)} != ({x.shape[1]},)")
+        if not eps > 0:
+            raise AllReduceError(f"add_rmsnorm: eps={eps!r} must be > 0")
+        if weight.dtype != x.dtype or weight.device != x.device or not residual.is_contiguous():
+            raise AllReduceError(f"add_rmsnorm: weight {weight.dtype}/{weight.device} must match x "
+                                 f"{x.dtype}/{x.device} and residual must be contiguous")
+        epv = VEC_BYTES // x.element_size()
+        if self.device.type == "cuda" and self.algo_for(x) == "oneshot" and x.shape[1] % epv == 0:
+            return self._launch_rmsnorm(x, residual, weight.contiguous(), eps, zero_centered)
+        # larger messages (or a hidden size not a multiple of 16 bytes): all-reduce, then torch ops
+        s = self(x)
+        res = (s.float() + residual.float()).to(x.dtype)
+        return rmsnorm_reference(res, weight, eps, zero_centered), res
+
+    def algo_for(self, x: torch.Tensor) -> str:
+        nbytes = x.numel() * x.element_size()
+        if self.algo != "auto":
+            if self.algo in ("oneshot", "twoshot", "multimem") and self._padded_bytes(x) > self.max_bytes:
+                raise AllReduceError(f"{nbytes} bytes exceed this AllReduce's max_bytes={self.max_bytes}")
+            return self.algo
+        algo = select_algo(nbytes, self.world, device=self.device.type, multicast=self.multicast,
+                           max_bytes=self.max_bytes)
+        key = (algo, x.dtype)
+        if key not in self._chosen:
+            self._chosen[key] = nbytes
+            log.info("AllReduce: auto -> %s for %d bytes of %s (first time)", algo, nbytes, x.dtype)
+        return algo
+
+    def check(self) -> None:
+        """Raise if a kernel reported a peer timeout (reads pinned host memory: no GPU sync)."""
+        if self.device.type == "cuda" and int(self._err[0]):
+            peer = int(self._err[0]) - 1
+            raise AllReduceTimeoutError(f"rank {self.rank}: all-reduce wait for rank {peer} exceeded "
+                                        f"timeout_s={self.timeout_s}; the heap's flags are no longer "
+                                        f"consistent, recreate the AllReduce")
+
+    def destroy(self) -> None:
+        """Drop kernel handles; the heap (owned by the caller) stays."""
+        self._kernels.clear()
+
+    # --- internals --------------------------------------------------------------------------
+    def _check_input(self, x: torch.Tensor, what: str):
+        if not isinstance(x, torch.Tensor):
+            raise AllReduceError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in DTYPES:
+            raise AllReduceError(f"{what}.dtype={x.dtype}: expected one of {list(DTYPES)}")
+        if x.device != self.device:
+            raise AllReduceError(f"{what}.device={x.device}: this AllReduce's heap is on {self.device}")
+        if not x.is_contiguous():
+            raise AllReduceError(f"{what} must be contiguous (shape {tuple(x.shape)}, stride {x.stride()})")
+
+    def _padded_bytes(self, x: torch.Tensor) -> int:
+        nbytes = x.numel() * x.element_size()
+        return -(-nbytes // VEC_BYTES) * VEC_BYTES
+
+    def _kernel(self, algo: str, dtype: torch.dtype):
+        key = (algo, dtype)
+        if key not in self._kernels:
+            import aot
+            self._kernels[key] = aot.function(KERNEL_MODULE, f"allreduce_{algo}_{DTYPES[dtype]}",
+                                              aot.device_arch(self.device.index))
+        return self._kernels[key]
+
+    def _launch(self, algo: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        epv = VEC_BYTES // x.element_size()
+        n = x.numel()
+        xf, of = x.view(-1), out.view(-1)  # [N]
+        if n % epv:  # odd length: pad to whole 16-byte vectors (one extra copy each way)
+            npad = n + epv - n % epv
+            xf = torch.nn.functional.pad(xf, (0, npad - n))
+            of = torch.empty_like(xf)
+        nvec = xf.numel() // epv
+        per_block = nvec if algo == "oneshot" else -(-nvec // self.world)
+        nblocks = max(1, min(MAX_BLOCKS, -(-per_block // THREADS)))
+        args = [xf, of, self.heap.peer_ptrs, self.rank, self.world, self.ws_off, self.max_bytes, self.flag_off,
+                self.state_off, self._err.data_ptr(), int(self.timeout_s * 1e9)]
+        if algo != "oneshot":
+            args.append(self.heap.multicast_ptr)
+        self._kernel(algo, x.dtype)(*args, nblocks)
+        if of.data_ptr() != out.data_ptr():
+            out.view(-1).copy_(of[:n])
+        return out
+
+    def _launch_rmsnorm(self, x, residual, weight, eps, zero_centered):
+        self.check()
+        out, res_out = torch.empty_like(x), torch.empty_like(x)
+        nblocks = max(1, min(MAX_BLOCKS, x.shape[0]))
+        self._kernel("rmsnorm", x.dtype)(
+            x.view(-1), residual.view(-1), weight, out.view(-1), res_out.view(-1), self.heap.peer_ptrs,
+            self.rank, self.world, self.ws_off, self.max_bytes, self.flag_off, self.state_off,
+            self._err.data_ptr(), int(self.timeout_s * 1e9), float(eps), 1.0 if zero_centered else 0.0, nblocks)
+        return out, res_out

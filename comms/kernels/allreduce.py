@@ -1,0 +1,447 @@
+"""All-reduce kernels over the symmetric heap (CuTeDSL; sm_90a and sm_100a).
+
+Every kernel takes the heap's peer pointer table and byte offsets into the heap, so one compiled
+function serves any heap, any world size (<= MAX_WORLD) and any length (a multiple of 16 bytes;
+`comms.allreduce` pads odd lengths).
+
+Heap regions (offsets chosen by `comms.allreduce.AllReduce`, identical on every rank):
+  ws     data:  [2 parity][W src][cap] bytes (one-shot: each rank's copy of x; two-shot: the
+                reduce-scatter inputs), then for two-shot [2 parity][cap] (the all-gather results)
+  flags  int32: [2 phase][W src][MAX_BLOCKS]; flags[p][s][b] on rank r = the last epoch at which
+                rank s's block b finished phase p towards rank r (monotonic, never reset)
+  state  int32: [epoch, ticket] (this rank only)
+
+Synchronisation without a separate barrier (the "Lamport-style" flag scheme): every call has an
+epoch (state[0] + 1), read from device memory so CUDA-graph replays advance it; senders publish
+`flags = epoch` with a system-scope release after their data stores, receivers spin with an acquire
+until `flags - epoch >= 0` (a peer at most one call ahead already wrote this call's data before).
+Data slots alternate by epoch parity: a peer can be at most one call ahead (it cannot finish a
+call before receiving ours), so it never overwrites a slot we still read. The last block to finish
+(a ticket counter) advances the epoch. Every wait is bounded by `timeout_ns` of %globaltimer; on
+expiry the kernel writes `1 + peer` to the error word (pinned host memory) and carries on, so the
+host raises instead of the GPU hanging.
+
+Algorithms:
+  oneshot   each rank pushes all of x to every peer, then reduces the W copies (rank order, fp32).
+  twoshot   reduce-scatter (push each chunk to its owner; owner reduces) + all-gather (owner
+            pushes the reduced chunk to every peer).
+  multimem  the two-shot structure with NVLink SHARP: the owner's reduce is one
+            multimem.ld_reduce over the multicast mapping and its all-gather one multimem.st.
+  oneshot_rmsnorm  one-shot + residual add + RMSNorm (standard or zero-centred), rows per block.
+Sums are in fp32 in rank order, so every rank gets bitwise the same result.
+"""
+import cutlass
+import cutlass.cute as cute
+
+from comms.kernels import ptx
+
+ARCHS = ("sm_90a", "sm_100a")
+THREADS = 512
+MAX_BLOCKS = 64
+MAX_WORLD = 8
+VEC_BYTES = 16
+NORM_THREADS = 256
+
+
+def _i64(v):
+    return cutlass.Int64(v)
+
+
+def _accumulate(acc, d, is_bf16: bool):
+    """acc[:] += the elements of one 16-byte vector `d` (4 x Int32)."""
+    if is_bf16:  # plain Python at trace time: unrolled
+        for j in range(4):
+            lo, hi = ptx.bf16x2_to_f32(d[j])
+            acc[2 * j] = acc[2 * j] + lo
+            acc[2 * j + 1] = acc[2 * j + 1] + hi
+    else:
+        for j in range(4):
+            acc[j] = acc[j] + ptx.i32_as_f32(d[j])
+
+
+def _pack(acc, is_bf16: bool):
+    """The fp32 accumulators of one vector -> 4 x Int32 in the data dtype."""
+    if is_bf16:
+        return [ptx.f32_to_bf16x2(acc[2 * j], acc[2 * j + 1]) for j in range(4)]
+    return [ptx.f32_as_i32(acc[j]) for j in range(4)]
+
+
+@cute.jit
+def _load_peers(peers: cute.Tensor, world):
+    """The peer table in registers (unrolled over MAX_WORLD; entries past `world` are 0)."""
+    pr = cute.make_rmem_tensor(cute.make_layout(MAX_WORLD), cutlass.Int64)
+    for r in cutlass.range_constexpr(MAX_WORLD):
+        pr[r] = cutlass.Int64(0)
+        if r < world:
+            pr[r] = peers[r]
+    return pr
+
+
+@cute.jit
+def _signal(peers: cute.Tensor, tid, rank, world, flag_addr_off, target):
+    """Threads 0..W-1 (not ours) publish `target` into their peer's flag (release, sys scope);
+    the caller has made the block's data stores visible to them with a bar.sync."""
+    if tid < world:
+        if tid != rank:
+            ptx.st_release_sys(peers[tid] + flag_addr_off, target)
+
+
+@cute.jit
+def _wait(my_base, tid, rank, world, flags_src0, target, err_addr, timeout_ns):
+    """Threads 0..W-1 (not ours) spin (acquire, sys scope) until flag[tid] - target >= 0 or the
+    timeout; on expiry the error word gets 1 + peer. `flags_src0`: offset of flag[src=0] for this
+    block; consecutive sources are MAX_BLOCKS int32 apart."""
+    if tid < world:
+        if tid != rank:
+            faddr = my_base + flags_src0 + _i64(tid) * (MAX_BLOCKS * 4)
+            t0 = ptx.globaltimer()
+            f = ptx.ld_acquire_sys(faddr)
+            late = cutlass.Int32(0)
+            while ((f - target) < 0) & (late == 0):
+                if ptx.globaltimer() - t0 > timeout_ns:
+                    late = cutlass.Int32(1)
+                    ptx.st_release_sys(err_addr, tid + 1)
+                f = ptx.ld_acquire_sys(faddr)
+
+
+@cute.jit
+def _advance_epoch(my_base, state_off, tid, nb, target):
+    """The last block to get here moves state.epoch to `target` (read by the next call)."""
+    cute.arch.sync_threads()
+    if tid == 0:
+        t = ptx.atom_add_acq_rel_gpu(my_base + state_off + 4, 1)
+        if t == nb - 1:
+            ptx.st_relaxed_gpu(my_base + state_off + 4, 0)
+            ptx.st_relaxed_gpu(my_base + state_off, target)
+
+
+# ------------------------------------------------------------------------------------------ one-shot
+def _make_oneshot(is_bf16: bool):
+    epv = 8 if is_bf16 else 4
+
+    @cute.kernel
+    def kernel(x: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, rank: cutlass.Int32,
+               world: cutlass.Int32, ws_off: cutlass.Int64, cap: cutlass.Int64, flag_off: cutlass.Int64,
+               state_off: cutlass.Int64, err_addr: cutlass.Int64, timeout_ns: cutlass.Int64,
+               nvec: cutlass.Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        nb, _, _ = cute.arch.grid_dim()
+        my_base = peers[rank]
+        epoch = ptx.ld_relaxed_gpu(my_base + state_off)
+        target = epoch + 1
+        par = _i64(epoch & 1)
+        xa = x.iterator.toint()
+        oa = out.iterator.toint()
+        per = (nvec + nb - 1) // nb
+        v0 = bid * per
+        v1 = v0 + per
+        if v1 > nvec:
+            v1 = nvec
+        # push x[v0:v1] into my slot on every peer
+        slot = ws_off + (par * _i64(world) + _i64(rank)) * cap
+        v = v0 + tid
+        pr = _load_peers(peers, world)
+        while v < v1:
+            d = ptx.ld_v4(xa + _i64(v) * VEC_BYTES)
+            for r in cutlass.range_constexpr(MAX_WORLD):
+                if r < world:
+                    if r != rank:
+                        ptx.st_v4(pr[r] + slot + _i64(v) * VEC_BYTES, d)
+            v += THREADS
+        cute.arch.sync_threads()
+        _signal(peers, tid, rank, world, flag_off + _i64(rank * MAX_BLOCKS + bid) * 4, target)
+        _wait(my_base, tid, rank, world, flag_off + _i64(bid) * 4, target, err_addr, timeout_ns)
+        cute.arch.sync_threads()
+        # reduce the W copies in rank order
+        acc = cute.make_rmem_tensor(cute.make_layout(epv), cutlass.Float32)
+        v = v0 + tid
+        while v < v1:
+            for j in cutlass.range_constexpr(epv):
+                acc[j] = cutlass.Float32(0.0)
+            for r in cutlass.range_constexpr(MAX_WORLD):
+                if r < world:
+                    a = my_base + ws_off + (par * _i64(world) + r) * cap + _i64(v) * VEC_BYTES
+                    if r == rank:
+                        a = xa + _i64(v) * VEC_BYTES
+                    _accumulate(acc, ptx.ld_v4_cg(a), is_bf16)
+            ptx.st_v4(oa + _i64(v) * VEC_BYTES, _pack(acc, is_bf16))
+            v += THREADS
+        _advance_epoch(my_base, state_off, tid, nb, target)
+
+    @cute.jit
+    def launch(x: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, rank: cutlass.Int32,
+               world: cutlass.Int32, ws_off: cutlass.Int64, cap: cutlass.Int64, flag_off: cutlass.Int64,
+               state_off: cutlass.Int64, err_addr: cutlass.Int64, timeout_ns: cutlass.Int64,
+               nblocks: cutlass.Int32, stream):
+        nvec = x.shape[0] // epv
+        kernel(x, out, peers, rank, world, ws_off, cap, flag_off, state_off, err_addr, timeout_ns,
+               nvec).launch(grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+    return launch
+
+
+# ------------------------------------------------------------------------------------------ two-shot
+def _make_twoshot(is_bf16: bool, multimem: bool):
+    """Unicast two-shot, or (multimem=True) the same structure with the owner's reduce and
+    all-gather done by NVLink SHARP through the multicast mapping at `mc_base`."""
+    epv = 8 if is_bf16 else 4
+
+    @cute.kernel
+    def kernel(x: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, rank: cutlass.Int32,
+               world: cutlass.Int32, ws_off: cutlass.Int64, cap: cutlass.Int64, flag_off: cutlass.Int64,
+               state_off: cutlass.Int64, err_addr: cutlass.Int64, timeout_ns: cutlass.Int64,
+               mc_base: cutlass.Int64, nvec: cutlass.Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        nb, _, _ = cute.arch.grid_dim()
+        my_base = peers[rank]
+        epoch = ptx.ld_relaxed_gpu(my_base + state_off)
+        target = epoch + 1
+        par = _i64(epoch & 1)
+        xa = x.iterator.toint()
+        oa = out.iterator.toint()
+        chunk = (nvec + world - 1) // world          # vectors owned per rank
+        per = (chunk + nb - 1) // nb                 # of each chunk, per block
+        b0 = bid * per
+        b1 = b0 + per
+        if b1 > chunk:
+            b1 = chunk
+        scatter = ws_off + (par * _i64(world)) * cap       # + src * cap + v * 16
+        gather = ws_off + (2 * _i64(world) + par) * cap    # + v * 16
+        flags1 = flag_off
+        flags2 = flag_off + _i64(MAX_WORLD * MAX_BLOCKS * 4)
+        pr = _load_peers(peers, world)
+        # phase 1: my slice of every owner's chunk -> that owner (multimem: -> my own heap)
+        for c in cutlass.range(world):
+            if cutlass.const_expr(multimem) or c != rank:
+                v = c * chunk + b0 + tid
+                vend = c * chunk + b1
+                if vend > nvec:
+                    vend = nvec
+                dst = pr[0] + scatter + _i64(rank) * cap
+                for r in cutlass.range_constexpr(1, MAX_WORLD):
+                    if r == c:
+                        dst = pr[r] + scatter + _i64(rank) * cap
+                if cutlass.const_expr(multimem):
+                    dst = my_base + scatter
+                while v < vend:
+                    ptx.st_v4(dst + _i64(v) * VEC_BYTES, ptx.ld_v4(xa + _i64(v) * VEC_BYTES))
+                    v += THREADS
+        cute.arch.sync_threads()
+        _signal(peers, tid, rank, world, flags1 + _i64(rank * MAX_BLOCKS + bid) * 4, target)
+        _wait(my_base, tid, rank, world, flags1 + _i64(bid) * 4, target, err_addr, timeout_ns)
+        cute.arch.sync_threads()
+        # reduce my chunk's slice, keep it, and push it to every peer's gather slot
+        v = rank * chunk + b0 + tid
+        vend = rank * chunk + b1
+        if vend > nvec:
+            vend = nvec
+        acc = cute.make_rmem_tensor(cute.make_layout(epv), cutlass.Float32)
+        while v < vend:
+            off = _i64(v) * VEC_BYTES
+            if cutlass.const_expr(multimem):
+                res = ptx.multimem_ld_reduce_v4(mc_base + scatter + off, is_bf16)
+                ptx.multimem_st_v4(mc_base + gather + off, res)
+            else:
+                for j in cutlass.range_constexpr(epv):
+                    acc[j] = cutlass.Float32(0.0)
+                for r in cutlass.range_constexpr(MAX_WORLD):
+                    if r < world:
+                        a = my_base + scatter + r * cap + off
+                        if r == rank:
+                            a = xa + off
+                        _accumulate(acc, ptx.ld_v4_cg(a), is_bf16)
+                res = _pack(acc, is_bf16)
+                for r in cutlass.range_constexpr(MAX_WORLD):
+                    if r < world:
+                        if r != rank:
+                            ptx.st_v4(pr[r] + gather + off, res)
+                ptx.st_v4(oa + off, res)
+            v += THREADS
+        cute.arch.sync_threads()
+        if cutlass.const_expr(multimem):
+            ptx.fence_acq_rel_sys()
+        _signal(peers, tid, rank, world, flags2 + _i64(rank * MAX_BLOCKS + bid) * 4, target)
+        _wait(my_base, tid, rank, world, flags2 + _i64(bid) * 4, target, err_addr, timeout_ns)
+        cute.arch.sync_threads()
+        # copy the other owners' reduced slices out of my gather slot
+        for c in cutlass.range(world):
+            if cutlass.const_expr(multimem) or c != rank:
+                v = c * chunk + b0 + tid
+                vend = c * chunk + b1
+                if vend > nvec:
+                    vend = nvec
+                while v < vend:
+                    off = _i64(v) * VEC_BYTES
+                    ptx.st_v4(oa + off, ptx.ld_v4_cg(my_base + gather + off))
+                    v += THREADS
+        _advance_epoch(my_base, state_off, tid, nb, target)
+
+    @cute.jit
+    def launch(x: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, rank: cutlass.Int32,
+               world: cutlass.Int32, ws_off: cutlass.Int64, cap: cutlass.Int64, flag_off: cutlass.Int64,
+               state_off: cutlass.Int64, err_addr: cutlass.Int64, timeout_ns: cutlass.Int64,
+               mc_base: cutlass.Int64, nblocks: cutlass.Int32, stream):
+        nvec = x.shape[0] // epv
+        kernel(x, out, peers, rank, world, ws_off, cap, flag_off, state_off, err_addr, timeout_ns,
+               mc_base, nvec).launch(grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+    return launch
+
+
+# ------------------------------------------------------------------------------------------ fused RMSNorm
+@cute.jit
+def _block_sum(v, smem, tid):
+    """Sum of one Float32 per thread over the block (warp shuffles, then smem[warp])."""
+    for k in cutlass.range_constexpr(5):
+        v = v + ptx.shfl_bfly_f32(v, 16 >> k)
+    if tid % 32 == 0:
+        smem[tid // 32] = v
+    cute.arch.sync_threads()
+    total = cutlass.Float32(0.0)
+    for w in cutlass.range_constexpr(THREADS // 32):
+        total = total + smem[w]
+    cute.arch.sync_threads()
+    return total
+
+
+def _make_oneshot_rmsnorm(is_bf16: bool):
+    """One-shot all-reduce of x [R, H] fused with `res = sum + residual` and RMSNorm of res."""
+    epv = 8 if is_bf16 else 4
+
+    @cute.kernel
+    def kernel(x: cute.Tensor, residual: cute.Tensor, weight: cute.Tensor, out: cute.Tensor,
+               res_out: cute.Tensor, peers: cute.Tensor, rank: cutlass.Int32, world: cutlass.Int32,
+               ws_off: cutlass.Int64, cap: cutlass.Int64, flag_off: cutlass.Int64, state_off: cutlass.Int64,
+               err_addr: cutlass.Int64, timeout_ns: cutlass.Int64, eps: cutlass.Float32,
+               w_shift: cutlass.Float32, hvec: cutlass.Int32, rows: cutlass.Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        nb, _, _ = cute.arch.grid_dim()
+        smem_alloc = cutlass.utils.SmemAllocator()
+        smem = smem_alloc.allocate_tensor(cutlass.Float32, cute.make_layout(THREADS // 32), byte_alignment=16)
+        my_base = peers[rank]
+        epoch = ptx.ld_relaxed_gpu(my_base + state_off)
+        target = epoch + 1
+        par = _i64(epoch & 1)
+        xa = x.iterator.toint()
+        ra = residual.iterator.toint()
+        wa = weight.iterator.toint()
+        oa = out.iterator.toint()
+        qa = res_out.iterator.toint()
+        slot = ws_off + (par * _i64(world) + _i64(rank)) * cap
+        pr = _load_peers(peers, world)
+        # push my rows to every peer
+        row = bid
+        while row < rows:
+            j = tid
+            while j < hvec:
+                off = (_i64(row) * _i64(hvec) + _i64(j)) * VEC_BYTES
+                d = ptx.ld_v4(xa + off)
+                for r in cutlass.range_constexpr(MAX_WORLD):
+                    if r < world:
+                        if r != rank:
+                            ptx.st_v4(pr[r] + slot + off, d)
+                j += THREADS
+            row += nb
+        cute.arch.sync_threads()
+        _signal(peers, tid, rank, world, flag_off + _i64(rank * MAX_BLOCKS + bid) * 4, target)
+        _wait(my_base, tid, rank, world, flag_off + _i64(bid) * 4, target, err_addr, timeout_ns)
+        cute.arch.sync_threads()
+        acc = cute.make_rmem_tensor(cute.make_layout(epv), cutlass.Float32)
+        inv_h = cutlass.Float32(1.0) / cutlass.Float32(hvec * epv)
+        row = bid
+        while row < rows:
+            # pass 1: res = sum_r x_r + residual (rounded to the dtype) -> res_out; sum of squares
+            sq = cutlass.Float32(0.0)
+            j = tid
+            while j < hvec:
+                off = (_i64(row) * _i64(hvec) + _i64(j)) * VEC_BYTES
+                for e in cutlass.range_constexpr(epv):
+                    acc[e] = cutlass.Float32(0.0)
+                for r in cutlass.range_constexpr(MAX_WORLD):
+                    if r < world:
+                        a = my_base + ws_off + (par * _i64(world) + r) * cap + off
+                        if r == rank:
+                            a = xa + off
+                        _accumulate(acc, ptx.ld_v4_cg(a), is_bf16)
+                _accumulate(acc, ptx.ld_v4(ra + off), is_bf16)
+                packed = _pack(acc, is_bf16)
+                ptx.st_v4(qa + off, packed)
+                for e in cutlass.range_constexpr(epv):
+                    acc[e] = cutlass.Float32(0.0)
+                _accumulate(acc, packed, is_bf16)  # the rounded values, as a separate add would see
+                for e in cutlass.range_constexpr(epv):
+                    sq = sq + acc[e] * acc[e]
+                j += THREADS
+            rstd = ptx.rsqrt(_block_sum(sq, smem, tid) * inv_h + eps)
+            # pass 2: out = res * rstd * (w + w_shift); each thread re-reads its own res_out stores
+            j = tid
+            while j < hvec:
+                off = (_i64(row) * _i64(hvec) + _i64(j)) * VEC_BYTES
+                for e in cutlass.range_constexpr(epv):
+                    acc[e] = cutlass.Float32(0.0)
+                _accumulate(acc, ptx.ld_v4(qa + off), is_bf16)
+                wv = cute.make_rmem_tensor(cute.make_layout(epv), cutlass.Float32)
+                for e in cutlass.range_constexpr(epv):
+                    wv[e] = w_shift
+                _accumulate(wv, ptx.ld_v4(wa + _i64(j) * VEC_BYTES), is_bf16)
+                for e in cutlass.range_constexpr(epv):
+                    acc[e] = acc[e] * rstd * wv[e]
+                ptx.st_v4(oa + off, _pack(acc, is_bf16))
+                j += THREADS
+            row += nb
+        _advance_epoch(my_base, state_off, tid, nb, target)
+
+    @cute.jit
+    def launch(x: cute.Tensor, residual: cute.Tensor, weight: cute.Tensor, out: cute.Tensor,
+               res_out: cute.Tensor, peers: cute.Tensor, rank: cutlass.Int32, world: cutlass.Int32,
+               ws_off: cutlass.Int64, cap: cutlass.Int64, flag_off: cutlass.Int64, state_off: cutlass.Int64,
+               err_addr: cutlass.Int64, timeout_ns: cutlass.Int64, eps: cutlass.Float32,
+               w_shift: cutlass.Float32, nblocks: cutlass.Int32, stream):
+        hvec = weight.shape[0] // epv
+        rows = x.shape[0] // weight.shape[0]
+        kernel(x, residual, weight, out, res_out, peers, rank, world, ws_off, cap, flag_off, state_off,
+               err_addr, timeout_ns, eps, w_shift, hvec, rows).launch(
+            grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+    return launch
+
+
+# ------------------------------------------------------------------------------------------ export
+def _dtypes():
+    return {"bf16": cutlass.BFloat16, "fp32": cutlass.Float32}
+
+
+def compile_for_export(arch: str) -> dict:
+    """Compile every all-reduce kernel for `arch` against fake tensors (no GPU needed).
+
+    Exported names: allreduce_{oneshot,twoshot,multimem}_{bf16,fp32}, allreduce_rmsnorm_{bf16,fp32}.
+    """
+    from cutlass.cute.runtime import make_fake_compact_tensor
+    from cutlass.runtime import make_fake_stream
+
+    opts = f"--gpu-arch {arch} --enable-tvm-ffi"
+    i32, i64 = cutlass.Int32(0), cutlass.Int64(0)
+    out = {}
+    for name, dt in _dtypes().items():
+        n = cute.sym_int()
+        x = make_fake_compact_tensor(dt, (n,), assumed_align=16)
+        y = make_fake_compact_tensor(dt, (n,), assumed_align=16)
+        peers = make_fake_compact_tensor(cutlass.Int64, (cute.sym_int(),), assumed_align=8)
+        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+        common = (x, y, peers, i32, i32, i64, i64, i64, i64, i64, i64)
+        out[f"allreduce_oneshot_{name}"] = cute.compile(_make_oneshot(dt is cutlass.BFloat16), *common, i32,
+                                                        stream, options=opts)
+        for algo, mm in (("twoshot", False), ("multimem", True)):
+            out[f"allreduce_{algo}_{name}"] = cute.compile(_make_twoshot(dt is cutlass.BFloat16, mm), *common,
+                                                           i64, i32, stream, options=opts)
+        h = cute.sym_int()
+        rows_h = [make_fake_compact_tensor(dt, (n,), assumed_align=16) for _ in range(4)]
+        w = make_fake_compact_tensor(dt, (h,), assumed_align=16)
+        f32 = cutlass.Float32(0.0)
+        out[f"allreduce_rmsnorm_{name}"] = cute.compile(
+            _make_oneshot_rmsnorm(dt is cutlass.BFloat16), rows_h[0], rows_h[1], w, rows_h[2], rows_h[3], peers,
+            i32, i32, i64, i64, i64, i64, i64, i64, f32, f32, i32, stream, options=opts)
+    return out

@@ -1,0 +1,257 @@
+"""All-reduce: our kernels beside NCCL and torch symmetric memory, eager and CUDA-graph replay.
+
+    python -m perf.comms allreduce [--nproc 2] [--dtype bf16] [--min-bytes 1K --max-bytes 128M]
+                                   [--json out.json]
+
+One process per GPU (spawned here, NCCL group). For every size (powers of 2) and every
+algorithm: time per all-reduce (max over ranks of the mean over `iters` back-to-back calls),
+algbw = bytes / time and busbw = algbw * 2(W-1)/W (the nccl-tests convention). Peers:
+`torch.ops.symm_mem.one_shot_all_reduce` and `two_shot_all_reduce_` on a torch symmetric-memory
+buffer (their best case: input already symmetric), NCCL `all_reduce`. Also: peer-copy bandwidth
+(a local tensor copied into a peer's heap, over NVLink) and the fused all-reduce + add + RMSNorm
+against the same steps as separate ops at decode sizes. Multicast stays off (never created here).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+OURS = ("oneshot", "twoshot")
+PEERS = ("nccl", "torch_one_shot", "torch_two_shot")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _parse_bytes(s: str) -> int:
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    s = s.strip().upper().rstrip("B")
+    return int(float(s[:-1]) * mult[s[-1]]) if s and s[-1] in mult else int(s)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--nproc", type=int, default=0, help="GPUs/processes (default: all visible)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--min-bytes", default="1K")
+    parser.add_argument("--max-bytes", default="128M")
+    parser.add_argument("--algos", default=",".join(OURS + PEERS),
+                        help=f"comma-separated subset of {','.join(OURS + PEERS)}")
+    parser.add_argument("--no-eager", action="store_true", help="graph replay only")
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="bound on the whole run")
+
+
+def _time(fn, iters: int, graph: bool) -> float:
+    """Mean seconds per call of fn over `iters` back-to-back calls (eager or one graph replay)."""
+    if graph:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()  # warm-up on the capture stream
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(iters):
+                fn()
+        g.replay()
+        torch.cuda.synchronize()
+        dist.barrier()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        del g
+        return e0.elapsed_time(e1) / 1e3 / iters
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(iters):
+        fn()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) / 1e3 / iters
+
+
+def _max_over_ranks(v: float) -> float:
+    t = torch.tensor([v], dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _worker(rank: int, world: int, init_file: str, cfg_json: str):
+    cfg = json.loads(cfg_json)
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120), device_id=dev)
+    from comms import AllReduce, SymmetricHeap
+    from comms.allreduce import rmsnorm_reference
+
+    dtype = DTYPES[cfg["dtype"]]
+    es = torch.empty((), dtype=dtype).element_size()
+    sizes = []
+    s = cfg["min_bytes"]
+    while s <= cfg["max_bytes"]:
+        sizes.append(s)
+        s *= 2
+    max_bytes = sizes[-1]
+    algos = cfg["algos"]
+    group = dist.group.WORLD
+    heap = SymmetricHeap(group, (2 * world + 2) * max_bytes + (2 << 20), dev, timeout_s=120)
+    ars = {a: AllReduce(heap, a, max_bytes=max_bytes, timeout_s=10) for a in algos if a in OURS}
+    symm = None
+    if any(a.startswith("torch_") for a in algos):
+        import torch.distributed._symmetric_memory as symm_mem
+        symm = symm_mem.empty(max_bytes // es, dtype=dtype, device=dev)
+        symm_mem.rendezvous(symm, group.group_name)
+    results = []
+    modes = ([] if cfg["no_eager"] else ["eager"]) + ["graph"]
+    for nbytes in sizes:
+        n = nbytes // es
+        x = torch.randn(n, device=dev).to(dtype)
+        ref = x.float().clone()
+        dist.all_reduce(ref)
+        iters = 50 if nbytes <= (1 << 20) else (20 if nbytes <= (16 << 20) else 5)
+        for algo in algos:
+            if algo in OURS:
+                out = torch.empty_like(x)
+                fn = (lambda ar=ars[algo], out=out: ar(x, out=out))
+                fn()
+                torch.cuda.synchronize()
+                got = out
+            elif algo == "nccl":
+                buf = x.clone()
+                fn = (lambda buf=buf: dist.all_reduce(buf))
+                got = None
+            else:
+                v = symm[:n]
+                v.copy_(x)
+                if algo == "torch_one_shot":
+                    fn = (lambda v=v: torch.ops.symm_mem.one_shot_all_reduce(v, "sum", group.group_name))
+                    got = fn()
+                else:
+                    fn = (lambda v=v: torch.ops.symm_mem.two_shot_all_reduce_(v, "sum", group.group_name))
+                    fn()
+                    got = v
+                torch.cuda.synchronize()
+            err = None
+            if got is not None:
+                err = ((got.float() - ref).norm() / ref.norm()).item()
+            row = {"bytes": nbytes, "algo": algo, "rel_err": err}
+            for mode in modes:
+                try:
+                    t = _max_over_ranks(_time(fn, iters, mode == "graph"))
+                    row[f"{mode}_us"] = t * 1e6
+                except RuntimeError as e:  # e.g. an op that cannot be captured: record, go on
+                    row[f"{mode}_us"] = None
+                    row[f"{mode}_error"] = str(e).split("\n")[0][:200]
+                    torch.cuda.synchronize()
+            results.append(row)
+            if algo in OURS:
+                ars[algo].check()
+    # peer-copy bandwidth: local -> peer heap (NVLink write) and local -> local (HBM)
+    copy_bytes = min(256 << 20, heap.nbytes - (2 << 20))
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device=dev)
+    peer = heap.peer_buffer((rank + 1) % world, 0, (copy_bytes,), torch.uint8)
+    local = torch.empty_like(src)
+    bw = {}
+    for name, dst in (("peer_write", peer), ("local_copy", local)):
+        t = _max_over_ranks(_time(lambda dst=dst: dst.copy_(src), 10, False))
+        bw[name] = {"bytes": copy_bytes, "us": t * 1e6, "GBps": copy_bytes / t / 1e9}
+    heap.barrier()
+    # fused all-reduce + residual add + RMSNorm vs separate ops at decode sizes
+    fused = []
+    if "oneshot" in ars:
+        ar = ars["oneshot"]
+        for t_tok, h in ((1, 4096), (8, 4096), (32, 4096), (128, 4096), (32, 7168)):
+            xx = torch.randn(t_tok, h, device=dev).to(dtype)
+            res = torch.randn(t_tok, h, device=dev).to(dtype)
+            w = torch.randn(h, device=dev).to(dtype)
+            out_f = ar.add_rmsnorm(xx, res, w, 1e-6)
+
+            def separate(xx=xx, res=res, w=w):
+                s = ar(xx)
+                r = s + res
+                return torch.nn.functional.rms_norm(r, (h,), w, 1e-6), r
+            out_s = separate()
+            torch.cuda.synchronize()
+            ref_n = rmsnorm_reference(out_s[1], w, 1e-6, False)
+            row = {"tokens": t_tok, "hidden": h,
+                   "fused_rel_err": ((out_f[0].float() - ref_n.float()).norm() / ref_n.float().norm()).item()}
+            for mode in modes:
+                row[f"fused_{mode}_us"] = _max_over_ranks(
+                    _time(lambda: ar.add_rmsnorm(xx, res, w, 1e-6), 50, mode == "graph")) * 1e6
+                row[f"separate_{mode}_us"] = _max_over_ranks(_time(separate, 50, mode == "graph")) * 1e6
+            fused.append(row)
+    if rank == 0:
+        out = {"gpu": torch.cuda.get_device_name(dev), "world": world, "dtype": cfg["dtype"],
+               "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               "capabilities": str(heap.capabilities), "allreduce": results, "peer_copy": bw,
+               "add_rmsnorm": fused}
+        with open(cfg["result_file"], "w") as f:
+            json.dump(out, f)
+    heap.barrier()
+    for ar in ars.values():
+        ar.destroy()
+    heap.destroy()
+    dist.destroy_process_group()
+
+
+def _fmt_table(res: dict) -> str:
+    w = res["world"]
+    lines = [f"# all-reduce, {res['world']} x {res['gpu']}, {res['dtype']}, torch {res['torch']}",
+             f"# {res['capabilities']}",
+             f"{'bytes':>11} {'algo':>15} {'eager_us':>10} {'graph_us':>10} {'algbw_GB/s':>11} {'busbw_GB/s':>11} "
+             f"{'rel_err':>9}"]
+    for r in res["allreduce"]:
+        t = r.get("graph_us")
+        algbw = r["bytes"] / (t * 1e-6) / 1e9 if t else float("nan")
+        e = r.get("eager_us")
+        lines.append(f"{r['bytes']:>11} {r['algo']:>15} {e if e is not None else float('nan'):>10.2f} "
+                     f"{t if t is not None else float('nan'):>10.2f} {algbw:>11.2f} {algbw * 2 * (w - 1) / w:>11.2f} "
+                     f"{r['rel_err'] if r['rel_err'] is not None else float('nan'):>9.2e}")
+    for k, v in res["peer_copy"].items():
+        lines.append(f"# {k}: {v['bytes']} bytes in {v['us']:.1f} us = {v['GBps']:.1f} GB/s")
+    if res["add_rmsnorm"]:
+        lines.append(f"{'tokens':>7} {'hidden':>7} {'fused_graph_us':>15} {'separate_graph_us':>18} {'speedup':>8}")
+        for r in res["add_rmsnorm"]:
+            lines.append(f"{r['tokens']:>7} {r['hidden']:>7} {r['fused_graph_us']:>15.2f} "
+                         f"{r['separate_graph_us']:>18.2f} {r['separate_graph_us'] / r['fused_graph_us']:>8.2f}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    nproc = args.nproc or torch.cuda.device_count()
+    if nproc < 2:
+        raise SystemExit(f"perf.comms allreduce: needs >= 2 GPUs, found {nproc}")
+    algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+    bad = [a for a in algos if a not in OURS + PEERS]
+    if bad:
+        raise SystemExit(f"--algos: unknown {bad}; expected a subset of {OURS + PEERS}")
+    tmp = tempfile.mkdtemp()
+    cfg = {"dtype": args.dtype, "min_bytes": _parse_bytes(args.min_bytes), "max_bytes": _parse_bytes(args.max_bytes),
+           "algos": algos, "no_eager": args.no_eager, "result_file": os.path.join(tmp, "result.json")}
+    ctx = mp.start_processes(_worker, args=(nproc, os.path.join(tmp, "rdzv"), json.dumps(cfg)), nprocs=nproc,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + args.timeout_s
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise SystemExit(f"perf.comms allreduce: not done within --timeout-s {args.timeout_s}")
+    with open(cfg["result_file"]) as f:
+        res = json.load(f)
+    print(_fmt_table(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0

@@ -1,0 +1,86 @@
+"""AllReduce on CPU: algorithm selection, the torch.distributed (gloo) reference against an
+independent fp32 sum on random data of odd sizes, add_rmsnorm semantics, typed input errors."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from comms.allreduce import (ONESHOT_MAX_BYTES, AllReduce, AllReduceError, rmsnorm_reference, select_algo)
+from tests.comms.test_heap import run_ranks
+
+
+def test_select_algo_by_size_and_capability():
+    kw = dict(device="cuda", multicast=False, max_bytes=64 << 20)
+    assert select_algo(0, 2, **kw) == "oneshot"
+    assert select_algo(ONESHOT_MAX_BYTES, 2, **kw) == "oneshot"
+    assert select_algo(ONESHOT_MAX_BYTES + 16, 2, **kw) == "twoshot"
+    assert select_algo(64 << 20, 8, **kw) == "twoshot"
+    assert select_algo((64 << 20) + 16, 2, **kw) == "nccl"
+    assert select_algo(1 << 20, 9, **kw) == "nccl"
+    assert select_algo(1 << 20, 4, device="cuda", multicast=True, max_bytes=64 << 20) == "multimem"
+    assert select_algo(1 << 10, 4, device="cuda", multicast=True, max_bytes=64 << 20) == "oneshot"
+    assert select_algo(1 << 30, 4, device="cpu", multicast=False, max_bytes=1) == "reference"
+    with pytest.raises(AllReduceError, match="nbytes=-1"):
+        select_algo(-1, 2, **kw)
+
+
+def test_rmsnorm_reference_formulas():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 33, generator=g)
+    w = torch.randn(33, generator=g)
+    rms = x.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt()
+    torch.testing.assert_close(rmsnorm_reference(x, w, 1e-5, False), x / rms * w)
+    torch.testing.assert_close(rmsnorm_reference(x, w, 1e-5, True), x / rms * (1 + w))
+
+
+def _inputs(r, n, dtype, case):
+    return torch.randn(n, generator=torch.Generator().manual_seed(100 * case + r)).to(dtype)
+
+
+def _body(rank, world):
+    from comms import SymmetricHeap
+
+    heap = SymmetricHeap(dist.group.WORLD, 1 << 16, timeout_s=30)
+    ar = AllReduce(heap)
+    assert ar.algo == "reference"
+    case = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (1, 7, 1000, 4097):
+            case += 1
+            ref = sum(_inputs(r, n, dtype, case).float() for r in range(world))
+            y = ar(_inputs(rank, n, dtype, case))
+            assert y.dtype == dtype and y.shape == (n,)
+            tol = 1e-6 if dtype == torch.float32 else 8e-3
+            assert ((y.float() - ref).norm() / ref.norm()).item() <= tol
+            out = torch.empty(n, dtype=dtype)
+            assert ar(_inputs(rank, n, dtype, case), out=out) is out and torch.equal(out, y)
+    # add_rmsnorm: residual = sum + residual, then RMSNorm (both weight conventions)
+    for zc in (False, True):
+        case += 1
+        t, h = 3, 37
+        x = _inputs(rank, t * h, torch.float32, case).view(t, h)  # [T, H]
+        res = torch.randn(t, h, generator=torch.Generator().manual_seed(case))
+        w = torch.randn(h, generator=torch.Generator().manual_seed(case + 1))
+        out, res_out = ar.add_rmsnorm(x, res, w, 1e-6, zero_centered=zc)
+        ref_res = sum(_inputs(r, t * h, torch.float32, case) for r in range(world)).view(t, h) + res
+        torch.testing.assert_close(res_out, ref_res, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, rmsnorm_reference(ref_res, w, 1e-6, zc), rtol=1e-5, atol=1e-5)
+    # typed errors naming the bad value
+    with pytest.raises(AllReduceError, match="int64"):
+        ar(torch.ones(4, dtype=torch.int64))
+    with pytest.raises(AllReduceError, match="contiguous"):
+        ar(torch.ones(4, 4).t())
+    with pytest.raises(AllReduceError, match="weight shape"):
+        ar.add_rmsnorm(torch.ones(2, 8), torch.ones(2, 8), torch.ones(7), 1e-6)
+    with pytest.raises(AllReduceError, match="eps=0"):
+        ar.add_rmsnorm(torch.ones(2, 8), torch.ones(2, 8), torch.ones(8), 0)
+    with pytest.raises(AllReduceError, match="'oneshot' needs a CUDA heap"):
+        AllReduce(heap, "oneshot")
+    with pytest.raises(AllReduceError, match="algo='fastest'"):
+        AllReduce(heap, "fastest")
+    heap.destroy()
+
+
+@pytest.mark.mp
+@pytest.mark.parametrize("world", [2, 3])
+def test_allreduce_reference_matches_fp32_sum(world):
+    run_ranks(_body, world)

@@ -1,0 +1,139 @@
+"""AllReduce on 2+ GPUs (NCCL group, cuMem heap, kernels from the aot bundle or JIT), multicast off:
+every algorithm against an fp32 torch reference on random bf16/fp32 data of odd sizes, eager and
+under CUDA-graph replay; fused add+RMSNorm; a peer that never arrives makes the host raise."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.comms.test_heap import run_ranks
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.mp]
+
+SIZES = [1, 7, 1000, 4097, 65537, 1_000_003]
+TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-6}
+
+
+def _inputs(rank_of, n, dtype, case, dev):
+    g = torch.Generator().manual_seed(1000 * case + rank_of)
+    return torch.randn(n, generator=g).to(dtype).to(dev)
+
+
+def _ref(world, n, dtype, case, dev):
+    acc = torch.zeros(n, dtype=torch.float32, device=dev)
+    for r in range(world):
+        acc += _inputs(r, n, dtype, case, dev).float()
+    return acc
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _same_on_all_ranks(y):
+    ys = [torch.empty_like(y) for _ in range(dist.get_world_size())]
+    dist.all_gather(ys, y)
+    return all(torch.equal(ys[0], t) for t in ys[1:])
+
+
+def _algos_body(rank, world):
+    from comms import AllReduce, SymmetricHeap
+
+    dev = torch.device("cuda", rank)
+    heap = SymmetricHeap(dist.group.WORLD, 160 << 20, dev, timeout_s=60)
+    assert heap.capabilities.p2p and not heap.capabilities.multicast_enabled
+    case = 0
+    for algo in ("oneshot", "twoshot", "nccl", "auto"):
+        ar = AllReduce(heap, algo, max_bytes=8 << 20, timeout_s=5)
+        for dtype in (torch.bfloat16, torch.float32):
+            for n in SIZES:
+                case += 1
+                x = _inputs(rank, n, dtype, case, dev)
+                ref = _ref(world, n, dtype, case, dev)
+                y = ar(x)
+                torch.cuda.synchronize()
+                ar.check()
+                err = _rel(y, ref)
+                assert err <= TOL[dtype], f"{algo} {dtype} n={n}: rel err {err:.3g}"
+                assert _same_on_all_ranks(y), f"{algo} {dtype} n={n}: ranks differ"
+                if algo in ("oneshot", "twoshot") and n == 4097:  # in place
+                    ar(x, out=x)
+                    assert torch.equal(x, y), f"{algo} in-place differs"
+        # CUDA-graph replay: the epoch lives on the device, so replays keep synchronising
+        if algo in ("oneshot", "twoshot"):
+            n = 12345
+            static_x = torch.empty(n, dtype=torch.bfloat16, device=dev)
+            static_x.copy_(_inputs(rank, n, torch.bfloat16, 999, dev))
+            ar(static_x)  # warm-up outside capture (loads the kernel)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                static_y = ar(static_x)
+            for rep in range(3):
+                case += 1
+                static_x.copy_(_inputs(rank, n, torch.bfloat16, case, dev))
+                g.replay()
+                torch.cuda.synchronize()
+                ar.check()
+                err = _rel(static_y, _ref(world, n, torch.bfloat16, case, dev))
+                assert err <= TOL[torch.bfloat16], f"{algo} graph replay {rep}: rel err {err:.3g}"
+        ar.destroy()
+    heap.destroy()
+
+
+def _rmsnorm_body(rank, world):
+    from comms import AllReduce, SymmetricHeap
+    from comms.allreduce import rmsnorm_reference
+
+    dev = torch.device("cuda", rank)
+    heap = SymmetricHeap(dist.group.WORLD, 64 << 20, dev, timeout_s=60)
+    ar = AllReduce(heap, "auto", max_bytes=4 << 20, timeout_s=5)
+    case = 0
+    for dtype in (torch.bfloat16, torch.float32):
+        for t, h in ((1, 2048), (7, 4096), (33, 1000)):
+            for zc in (False, True):
+                case += 1
+                x = _inputs(rank, t * h, dtype, case, dev).view(t, h)  # [T, H]
+                g = torch.Generator().manual_seed(77 + case)
+                res = torch.randn(t, h, generator=g).to(dtype).to(dev)
+                w = (torch.rand(h, generator=g) * 0.5).to(dtype).to(dev)
+                out, res_out = ar.add_rmsnorm(x, res, w, 1e-6, zero_centered=zc)
+                torch.cuda.synchronize()
+                ref_res = (_ref(world, t * h, dtype, case, dev).view(t, h) + res.float())
+                ref_out = rmsnorm_reference(ref_res.to(dtype), w, 1e-6, zc)
+                assert _rel(res_out, ref_res) <= TOL[dtype], (dtype, t, h, zc, "residual")
+                assert _rel(out, ref_out.float()) <= 2 * TOL[dtype], (dtype, t, h, zc, "normed")
+    heap.destroy()
+
+
+def _timeout_body(rank, world):
+    from comms import AllReduce, SymmetricHeap
+    from comms.allreduce import AllReduceTimeoutError
+
+    dev = torch.device("cuda", rank)
+    heap = SymmetricHeap(dist.group.WORLD, 8 << 20, dev, timeout_s=60)
+    ar = AllReduce(heap, "oneshot", max_bytes=1 << 20, timeout_s=0.2)
+    x = torch.randn(4096, device=dev)
+    if rank == 0:  # rank 1 never joins this call
+        ar(x)
+        torch.cuda.synchronize()  # returns: the kernel gave up waiting instead of hanging
+        with pytest.raises(AllReduceTimeoutError, match="rank 1"):
+            ar.check()
+    dist.barrier()
+    heap.destroy()
+
+
+@pytest.fixture(scope="module")
+def ngpu():
+    return min(torch.cuda.device_count(), 8)
+
+
+def test_allreduce_gpu_algorithms(ngpu):
+    run_ranks(_algos_body, ngpu, backend="nccl", timeout_s=240)
+
+
+def test_allreduce_gpu_add_rmsnorm(ngpu):
+    run_ranks(_rmsnorm_body, ngpu, backend="nccl", timeout_s=120)
+
+
+def test_allreduce_gpu_peer_timeout_raises(ngpu):
+    run_ranks(_timeout_body, ngpu, backend="nccl", timeout_s=120)

@@ -1,0 +1,74 @@
+"""The ahead-of-time bundle: every listed CuTeDSL kernel compiles for sm_90a and sm_100a without a
+GPU, the .so files export exactly the manifest's names, and `aot` loads them (CPU: load only)."""
+import importlib
+import json
+import os
+import subprocess
+
+import pytest
+
+pytest.importorskip("cutlass.cute")
+pytest.importorskip("tvm_ffi")
+
+import aot  # noqa: E402
+from aot import build  # noqa: E402
+
+
+def _supports(module: str, arch: str, *, explicit: bool) -> bool:
+    archs = getattr(importlib.import_module(module), "ARCHS", None)
+    return arch in (archs or (() if explicit else build.ARCHS))
+
+
+def _exported_symbols(so: str) -> set[str]:
+    out = subprocess.run(["nm", "-D", "--defined-only", so], check=True, capture_output=True, text=True).stdout
+    return {line.split()[-1][len("__tvm_ffi_"):] for line in out.splitlines() if " __tvm_ffi_" in line}
+
+
+@pytest.mark.slow
+def test_bundle_compiles_every_listed_kernel_for_both_archs(tmp_path, monkeypatch):
+    import comms.kernels
+
+    listed = build.listed_modules()
+    assert set(comms.kernels.EXPORTS) <= set(listed)
+    plan = {
+        # every listed module must build for sm_90a (the lent H100/H200)
+        "sm_90a": [m for m in listed if _supports(m, "sm_90a", explicit=False)],
+        # sm_100a: ours, plus any module that declares it in ARCHS
+        "sm_100a": [m for m in listed if m in comms.kernels.EXPORTS or _supports(m, "sm_100a", explicit=True)],
+    }
+    assert set(listed) == set(plan["sm_90a"])
+    for arch, mods in plan.items():
+        (man,) = build.build(str(tmp_path), [arch], mods, runtime=False)
+        on_disk = json.loads((tmp_path / arch / "manifest.json").read_text())
+        assert on_disk["arch"] == arch and on_disk["nvidia-cutlass-dsl"] == man["nvidia-cutlass-dsl"]
+        for m in mods:
+            if not _supports(m, arch, explicit=False):
+                assert m in on_disk.get("skipped", [])
+                continue
+            info = on_disk["modules"][m]
+            assert info["exports"], m
+            assert _exported_symbols(str(tmp_path / arch / info["file"])) == set(info["exports"])
+        ours = on_disk["modules"]["comms.kernels.allreduce"]["exports"]
+        assert {f"allreduce_{a}_{d}" for a in ("oneshot", "twoshot", "multimem", "rmsnorm")
+                for d in ("bf16", "fp32")} == set(ours)
+    # the loader finds the bundle through the environment and hands out kernels by name
+    monkeypatch.setenv(aot.ENV_BUNDLE, str(tmp_path))
+    f = aot.function("comms.kernels.allreduce", "allreduce_oneshot_bf16", "sm_90a", jit=False)
+    assert callable(f)
+    with pytest.raises(aot.BundleError, match="no kernel 'allreduce_nope'"):
+        aot.function("comms.kernels.allreduce", "allreduce_nope", "sm_90a", jit=False)
+
+
+def test_missing_bundle_and_bad_arch_are_named(tmp_path, monkeypatch):
+    monkeypatch.setenv(aot.ENV_BUNDLE, str(tmp_path))
+    with pytest.raises(aot.BundleError, match=str(tmp_path / "sm_90a")):
+        aot.load("comms.kernels.allreduce", "sm_90a")
+    with pytest.raises(aot.BundleError, match="arch='sm_80'"):
+        build.build(str(tmp_path), ["sm_80"], [], runtime=False)
+
+
+def test_cli_rejects_unknown_arch(capsys):
+    from nvl72.cli import main
+
+    assert main(["kernels", "build", "--arch", "sm_90a,sm_75", "--out", os.devnull]) == 2
+    assert "sm_75" in capsys.readouterr().err
