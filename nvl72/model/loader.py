@@ -9,6 +9,7 @@ Checkpoint layouts handled:
 - multimodal Qwen3.5 (`model.language_model.*`; `model.visual.*` skipped), `mtp.*` for the MTP head
   (skipped when the model was built without it).
 Every model parameter must be covered exactly; anything else is a `WeightLoadError` naming the key.
+Tensors are read lazily (safetensors slices): an expert-parallel rank reads only its experts' rows.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from tqdm.auto import tqdm
 
 from nvl72.config import ModelConfig
 from nvl72.model.qwen import QwenMoeForCausalLM, build_model
-from nvl72.model.weights import WeightLoadError
+from nvl72.model.weights import LazyTensor, WeightLoadError
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ def load_weights(
     skipped = 0
     total = _count_keys(files)
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
-        for key, get in _iter_tensors(files):
+        for key, tensor in _iter_tensors(files):
             bar.update(1)
             target = _map_key(key, model)
             if target is None:
@@ -84,7 +85,7 @@ def load_weights(
             if param is None:
                 raise WeightLoadError(f"unexpected checkpoint key {key!r} (no model parameter {name!r})")
             try:
-                param.weight_loader(param, get(), **kwargs)
+                param.weight_loader(param, tensor, **kwargs)
             except WeightLoadError as e:
                 raise WeightLoadError(f"{key}: {e}") from None
             filled.update(units(param))
@@ -125,12 +126,12 @@ def _count_keys(files: list[str]) -> int:
     return n
 
 
-def _iter_tensors(files: list[str]) -> Iterator[tuple[str, callable]]:
-    """(key, thunk reading the tensor) so skipped keys are never read."""
+def _iter_tensors(files: list[str]) -> Iterator[tuple[str, LazyTensor]]:
+    """(key, unread tensor): loaders read what they keep, skipped keys are never read."""
     for f in files:
         with safe_open(f, framework="pt") as sf:
             for key in sf.keys():
-                yield key, (lambda sf=sf, key=key: sf.get_tensor(key))
+                yield key, LazyTensor(sf.get_slice(key))
 
 
 def _map_key(key: str, model: QwenMoeForCausalLM):

@@ -14,20 +14,35 @@ class WeightLoadError(RuntimeError):
     """A checkpoint that does not fit the model: missing, unexpected or mis-shaped tensors."""
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+class LazyTensor:
+    """A checkpoint tensor not read yet (a safetensors slice): its shape is known and indexing
+    reads only the rows asked for, so an expert-parallel rank reads only its own experts."""
+
+    def __init__(self, sl):
+        self._slice = sl
+        self.shape = tuple(sl.get_shape())
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        return self._slice[idx]
+
+
+Loaded = torch.Tensor | LazyTensor
+
+
+def _copy(dst: torch.Tensor, src: Loaded, what: str) -> None:
     if tuple(src.shape) != tuple(dst.shape):
         raise WeightLoadError(f"checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}{what}")
     with torch.no_grad():
-        dst.copy_(src.to(dtype=dst.dtype))
+        dst.copy_(src[:].to(dtype=dst.dtype))
 
 
-def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+def default_weight_loader(param: torch.Tensor, loaded: Loaded) -> None:
     """Whole-tensor copy with a shape check."""
     _copy(param.data, loaded, "")
 
 
 def expert_weight_loader(
-    param: torch.Tensor, loaded: torch.Tensor, *, expert_id: int | None = None, shard: str | None = None
+    param: torch.Tensor, loaded: Loaded, *, expert_id: int | None = None, shard: str | None = None
 ) -> None:
     """Routed-expert loader for `w13` [E_local, 2I, H] (gate rows, then up rows) and `w2` [E_local, H, I].
 
@@ -37,7 +52,7 @@ def expert_weight_loader(
     offset, local = param.expert_offset, param.shape[0]
     if expert_id is None:
         total = param.num_experts
-        if loaded.dim() != 3 or loaded.shape[0] != total:
+        if len(loaded.shape) != 3 or loaded.shape[0] != total:
             raise WeightLoadError(
                 f"checkpoint shape {tuple(loaded.shape)} != model shape ({total}, {', '.join(map(str, param.shape[1:]))})"
             )

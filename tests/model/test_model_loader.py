@@ -159,10 +159,16 @@ def test_dummy_weights_give_finite_seeded_logits(family):
         assert a.mtp is not None and all(torch.isfinite(p).all() for p in a.mtp.parameters())
 
 
-def test_expert_parallel_loaders_slice_experts(qwen35):
-    """Two EP ranks each load half the experts; their MoE outputs sum to the full layer's."""
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_expert_parallel_loaders_slice_experts(qwen35, tmp_path, layout):
+    """Two EP ranks each load half the experts (from per-expert keys, or rows of the fused
+    tensors); their MoE outputs sum to the full layer's."""
     path, _ = qwen35
     full = load_model(path, dtype=torch.float32, device="cpu")
+    if layout == "fused":
+        cfg = json.loads((path / "config.json").read_text())
+        _write(tmp_path / "fused", _official_qwen35_layout(_state(path), cfg["num_experts"]), cfg)
+        path = tmp_path / "fused"
     ranks = [load_model(path, dtype=torch.float32, device="cpu", ep_rank=r, ep_size=2) for r in (0, 1)]
     mlp_full = full.model.layers[1].mlp
     for r, m in enumerate(ranks):
