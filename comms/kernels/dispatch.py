@@ -80,6 +80,33 @@ def red_add_release_sys(addr, val, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def lanemask_lt(*, loc=None, ip=None) -> Int32:
+    """Bits of the lanes below this one (%lanemask_lt)."""
+    return Int32(ptx._asm(T.i32(), [], "mov.u32 $0, %lanemask_lt;", "=r", loc, ip))
+
+
+@dsl_user_op
+def lowest_lane(m, *, loc=None, ip=None) -> Int32:
+    """Index of the lowest set bit of a ballot (32 when none)."""
+    return Int32(ptx._asm(T.i32(), [ptx._i32(m, loc, ip)], "{ .reg .b32 r; brev.b32 r, $1; clz.b32 $0, r; }",
+                          "=r,r", loc, ip))
+
+
+@dsl_user_op
+def wrap_sub(a, b, *, loc=None, ip=None) -> Int32:
+    """a - b modulo 2**32 (counters wrap; plain Int32 arithmetic may assume no signed overflow)."""
+    return Int32(ptx._asm(T.i32(), [ptx._i32(a, loc, ip), ptx._i32(b, loc, ip)], "sub.s32 $0, $1, $2;",
+                          "=r,r,r", loc, ip))
+
+
+@dsl_user_op
+def wrap_mul(a, b, *, loc=None, ip=None) -> Int32:
+    """a * b modulo 2**32."""
+    return Int32(ptx._asm(T.i32(), [ptx._i32(a, loc, ip), ptx._i32(b, loc, ip)], "mul.lo.s32 $0, $1, $2;",
+                          "=r,r,r", loc, ip))
+
+
+@dsl_user_op
 def fma_bf16x2_sel(lo, hi, v, w, ok, *, loc=None, ip=None):
     """(lo, hi) + w * bf16x2(v) in fp32 (mul.rn, add.rn: never fused) where ok != 0, else (lo, hi)."""
     r = ptx._asm(ptx._struct(2, "f32"),
@@ -129,7 +156,7 @@ def _wait_all(my_base, tid, world, cnt_off, target, err_addr, timeout_ns, code):
         t0 = ptx.globaltimer()
         f = ptx.ld_acquire_sys(a)
         late = Int32(0)
-        while ((f - target) < 0) & (late == 0):
+        while (wrap_sub(f, target) < 0) & (late == 0):
             if ptx.globaltimer() - t0 > timeout_ns:
                 late = Int32(1)
                 ptx.st_release_sys(err_addr, code | s)
@@ -179,10 +206,6 @@ def _find_source(rstart: cute.Tensor, world, rr):
     return lo
 
 
-def _lane_bits_below(lane):
-    return (Int32(1) << lane) - 1
-
-
 # ------------------------------------------------------------------------------- dispatch
 def _make_dispatch(K: int):
     @cute.kernel
@@ -223,7 +246,7 @@ def _make_dispatch(K: int):
                             hit = Int32(j)
                 m = cute.arch.vote_ballot_sync(hit >= 0)
                 if hit >= 0:
-                    i = running + cute.arch.popc(m & _lane_bits_below(lane))
+                    i = running + cute.arch.popc(m & lanemask_lt())
                     row = _i64(rank) * maxt + t
                     st_b32(dbase + off_rslot + (row * K + hit) * 4, i)
                 running = running + cute.arch.popc(m)
@@ -282,7 +305,7 @@ def _make_dispatch(K: int):
         _signal_all(peers, tid, world, off_dcnt, rank)
 
         # ---- B. wait for every source's blocks
-        _wait_all(me, tid, world, off_dcnt, epoch * nb, err_addr, timeout_ns, ERR_DISPATCH_TIMEOUT)
+        _wait_all(me, tid, world, off_dcnt, wrap_mul(epoch, nb), err_addr, timeout_ns, ERR_DISPATCH_TIMEOUT)
         cute.arch.sync_threads()
 
         # ---- C. pack into per-local-expert rows
@@ -430,7 +453,7 @@ def _make_combine(K: int):
                         posv = row_pos[row * K + lane]
                         wv = ld_b32_cg(me + off_rw + (row * K + lane) * 4)
                 m = cute.arch.vote_ballot_sync(ok != 0)
-                first = cute.arch.popc((m & (0 - m)) - 1)   # lowest local slot: a valid row to read
+                first = lowest_lane(m)  # lowest local slot: a valid row to read
                 pfirst = cute.arch.shuffle_sync(posv, first)
                 for q in cutlass.range_constexpr(32):
                     acc[q] = cutlass.Float32(0.0)
@@ -454,7 +477,7 @@ def _make_combine(K: int):
             u = u + nw
         cute.arch.sync_threads()
         _signal_all(peers, tid, world, off_ccnt, rank)
-        _wait_all(me, tid, world, off_ccnt, epoch * nb, err_addr, timeout_ns, ERR_COMBINE_TIMEOUT)
+        _wait_all(me, tid, world, off_ccnt, wrap_mul(epoch, nb), err_addr, timeout_ns, ERR_COMBINE_TIMEOUT)
         cute.arch.sync_threads()
 
         # ---- B. sum the partials of each own token in ascending rank order
@@ -490,7 +513,7 @@ def _make_combine(K: int):
                 di = d0
                 if mi != 0:
                     oki = Int32(1)
-                    di = cute.arch.shuffle_sync(dv, cute.arch.popc((mi & (0 - mi)) - 1))
+                    di = cute.arch.shuffle_sync(dv, lowest_lane(mi))
                 a = me + off_cx + (_i64(di) * maxt + t) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
                 for q in cutlass.range_constexpr(4):
                     dq = ptx.ld_v4_cg(a + q * 512)

@@ -8,7 +8,8 @@ top-k routing:
   nccl    the torch.distributed reference on NCCL (count exchange, all_to_all_single of rows and
           metadata, per-expert permutation; combine: local weighted sum, all_to_all back, sum), eager
           (it needs the counts on the host), wall clock per call, median;
-  a2a     all_to_all_single of exactly the rows that cross ranks (no permutation), events;
+  a2a     all_to_all_single of exactly the rows that cross ranks (no permutation, no metadata),
+          CUDA-graph replay like the fused path;
   floor   bytes leaving this GPU / NCCL send-recv bandwidth measured in the same run.
 A dispatch-only (or combine-only) replay loop reuses buffers that a peer one call ahead already
 rewrites, so its numbers are timings only; the pair loop is the real sequence.
@@ -182,8 +183,8 @@ def _worker(rank, world, store, args, out_path):
                     dst, tok = torch.nonzero(mask.t(), as_tuple=True)
                     sbuf = x[tok].contiguous()
                     rbuf = torch.empty(sum(recv_counts), H, dtype=x.dtype, device=dev)
-                    t_a2a = _wall_median(lambda: dist.all_to_all_single(rbuf, sbuf, recv_counts, send_counts),
-                                         args.nccl_iters, dev)
+                    t_a2a, _ = _graph_time(lambda: dist.all_to_all_single(rbuf, sbuf, recv_counts, send_counts),
+                                           args.iters, dev)
                     nbytes = int(remote) * H * 2
                     floor = nbytes / bw
                     rows.append(dict(tokens=T, hidden=H, experts=E, topk=K, world=world, layout=args.layout, graph=not eager,
