@@ -45,23 +45,48 @@ class ExpertWeights:
     w2_scale: torch.Tensor | None = None
 
 
-def load_sm90_module():
-    """The compiled CuTeDSL grouped-GEMM module: the carried AOT bundle, else a JIT compile."""
-    try:
-        import cutedsl_carry  # on PYTHONPATH after the carry folder's setup_device.sh
+SM90_MODULE = "moe.kernels.sm90_grouped_gemm"
 
-        return cutedsl_carry.load("sm90_grouped_gemm")
+
+def load_sm90_module():
+    """The compiled CuTeDSL grouped-GEMM module, from (in order) the aot bundle, a carry folder on
+    PYTHONPATH (`cutedsl_carry`, /work/shared/gpu), or an in-process JIT compile; the source is logged."""
+    import aot
+
+    if hasattr(aot, "load"):
+        try:
+            mod = aot.load(SM90_MODULE, "sm_90a")
+            log.info("moe: %s from the aot bundle", SM90_MODULE)
+            return mod
+        except (aot.BundleError, OSError) as e:
+            log.info("moe: no aot bundle for %s (%s)", SM90_MODULE, e)
+    try:
+        import cutedsl_carry
     except ImportError:
-        pass
+        cutedsl_carry = None
+    if cutedsl_carry is not None:
+        log.info("moe: %s from the carry folder %s", SM90_MODULE, os.path.dirname(cutedsl_carry.__file__))
+        return cutedsl_carry.load(SM90_MODULE.rsplit(".", 1)[1])
     try:
         from moe.kernels import sm90_grouped_gemm
     except ImportError as e:
-        raise BackendUnavailable(f"no AOT bundle and CuTeDSL is not importable: {e}") from e
+        raise BackendUnavailable(f"no kernel bundle for {SM90_MODULE} and CuTeDSL is not importable: {e}") from e
+    log.warning("moe: JIT-compiling %s (development path)", SM90_MODULE)
     return SimpleNamespace(**sm90_grouped_gemm.compile_for_export("sm_90a"))
 
 
 class Sm90Gemm:
-    """Torch-facing wrapper of the four CuTeDSL variants (views as the kernel module documents)."""
+    """Torch-facing wrapper of the CuTeDSL variants (views as the kernel module documents).
+
+    Defaults: prefill (contiguous) FP8 uses the overlapped-promotion kernel, decode (masked) FP8
+    the swap-AB kernel; `variant=` names another export of moe.kernels.sm90_grouped_gemm."""
+
+    DEFAULTS = {
+        (True, False): "grouped_gemm_fp8_contig",
+        (True, True): "grouped_gemm_fp8_masked_swapab",
+        (False, False): "grouped_gemm_bf16_contig",
+        (False, True): "grouped_gemm_bf16_masked",
+    }
 
     def __init__(self, module):
         self.mod = module
@@ -72,21 +97,22 @@ class Sm90Gemm:
             self._one[device] = torch.ones(1, 1, 1, dtype=torch.float32, device=device)
         return self._one[device]
 
-    def __call__(self, a, b, out, a_scale, b_scale, aux, masked, tile_m=TILE_M):
+    def __call__(self, a, b, out, a_scale, b_scale, aux, masked, tile_m=TILE_M, variant=None):
+        if out.numel() == 0:
+            return out
         fp8 = a.dtype == torch.float8_e4m3fn
         if fp8:
             a, b = a.view(torch.uint8), b.view(torch.uint8)
+            sa, sb = a_scale.permute(2, 1, 0), b_scale.permute(1, 2, 0)  # (rows, K/128, L), (N/128, K/128, E)
         else:
-            a_scale = b_scale = self._dummy(a.device).permute(1, 0, 2)
+            sa = sb = self._dummy(a.device)
         if masked:
-            a3, c3, sa = a.permute(1, 2, 0), out.permute(1, 2, 0), a_scale.permute(2, 1, 0) if fp8 else a_scale
+            a3, c3 = a.permute(1, 2, 0), out.permute(1, 2, 0)  # (cap, K, E), (cap, N, E)
         else:
             m = a.shape[0]
-            a3, c3 = a.view(1, m, -1).permute(1, 2, 0), out.view(1, m, -1).permute(1, 2, 0)
-            sa = a_scale.permute(2, 1, 0) if fp8 else a_scale
-        sb = b_scale.permute(1, 2, 0) if fp8 else b_scale
-        name = f"grouped_gemm_{'fp8' if fp8 else 'bf16'}_{'masked' if masked else 'contig'}"
-        getattr(self.mod, name)(a3, b.permute(1, 2, 0), c3, sa, sb, aux.to(torch.int32))
+            a3, c3 = a.view(1, m, -1).permute(1, 2, 0), out.view(1, m, -1).permute(1, 2, 0)  # (M, K, 1)
+        fn = getattr(self.mod, variant or self.DEFAULTS[(fp8, masked)])
+        fn(a3, b.permute(1, 2, 0), c3, sa, sb, aux.to(torch.int32))
         return out
 
 

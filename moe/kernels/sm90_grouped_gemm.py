@@ -32,20 +32,33 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 
-TILE_M, TILE_N = 128, 128
 SCALE_BLOCK = 128
+ARCHS = ("sm_90a",)  # for aot.build: wgmma exists on Hopper only
 
 
 class GroupedGemmSm90:
-    """One compiled variant: (fp8 with block scales | bf16) x (contiguous | masked)."""
+    """One compiled variant: (fp8 with block scales | bf16) x (contiguous | masked) x options.
 
-    def __init__(self, fp8: bool, masked: bool):
-        self.fp8, self.masked = fp8, masked
+    swap_ab (masked fp8 only, for decode): computes C^T = B[e] . A^T with the weights as the
+      wgmma M operand (64 weight rows per CTA) and the few tokens of an expert as its N operand
+      (32 per CTA), so a small batch does not pad every expert to 128 rows of MMA work.
+    overlap (fp8): two temporary accumulators, so the promotion of K tile t overlaps the wgmma of
+      K tile t+1 (wgmma.wait_group 1 instead of 0).
+    """
+
+    def __init__(self, fp8: bool, masked: bool, swap_ab: bool = False, overlap: bool = False):
+        if swap_ab and not (fp8 and masked):
+            raise ValueError(f"swap_ab={swap_ab} needs fp8 and the masked layout")
+        self.fp8, self.masked, self.swap_ab, self.overlap = fp8, masked, swap_ab, overlap and fp8
         self.acc_dtype = cutlass.Float32
         self.ab_dtype = cutlass.Float8E4M3FN if fp8 else cutlass.BFloat16
         self.c_dtype = cutlass.BFloat16
-        self.atom_layout_mnk = (2, 1, 1)  # two consumer warpgroups, 64 rows each
-        self.threads = 256
+        if swap_ab:
+            self.tile_m, self.tile_n, self.n_wg = 64, 32, 1
+        else:
+            self.tile_m, self.tile_n, self.n_wg = 128, 128, 2  # two consumer warpgroups, 64 rows each
+        self.threads = 128 * self.n_wg
+        self.c_layout = utils.LayoutEnum.COL_MAJOR if swap_ab else utils.LayoutEnum.ROW_MAJOR
         self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
 
     def _setup(self):
@@ -55,21 +68,21 @@ class GroupedGemmSm90:
             cute.nvgpu.OperandMajorMode.K,
             cute.nvgpu.OperandMajorMode.K,
             self.acc_dtype,
-            self.atom_layout_mnk,
-            tiler_mn=(64, TILE_N),
+            (self.n_wg, 1, 1),
+            tiler_mn=(64, self.tile_n),
         )
         inst_k = cute.size(self.tiled_mma.shape_mnk, mode=[2])
-        self.tile_mnk = (TILE_M, TILE_N, inst_k * 4)  # fp8: K tile 128 = one scale block
-        self.epi_tile = sm90_utils.compute_tile_shape_or_override(self.tile_mnk, self.c_dtype, is_cooperative=True)
-        stage_bytes = (TILE_M + TILE_N) * self.tile_mnk[2] * self.ab_dtype.width // 8
+        self.tile_mnk = (self.tile_m, self.tile_n, inst_k * 4)  # fp8: K tile 128 = one scale block
+        self.epi_tile = sm90_utils.compute_tile_shape_or_override(
+            self.tile_mnk, self.c_dtype, is_cooperative=self.n_wg == 2
+        )
+        stage_bytes = (self.tile_m + self.tile_n) * self.tile_mnk[2] * self.ab_dtype.width // 8
         self.ab_stage = min(8, (self.smem_capacity - 2048) // stage_bytes)
         self.epi_stage = 4
-        a_layout = utils.LayoutEnum.ROW_MAJOR  # K-major
-        self.a_smem_staged = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
-        self.b_smem_staged = sm90_utils.make_smem_layout_b(a_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
-        self.epi_smem_staged = sm90_utils.make_smem_layout_epi(
-            self.c_dtype, utils.LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_stage
-        )
+        k_major = utils.LayoutEnum.ROW_MAJOR
+        self.a_smem_staged = sm90_utils.make_smem_layout_a(k_major, self.tile_mnk, self.ab_dtype, self.ab_stage)
+        self.b_smem_staged = sm90_utils.make_smem_layout_b(k_major, self.tile_mnk, self.ab_dtype, self.ab_stage)
+        self.epi_smem_staged = sm90_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage)
 
     @cute.jit
     def __call__(
@@ -86,6 +99,10 @@ class GroupedGemmSm90:
         if cutlass.const_expr(self.fp8):
             a = cute.make_tensor(cute.recast_ptr(a.iterator, dtype=self.ab_dtype), a.layout)
             b = cute.make_tensor(cute.recast_ptr(b.iterator, dtype=self.ab_dtype), b.layout)
+        if cutlass.const_expr(self.swap_ab):  # MMA operands: weights as A, tokens as B, C^T (N-contiguous)
+            a, b = b, a
+            a_scale, b_scale = b_scale, a_scale
+            c = cute.make_tensor(c.iterator, cute.select(c.layout, mode=[1, 0, 2]))
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         tma_a, tma_ta = cute.nvgpu.cpasync.make_tiled_tma_atom(
             g2s, a, cute.slice_(self.a_smem_staged, (None, None, 0)), (self.tile_mnk[0], self.tile_mnk[2])
@@ -100,8 +117,8 @@ class GroupedGemmSm90:
             self.epi_tile,
         )
         grid = (
-            cute.ceil_div(cute.size(c, mode=[0]), TILE_M),
-            cute.ceil_div(cute.size(c, mode=[1]), TILE_N),
+            cute.ceil_div(cute.size(c, mode=[0]), self.tile_m),
+            cute.ceil_div(cute.size(c, mode=[1]), self.tile_n),
             cute.size(c, mode=[2]),
         )
 
@@ -113,11 +130,10 @@ class GroupedGemmSm90:
 
         self.shared_storage = SharedStorage
         self.kernel(
-            tma_a, tma_ta, tma_b, tma_tb, tma_c, tma_tc, a_scale, b_scale, aux, self.tiled_mma,
+            tma_a, tma_ta, tma_b, tma_tb, tma_c, tma_tc, a_scale, b_scale, aux,
+            self.tiled_mma, self.tiled_mma, self.tiled_mma,
             self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
-        ).launch(
-            grid=grid, block=[self.threads, 1, 1], stream=stream
-        )
+        ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
@@ -131,7 +147,9 @@ class GroupedGemmSm90:
         mSA: cute.Tensor,
         mSB: cute.Tensor,
         aux: cute.Tensor,
-        tiled_mma: cute.TiledMma,
+        tiled_mma: cute.TiledMma,  # three copies of one MMA: overwrite, accumulate, epilogue layout
+        acc_mma: cute.TiledMma,
+        epi_mma: cute.TiledMma,
         a_smem_staged: cute.ComposedLayout,
         b_smem_staged: cute.ComposedLayout,
         epi_smem_staged: cute.ComposedLayout,
@@ -139,10 +157,17 @@ class GroupedGemmSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         pid_m, pid_n, pid_l = cute.arch.block_idx()
+        # the ACCUMULATE flags are set here, once: a flag set inside a loop cannot be read after it
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        acc_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        mmas = (tiled_mma, acc_mma)
 
         if cutlass.const_expr(self.masked):
             expert = pid_l
-            active = pid_m * TILE_M < aux[pid_l]
+            if cutlass.const_expr(self.swap_ab):
+                active = pid_n * self.tile_n < aux[pid_l]
+            else:
+                active = pid_m * self.tile_m < aux[pid_l]
         else:
             expert = aux[pid_m]
             active = expert >= 0
@@ -173,13 +198,13 @@ class GroupedGemmSm90:
                 epi_smem_staged.outer,
             )
 
-            # (bM, bK, RestK), (bN, bK, RestK), (bM, bN)
+            # (bM, bK, RestK), (bN, bK, RestK), (bM, bN); B of the contiguous layout is per tile's expert
             gA = cute.local_tile(mA, self.tile_mnk, (pid_m, pid_n, None, pid_l), proj=(1, None, 1))
             gB = cute.local_tile(mB, self.tile_mnk, (pid_m, pid_n, None, expert), proj=(None, 1, 1))
             gC = cute.local_tile(mC, self.tile_mnk, (pid_m, pid_n, None, pid_l), proj=(1, 1, None))
 
             wg = cute.arch.make_warp_uniform(tidx // 128)
-            thr_mma = tiled_mma.get_slice(cute.make_layout(2, stride=128)(wg))
+            thr_mma = tiled_mma.get_slice(cute.make_layout(self.n_wg, stride=128)(wg))
             tCgC = thr_mma.partition_C(gC)
 
             one = cute.make_layout(1)
@@ -199,56 +224,58 @@ class GroupedGemmSm90:
             prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
             if warp_idx == 0:
                 for _ in cutlass.range(cutlass.min(self.ab_stage, k_tiles), unroll=1):
-                    ab_pipe.producer_acquire(prod)
-                    bar = ab_pipe.producer_get_barrier(prod)
-                    cute.copy(tma_a, tAgA[(None, prod.count)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
-                    cute.copy(tma_b, tBgB[(None, prod.count)], tBsB[(None, prod.index)], tma_bar_ptr=bar)
-                    ab_pipe.producer_commit(prod)
-                    prod.advance()
+                    prod = self._load(ab_pipe, prod, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB)
 
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             num_kb = cute.size(tCrA, mode=[2])
             if cutlass.const_expr(self.fp8):
-                part = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
-                tCcC = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
-                m0 = pid_m * TILE_M
-            else:
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            for kt in cutlass.range(k_tiles, unroll=1):
-                ab_pipe.consumer_wait(cons)
-                cute.nvgpu.warpgroup.fence()
-                if cutlass.const_expr(self.fp8):
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                    for kb in cutlass.range(num_kb, unroll_full=True):
-                        coord = (None, None, kb, cons.index)
-                        cute.gemm(tiled_mma, part, tCrA[coord], tCrB[coord], part)
-                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                # per-thread (row, col) of every accumulator element: slice by the thread, not the warpgroup
+                tCcC = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+                part0 = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
+                if cutlass.const_expr(self.overlap):
+                    part1 = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
+                    cons = self._mma(ab_pipe, cons, mmas, part0, tCrA, tCrB, num_kb, True)
+                    for kt in cutlass.range(1, k_tiles, 2, unroll=1):
+                        cons = self._mma(ab_pipe, cons, mmas, part1, tCrA, tCrB, num_kb, True)
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        rel = self._retire(ab_pipe, rel, acc, part0, tCcC, mSA, mSB, kt - 1, pid_m, pid_n, pid_l, expert)
+                        if warp_idx == 0 and prod.count < k_tiles:
+                            prod = self._load(ab_pipe, prod, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB)
+                        if kt + 1 < k_tiles:
+                            cons = self._mma(ab_pipe, cons, mmas, part0, tCrA, tCrB, num_kb, True)
+                            cute.nvgpu.warpgroup.wait_group(1)
+                        else:
+                            cute.nvgpu.warpgroup.wait_group(0)
+                        rel = self._retire(ab_pipe, rel, acc, part1, tCcC, mSA, mSB, kt, pid_m, pid_n, pid_l, expert)
+                        if warp_idx == 0 and prod.count < k_tiles:
+                            prod = self._load(ab_pipe, prod, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB)
+                    if k_tiles % 2 == 1:
+                        cute.nvgpu.warpgroup.wait_group(0)
+                        rel = self._retire(ab_pipe, rel, acc, part0, tCcC, mSA, mSB, k_tiles - 1, pid_m, pid_n, pid_l, expert)
                 else:
-                    for kb in cutlass.range(num_kb, unroll_full=True):
-                        coord = (None, None, kb, cons.index)
-                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                cute.nvgpu.warpgroup.commit_group()
-                cute.nvgpu.warpgroup.wait_group(0)
-                ab_pipe.consumer_release(cons)
-                cons.advance()
-                if cutlass.const_expr(self.fp8):
-                    sb = mSB[(pid_n * (TILE_N // SCALE_BLOCK), kt, expert)]
-                    for i in cutlass.range_constexpr(cute.size(acc)):
-                        row = m0 + tCcC[i][0]
-                        acc[i] = acc[i] + part[i] * (mSA[(row, kt, pid_l)] * sb)
-                if warp_idx == 0 and prod.count < k_tiles:
-                    ab_pipe.producer_acquire(prod)
-                    bar = ab_pipe.producer_get_barrier(prod)
-                    cute.copy(tma_a, tAgA[(None, prod.count)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
-                    cute.copy(tma_b, tBgB[(None, prod.count)], tBsB[(None, prod.index)], tma_bar_ptr=bar)
-                    ab_pipe.producer_commit(prod)
-                    prod.advance()
+                    for kt in cutlass.range(k_tiles, unroll=1):
+                        cons = self._mma(ab_pipe, cons, mmas, part0, tCrA, tCrB, num_kb, True)
+                        cute.nvgpu.warpgroup.wait_group(0)
+                        rel = self._retire(ab_pipe, rel, acc, part0, tCcC, mSA, mSB, kt, pid_m, pid_n, pid_l, expert)
+                        if warp_idx == 0 and prod.count < k_tiles:
+                            prod = self._load(ab_pipe, prod, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB)
+            else:
+                for kt in cutlass.range(k_tiles, unroll=1):
+                    cons = self._mma(ab_pipe, cons, mmas, acc, tCrA, tCrB, num_kb, False)
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    ab_pipe.consumer_release(rel)
+                    rel.advance()
+                    if warp_idx == 0 and prod.count < k_tiles:
+                        prod = self._load(ab_pipe, prod, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB)
 
             # ---- epilogue: registers -> smem (reusing sA) -> TMA store, epi_tile at a time
             cute.arch.sync_threads()
-            r2s_atom = sm90_utils.get_smem_store_op(utils.LayoutEnum.ROW_MAJOR, self.c_dtype, self.acc_dtype)
-            c_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.c_dtype)
-            tiled_r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(c_atom, tiled_mma))
+            r2s_atom = sm90_utils.get_smem_store_op(self.c_layout, self.c_dtype, self.acc_dtype)
+            c_atom = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
+            )
+            tiled_r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(c_atom, epi_mma))
             thr_r2s = tiled_r2s.get_slice(tidx)
             tRS_sC = thr_r2s.partition_D(sC)
             tRS_acc = tiled_r2s.retile(acc)
@@ -280,6 +307,44 @@ class GroupedGemmSm90:
             if warp_idx == 0:
                 c_pipe.producer_tail()
 
+    def _load(self, ab_pipe, prod, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB):
+        """Producer (warp 0): TMA the next K tile of A and B into the next free stage."""
+        ab_pipe.producer_acquire(prod)
+        bar = ab_pipe.producer_get_barrier(prod)
+        cute.copy(tma_a, tAgA[(None, prod.count)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
+        cute.copy(tma_b, tBgB[(None, prod.count)], tBsB[(None, prod.index)], tma_bar_ptr=bar)
+        ab_pipe.producer_commit(prod)
+        prod.advance()
+        return prod
+
+    def _mma(self, ab_pipe, cons, mmas, frag, tCrA, tCrB, num_kb, fresh):
+        """Wait for the next stage and issue its wgmmas into `frag` (overwritten first if fresh)."""
+        ab_pipe.consumer_wait(cons)
+        cute.nvgpu.warpgroup.fence()
+        for kb in range(num_kb):
+            coord = (None, None, kb, cons.index)
+            mma = mmas[0] if (fresh and kb == 0) else mmas[1]
+            cute.gemm(mma, frag, tCrA[coord], tCrB[coord], frag)
+        cute.nvgpu.warpgroup.commit_group()
+        cons.advance()
+        return cons
+
+    def _retire(self, ab_pipe, rel, acc, part, tCcC, mSA, mSB, kt, pid_m, pid_n, pid_l, expert):
+        """Free the finished stage and promote: acc += part * a_scale[row] * b_scale[block]."""
+        ab_pipe.consumer_release(rel)
+        rel.advance()
+        if self.swap_ab:  # A = weights (one scale per 128 rows), B = tokens
+            sw = mSA[(pid_m * self.tile_m // SCALE_BLOCK, kt, expert)]
+            n0 = pid_n * self.tile_n
+            for i in range(cute.size(acc)):
+                acc[i] = acc[i] + part[i] * (mSB[(n0 + tCcC[i][1], kt, pid_l)] * sw)
+        else:
+            sb = mSB[(pid_n * self.tile_n // SCALE_BLOCK, kt, expert)]
+            m0 = pid_m * self.tile_m
+            for i in range(cute.size(acc)):
+                acc[i] = acc[i] + part[i] * (mSA[(m0 + tCcC[i][0], kt, pid_l)] * sb)
+        return rel
+
 
 def _fake_args(fp8: bool, masked: bool):
     """Fake tensors (symbolic sizes) matching the torch views documented in the module docstring."""
@@ -292,21 +357,32 @@ def _fake_args(fp8: bool, masked: bool):
     a = make_fake_compact_tensor(ab, (m, k, l), stride_order=kmaj, assumed_align=16)
     b = make_fake_compact_tensor(ab, (n, k, e), stride_order=kmaj, assumed_align=16)
     c = make_fake_compact_tensor(cutlass.BFloat16, (m, n, l), stride_order=kmaj, assumed_align=16)
+    if not fp8:  # the scales are ignored: 1-element placeholders of any size
+        m, kb, l, e = (cute.sym_int() for _ in range(4))
     sa = make_fake_compact_tensor(cutlass.Float32, (m, kb, l), stride_order=(0, 1, 2), assumed_align=4)
     sb = make_fake_compact_tensor(cutlass.Float32, (nb, kb, e), stride_order=kmaj, assumed_align=4)
     aux = make_fake_compact_tensor(cutlass.Int32, (t,), assumed_align=4)
     return a, b, c, sa, sb, aux, make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
+VARIANTS = {
+    "grouped_gemm_fp8_contig": dict(fp8=True, masked=False, overlap=True),
+    "grouped_gemm_fp8_masked": dict(fp8=True, masked=True, overlap=True),
+    "grouped_gemm_fp8_masked_swapab": dict(fp8=True, masked=True, swap_ab=True, overlap=True),
+    "grouped_gemm_fp8_contig_serial": dict(fp8=True, masked=False),
+    "grouped_gemm_fp8_masked_serial": dict(fp8=True, masked=True),
+    "grouped_gemm_bf16_contig": dict(fp8=False, masked=False),
+    "grouped_gemm_bf16_masked": dict(fp8=False, masked=True),
+}
+
+
 def compile_for_export(arch: str = "sm_90a") -> dict:
-    """{export name: compiled fn} for the four variants (see the module docstring for arguments)."""
+    """{export name: compiled fn} for every entry of VARIANTS (arguments: module docstring)."""
     if not arch.startswith("sm_90"):
         raise ValueError(f"arch={arch!r}: the wgmma grouped GEMM needs sm_90a")
-    out = {}
-    for fp8 in (True, False):
-        for masked in (False, True):
-            name = f"grouped_gemm_{'fp8' if fp8 else 'bf16'}_{'masked' if masked else 'contig'}"
-            out[name] = cute.compile(
-                GroupedGemmSm90(fp8, masked), *_fake_args(fp8, masked), options=f"--gpu-arch {arch} --enable-tvm-ffi"
-            )
-    return out
+    return {
+        name: cute.compile(
+            GroupedGemmSm90(**kw), *_fake_args(kw["fp8"], kw["masked"]), options=f"--gpu-arch {arch} --enable-tvm-ffi"
+        )
+        for name, kw in VARIANTS.items()
+    }

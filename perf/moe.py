@@ -1,0 +1,221 @@
+"""MoE expert GEMM benchmark: our grouped GEMMs beside torch's, against the hardware floor.
+
+    python -m perf.moe [--models qwen3-235b,qwen3.5-397b] [--tokens 1,2,...,16384] [--json out.json]
+
+For each model's expert shape (E experts, hidden H, intermediate I, top-k) and token count T, with
+uniformly random routing, it times the two expert GEMMs of one MoE layer (w13: [T*k, H] x [2I, H]^T,
+then w2: [T*k, I] x [H, I]^T) done by
+  ours-fp8        the CuTeDSL wgmma grouped GEMM, MXFP8 weights (regrouped 128 x 128 pow2 scales),
+                  1 x 128 activation scales; masked layout for T <= 256, contiguous above
+  torch-bf16      torch._grouped_mm (bf16)
+  torch-fp8-row   torch._scaled_grouped_mm (FP8, row-wise scales)
+ours-bf16 (the same kernel on bf16 operands) and the alternative FP8 variants (`alt`: BM=128
+masked kernel for decode, non-overlapped promotion for prefill), and our whole layer (`layer-fp8`: route-free permute + quantize + GEMM + SiLU-and-mul + quantize +
+GEMM + weighted un-permute). TFLOP/s counts 6 * T * k * H * I; bandwidth counts the bytes of the
+active experts' weights plus activations in and out, against a device-to-device copy measured in the
+same run (bytes read + written). Needs a CUDA GPU (sm_90 for ours); prints a table, writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from moe import backend as backends
+from moe.routing import permute_contiguous, permute_masked
+
+MODELS = {
+    "qwen3-235b": dict(E=128, H=4096, I=1536, k=8),
+    "qwen3.5-397b": dict(E=512, H=4096, I=1024, k=10),
+}
+DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+def timed(fn, iters: int, warmup: int = 3) -> float:
+    """Mean milliseconds per call over `iters` calls (CUDA events, after warm-up)."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy, GB/s counting bytes read + written."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = timed(lambda: b.copy_(a), 20)
+    return 2 * nbytes / ms / 1e6
+
+
+def _fp8_weights(e: int, n: int, k: int, gen: torch.Generator):
+    """Random FP8 expert weights [E, N, K] with 128 x 128 power-of-two scales, built in chunks."""
+    q = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device="cuda")
+    for i in range(0, e, 16):
+        q[i : i + 16] = (torch.randn(min(16, e - i), n, k, device="cuda", generator=gen) * 64).to(torch.float8_e4m3fn)
+    s = torch.exp2(torch.randint(-12, -8, (e, n // 128, k // 128), device="cuda", generator=gen).float())
+    return q, s
+
+
+def bench_model(name: str, tokens: list[int], iters: int, gemm, bw_copy: float) -> list[dict]:
+    cfg = MODELS[name]
+    e, h, inter, k = cfg["E"], cfg["H"], cfg["I"], cfg["k"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13_q, w13_s = _fp8_weights(e, 2 * inter, h, gen)
+    w2_q, w2_s = _fp8_weights(e, h, inter, gen)
+    w13_bf = torch.empty(e, 2 * inter, h, dtype=torch.bfloat16, device="cuda").normal_(0, 0.02, generator=gen)
+    w2_bf = torch.empty(e, h, inter, dtype=torch.bfloat16, device="cuda").normal_(0, 0.02, generator=gen)
+    rows = []
+    for t in tokens:
+        ids = torch.rand(t, e, device="cuda", generator=gen).argsort(dim=1)[:, :k]  # [T, k] distinct experts
+        wts = torch.rand(t, k, device="cuda", generator=gen)
+        x = torch.randn(t, h, device="cuda", generator=gen, dtype=torch.bfloat16)
+        active = int((torch.bincount(ids.flatten(), minlength=e) > 0).sum())
+        flops = 6.0 * t * k * h * inter
+        act_bytes_fp8 = t * k * (h + 2 * inter * 2 + inter + h * 2)  # a, h (bf16), a2, y (bf16)
+        wbytes_fp8 = active * 3 * h * inter
+        row = dict(model=name, tokens=t, active_experts=active, gflop=flops / 1e9)
+
+        # ---- ours: GEMMs only, on pre-permuted / pre-quantized operands
+        masked = t <= backends.DECODE_MAX_TOKENS
+        if masked:
+            cap = -(-t // 128) * 128
+            perm = permute_masked(ids, e, cap)
+            aux, rpb, shape = perm.counts, cap, (e, cap)
+        else:
+            perm = permute_contiguous(ids, e, 0, 128)
+            aux, rpb, shape = perm.tile_expert, perm.num_rows, (perm.num_rows,)
+        a = torch.randn(*shape, h, device="cuda", generator=gen).to(torch.float8_e4m3fn)
+        sa = torch.ones(perm.num_rows // rpb, h // 128, rpb, device="cuda")
+        a2 = torch.randn(*shape, inter, device="cuda", generator=gen).to(torch.float8_e4m3fn)
+        sa2 = torch.ones(perm.num_rows // rpb, inter // 128, rpb, device="cuda")
+        hbuf = torch.empty(*shape, 2 * inter, dtype=torch.bfloat16, device="cuda")
+        ybuf = torch.empty(*shape, h, dtype=torch.bfloat16, device="cuda")
+
+        def ours(variant=None):
+            gemm(a, w13_q, hbuf, sa, w13_s, aux, masked, variant=variant)
+            gemm(a2, w2_q, ybuf, sa2, w2_s, aux, masked, variant=variant)
+
+        row["ours_fp8_ms"] = timed(ours, iters)
+        alts = ["grouped_gemm_fp8_masked", "grouped_gemm_fp8_masked_serial"] if masked else ["grouped_gemm_fp8_contig_serial"]
+        for v in alts:
+            row[f"{v}_ms"] = timed(lambda: ours(v), iters)
+        a_bf, a2_bf = a.to(torch.bfloat16), a2.to(torch.bfloat16)
+
+        def ours_bf16():
+            gemm(a_bf, w13_bf, hbuf, None, None, aux, masked)
+            gemm(a2_bf, w2_bf, ybuf, None, None, aux, masked)
+
+        row["ours_bf16_ms"] = timed(ours_bf16, iters)
+        del a_bf, a2_bf
+
+        # ---- whole layer through the sm90-fp8 backend (routing excluded)
+        be = backends.select("cuda", "sm90-fp8")
+        wts_obj = backends.ExpertWeights(w13_q, w2_q, w13_s, w2_s)
+        row["layer_fp8_ms"] = timed(lambda: be.run(x, wts, ids, wts_obj, 0), iters)
+
+        # ---- torch peers on the same routing (groups padded to 16 rows, as _scaled_grouped_mm wants)
+        p16 = permute_contiguous(ids, e, 0, 16)
+        ends = torch.cumsum((p16.counts + 15) // 16 * 16, 0).to(torch.int32)
+        m16 = p16.num_rows
+        xa = torch.randn(m16, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+        xh = torch.randn(m16, inter, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+        def torch_bf16():
+            torch._grouped_mm(xa, w13_bf.transpose(1, 2), offs=ends)
+            torch._grouped_mm(xh, w2_bf.transpose(1, 2), offs=ends)
+
+        try:
+            row["torch_bf16_ms"] = timed(torch_bf16, iters)
+        except RuntimeError as err:
+            row["torch_bf16_ms"], row["torch_bf16_error"] = None, str(err).splitlines()[0][:200]
+        xa8, xh8 = xa.to(torch.float8_e4m3fn), xh.to(torch.float8_e4m3fn)
+        sxa, sxh = torch.ones(m16, device="cuda"), torch.ones(m16, device="cuda")
+        s13, s2 = torch.ones(e, 2 * inter, device="cuda"), torch.ones(e, h, device="cuda")
+
+        def torch_fp8():
+            torch._scaled_grouped_mm(xa8, w13_q.transpose(1, 2), sxa, s13, offs=ends, out_dtype=torch.bfloat16)
+            torch._scaled_grouped_mm(xh8, w2_q.transpose(1, 2), sxh, s2, offs=ends, out_dtype=torch.bfloat16)
+
+        try:
+            row["torch_fp8_row_ms"] = timed(torch_fp8, iters)
+        except RuntimeError as err:
+            row["torch_fp8_row_ms"], row["torch_fp8_row_error"] = None, str(err).splitlines()[0][:200]
+        for key in ("ours_fp8", "ours_bf16", "layer_fp8", "torch_bf16", "torch_fp8_row"):
+            ms = row.get(f"{key}_ms")
+            row[f"{key}_tflops"] = flops / ms / 1e9 if ms else None
+        row["ours_fp8_gbps"] = (wbytes_fp8 + act_bytes_fp8) / row["ours_fp8_ms"] / 1e6
+        row["ours_fp8_bw_frac"] = row["ours_fp8_gbps"] / bw_copy
+        if row.get("torch_fp8_row_ms"):
+            row["speedup_vs_fp8_row"] = row["torch_fp8_row_ms"] / row["ours_fp8_ms"]
+        if row.get("torch_bf16_ms"):
+            row["speedup_vs_bf16"] = row["torch_bf16_ms"] / row["ours_fp8_ms"]
+        rows.append(row)
+        print(_fmt(row), flush=True)
+        del a, a2, hbuf, ybuf, xa, xh, xa8, xh8
+    return rows
+
+
+HEADER = (
+    f"{'model':>13} {'T':>6} {'act':>4} {'ours ms':>8} {'TF/s':>6} {'GB/s':>6} {'%cp':>5} {'alt ms':>7} {'obf16':>7} "
+    f"{'layer ms':>8} {'bf16 ms':>8} {'TF/s':>6} {'fp8row ms':>9} {'TF/s':>6} {'x fp8row':>8} {'x bf16':>6}"
+)
+
+
+def _fmt(r: dict) -> str:
+    def f(v, w, p=3):
+        return f"{v:>{w}.{p}f}" if isinstance(v, (int, float)) and v is not None else f"{'-':>{w}}"
+
+    return (
+        f"{r['model']:>13} {r['tokens']:>6} {r['active_experts']:>4} {f(r['ours_fp8_ms'], 8)} "
+        f"{f(r['ours_fp8_tflops'], 6, 0)} {f(r['ours_fp8_gbps'], 6, 0)} {f(100 * r['ours_fp8_bw_frac'], 5, 1)} "
+        f"{f(r.get('grouped_gemm_fp8_masked_ms', r.get('grouped_gemm_fp8_contig_serial_ms')), 7)} {f(r['ours_bf16_ms'], 7)} "
+        f"{f(r['layer_fp8_ms'], 8)} {f(r.get('torch_bf16_ms'), 8)} {f(r.get('torch_bf16_tflops'), 6, 0)} "
+        f"{f(r.get('torch_fp8_row_ms'), 9)} {f(r.get('torch_fp8_row_tflops'), 6, 0)} "
+        f"{f(r.get('speedup_vs_fp8_row'), 8, 2)} {f(r.get('speedup_vs_bf16'), 6, 2)}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m perf.moe", description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)))
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--json", default="perf/out/moe.json")
+    args = ap.parse_args(argv)
+    models = args.models.split(",")
+    for m in models:
+        if m not in MODELS:
+            raise SystemExit(f"unknown model {m!r}; known: {sorted(MODELS)}")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    if not torch.cuda.is_available():
+        raise SystemExit("perf.moe needs a CUDA GPU")
+    gemm = backends.Sm90Gemm(backends.load_sm90_module())
+    bw = copy_bandwidth()
+    dev = torch.cuda.get_device_name()
+    print(f"# {dev}, torch {torch.__version__}, copy bandwidth {bw:.0f} GB/s (read + write)")
+    print(HEADER)
+    rows = []
+    for m in models:
+        rows += bench_model(m, tokens, args.iters, gemm, bw)
+        torch.cuda.empty_cache()
+    out = dict(device=dev, torch=torch.__version__, copy_gbps=bw, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               command=" ".join(["python -m perf.moe"] + (argv if argv is not None else sys.argv[1:])), rows=rows)
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

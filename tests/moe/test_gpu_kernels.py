@@ -1,0 +1,121 @@
+"""GPU: the CuTeDSL grouped GEMMs and the Triton data-path kernels against fp32 torch references."""
+import pytest
+import torch
+
+from moe import MoE, backend, reference
+from moe.routing import permute_contiguous, permute_masked
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def gemm():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma grouped GEMM needs sm_90")
+    return backend.Sm90Gemm(backend.load_sm90_module())
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _operands(fp8, rows_shape, n, k, e, gen):
+    a = torch.randn(*rows_shape, k, device="cuda", generator=gen)
+    b = torch.randn(e, n, k, device="cuda", generator=gen)
+    if not fp8:
+        return a.bfloat16(), b.bfloat16(), None, None
+    lead = rows_shape[0] if len(rows_shape) == 2 else 1
+    rows = rows_shape[-1]
+    sa = torch.exp2(torch.randint(-3, 3, (lead, k // 128, rows), device="cuda", generator=gen).float())
+    sb = torch.exp2(torch.randint(-3, 3, (e, n // 128, k // 128), device="cuda", generator=gen).float())
+    return (a * 8).to(torch.float8_e4m3fn), (b * 8).to(torch.float8_e4m3fn), sa, sb
+
+
+CONTIG = ["grouped_gemm_fp8_contig", "grouped_gemm_fp8_contig_serial", "grouped_gemm_bf16_contig"]
+MASKED = [
+    "grouped_gemm_fp8_masked_swapab",
+    "grouped_gemm_fp8_masked",
+    "grouped_gemm_fp8_masked_serial",
+    "grouped_gemm_bf16_masked",
+]
+
+
+@pytest.mark.parametrize("variant", CONTIG)
+@pytest.mark.parametrize("e,n,k,t,topk", [(4, 256, 512, 300, 2), (8, 384, 256, 33, 3), (128, 3072, 4096, 2048, 8)])
+def test_grouped_gemm_contiguous(gemm, variant, e, n, k, t, topk):
+    fp8 = "fp8" in variant
+    gen = torch.Generator(device="cuda").manual_seed(e + n + t)
+    ids = torch.rand(t, e, device="cuda", generator=gen).argsort(1)[:, :topk]
+    ids[ids == 1] = 0  # expert 1 stays empty
+    p = permute_contiguous(ids, e, 0, 128)
+    a, b, sa, sb = _operands(fp8, (p.num_rows,), n, k, e, gen)
+    out = torch.zeros(p.num_rows, n, dtype=torch.bfloat16, device="cuda")
+    gemm(a, b, out, sa, sb, p.tile_expert, False, variant=variant)
+    ref = reference.grouped_gemm(a, b, torch.zeros(p.num_rows, n, device="cuda"), sa, sb, p.tile_expert, False)
+    valid = p.token_of >= 0
+    assert _rel(out[valid], ref[valid]) < 1e-2
+
+
+@pytest.mark.parametrize("variant", MASKED)
+@pytest.mark.parametrize("e,n,k,t,topk", [(8, 256, 512, 100, 2), (16, 512, 1024, 256, 4), (128, 1536, 4096, 128, 8)])
+def test_grouped_gemm_masked(gemm, variant, e, n, k, t, topk):
+    fp8 = "fp8" in variant
+    gen = torch.Generator(device="cuda").manual_seed(e + n + t + 1)
+    ids = torch.rand(t, e, device="cuda", generator=gen).argsort(1)[:, :topk]
+    cap = -(-t // 128) * 128
+    p = permute_masked(ids, e, cap)
+    a, b, sa, sb = _operands(fp8, (e, cap), n, k, e, gen)
+    out = torch.zeros(e, cap, n, dtype=torch.bfloat16, device="cuda")
+    gemm(a, b, out, sa, sb, p.counts, True, variant=variant)
+    ref = reference.grouped_gemm(a, b, torch.zeros(e, cap, n, device="cuda"), sa, sb, p.counts, True)
+    valid = (p.token_of >= 0).view(e, cap)
+    assert _rel(out[valid], ref[valid]) < 1e-2
+
+
+def test_triton_route_and_quant_ops():
+    from moe.kernels import triton_moe
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    logits = torch.randn(257, 128, device="cuda", generator=gen)  # fp32: no ties in the top-k
+    w, ids = triton_moe.route(logits, 8, True)
+    rw, rids = reference.route(logits, 8, True)
+    assert torch.equal(ids, rids) and torch.allclose(w, rw, rtol=1e-5, atol=1e-6)
+
+    x = torch.randn(257, 512, device="cuda", generator=gen, dtype=torch.bfloat16) * 3
+    p = permute_contiguous(ids[:, :2] % 16, 16, 0, 128)
+    q, s = triton_moe.gather_quant(x, p.row_of, p.num_rows, p.num_rows)
+    rq, rs = reference.gather_quant(x, p.row_of, p.num_rows, p.num_rows)
+    valid = p.token_of >= 0
+    assert torch.equal(q[valid].view(torch.uint8), rq[valid].view(torch.uint8))
+    assert torch.equal(s[:, :, valid], rs[:, :, valid])
+
+    h = torch.randn(300, 512, device="cuda", generator=gen, dtype=torch.bfloat16) * 2
+    q2, s2 = triton_moe.silu_mul_quant(h, 300)
+    rq2, rs2 = reference.silu_mul_quant(h, 300)
+    deq = q2.float() * s2[0].t().repeat_interleave(128, 1)
+    rdeq = rq2.float() * rs2[0].t().repeat_interleave(128, 1)
+    assert _rel(deq, rdeq) < 1e-2
+
+    y = torch.randn(p.num_rows, 512, device="cuda", generator=gen, dtype=torch.bfloat16)
+    sh = torch.randn(257, 512, device="cuda", generator=gen, dtype=torch.bfloat16)
+    g = torch.randn(257, 1, device="cuda", generator=gen, dtype=torch.bfloat16)
+    got = triton_moe.unpermute(y, p.row_of, w[:, :2], sh, g)
+    want = reference.unpermute(y, p.row_of, w[:, :2], sh, g)
+    assert _rel(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [5, 300])
+def test_moe_layer_sm90_matches_reference(tokens):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("sm90 backend")
+    torch.manual_seed(0)
+    kw = dict(shared_intermediate=256, dtype=torch.bfloat16, device="cuda")
+    fast = MoE(512, 16, 4, 256, backend="sm90-fp8", **kw)
+    for prm in fast.parameters():
+        prm.data.normal_(0, 0.05)
+    ref = MoE(512, 16, 4, 256, backend="reference", **kw)
+    ref.load_state_dict(fast.state_dict())
+    x = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
+    got, want = fast(x), ref(x)
+    assert fast._backend.name == "sm90-fp8"
+    assert _rel(got, want) < 5e-2
