@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -34,20 +35,29 @@ _MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 log = logging.getLogger(__name__)
 
 
+class GdnOps(NamedTuple):
+    """The device ops of the layer; each has the signature of its `gdn_ops` reference."""
+
+    causal_conv1d: Callable
+    recurrent: Callable
+    chunked: Callable
+
+
 @functools.cache
-def decode_ops(device_type: str) -> tuple[Callable, Callable]:
-    """(causal_conv1d, recurrent_gated_delta_rule) for a device type, chosen once and logged: the
-    Triton kernels on CUDA when Triton imports, the torch references otherwise."""
+def gdn_ops_for(device_type: str) -> GdnOps:
+    """The ops for a device type, chosen once and logged: the Triton kernels on CUDA when Triton
+    imports, the torch references otherwise."""
     if device_type == "cuda":
         try:
             from nvl72.model import gdn_triton
         except ImportError as e:
-            log.warning("GDN on cuda without Triton (%s): conv and recurrent rule run the torch references", e)
+            log.warning("GDN on cuda without Triton (%s): torch reference ops", e)
         else:
-            log.info("GDN on cuda: Triton conv and recurrent-rule kernels; chunked rule: torch reference")
-            return gdn_triton.causal_conv1d, gdn_triton.recurrent_gated_delta_rule
+            log.info("GDN on cuda: Triton conv, recurrent-rule and chunk-scan kernels")
+            return GdnOps(gdn_triton.causal_conv1d, gdn_triton.recurrent_gated_delta_rule,
+                          gdn_triton.chunk_gated_delta_rule)
     log.info("GDN on %s: torch reference ops", device_type)
-    return causal_conv1d, recurrent_gated_delta_rule
+    return GdnOps(causal_conv1d, recurrent_gated_delta_rule, chunk_gated_delta_rule)
 
 
 class GatedRMSNorm(nn.Module):
@@ -161,9 +171,9 @@ class GatedDeltaNet(nn.Module):
         self._check(hidden, batch, conv_state, recurrent_state)
         T = hidden.shape[0]
         qsl, read, write = batch.query_start_loc, batch.state_read_slots, batch.state_write_slots
-        conv_fn, recurrent_fn = decode_ops(hidden.device.type)
+        ops = gdn_ops_for(hidden.device.type)
         mixed_qkv, z, b, a = self._project(hidden)
-        mixed_qkv = conv_fn(mixed_qkv, self.conv1d.weight.squeeze(1), conv_state, qsl, read, write)
+        mixed_qkv = ops.causal_conv1d(mixed_qkv, self.conv1d.weight.squeeze(1), conv_state, qsl, read, write)
         q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
         k = k.reshape(T, self.num_k_heads, self.head_k_dim)
@@ -175,13 +185,14 @@ class GatedDeltaNet(nn.Module):
         if max_len is None:
             max_len = int(batch.query_lens().max()) if B else 0
         if max_len <= self.RECURRENT_MAX_TOKENS:  # decode / verify: one call, no host data needed
-            core = recurrent_fn(q, k, v, g, beta, recurrent_state, qsl, read, write)  # [T, Hv, Dv]
+            core = ops.recurrent(q, k, v, g, beta, recurrent_state, qsl, read, write)  # [T, Hv, Dv]
         else:
             starts = qsl.tolist()
             long = [i for i in range(B) if starts[i + 1] - starts[i] > self.RECURRENT_MAX_TOKENS]
             short = sorted(set(range(B)) - set(long))
             core = torch.empty_like(v)  # [T, Hv, Dv]
-            for seqs, fn in ((short, recurrent_fn), (long, self._chunked)):
+            chunked = functools.partial(ops.chunked, chunk_size=self.CHUNK_SIZE)
+            for seqs, fn in ((short, ops.recurrent), (long, chunked)):
                 if len(seqs) == B:
                     core = fn(q, k, v, g, beta, recurrent_state, qsl, read, write)
                 elif seqs:
@@ -190,9 +201,6 @@ class GatedDeltaNet(nn.Module):
                                     read[seqs], write[rows])
         out = self.norm(core, z).reshape(T, self.value_dim)  # [T, Hv*Dv]
         return self.out_proj(out)
-
-    def _chunked(self, *args) -> torch.Tensor:
-        return chunk_gated_delta_rule(*args, chunk_size=self.CHUNK_SIZE)
 
     @staticmethod
     def _rows(starts: list[int], seqs: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,8 @@ Key heads are shared by `Hv // Hk` consecutive value heads (as transformers' rep
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -88,7 +90,8 @@ def _prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int,
     return q * q.shape[-1] ** -0.5, k
 
 
-def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Shape check shared by the delta-rule ops and their kernels."""
     if q.shape != k.shape or q.dim() != 3 or v.dim() != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(f"q, k must be [T, Hk, Dk] and v [T, Hv, Dv]; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -96,61 +99,121 @@ def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"value heads {v.shape[1]} are not a multiple of key heads {q.shape[1]}")
 
 
+@dataclass
+class ChunkPlan:
+    """How the tokens of a varlen batch fall into fixed-size chunks (a sequence's chunks are
+    consecutive). Built once per call; shared by the torch and Triton scans."""
+
+    tokens: torch.Tensor  # [N, C] int64 token row at each chunk position, T (one past the end) for padding
+    write_slots: torch.Tensor  # [N, C] int64 slot to write after that position, -1 for none or padding
+    seq_chunks: torch.Tensor  # [B+1] int64 cumulative chunk counts
+    counts: list[int]  # chunks per sequence (host)
+
+
+def plan_chunks(query_start_loc: torch.Tensor, write_slots: torch.Tensor, chunk_size: int) -> ChunkPlan:
+    starts = query_start_loc.long()
+    T = write_slots.shape[0]
+    lens = starts[1:] - starts[:-1]  # [B]
+    counts = ((lens + chunk_size - 1) // chunk_size).tolist()
+    n = torch.tensor(counts, device=starts.device)
+    N = sum(counts)
+    seq_chunks = F.pad(n.cumsum(0), (1, 0))  # [B+1]
+    seq = torch.repeat_interleave(torch.arange(len(counts), device=starts.device), n, output_size=N)  # [N]
+    first = (starts[seq] + (torch.arange(N, device=starts.device) - seq_chunks[seq]) * chunk_size)  # [N]
+    tok = first[:, None] + torch.arange(chunk_size, device=starts.device)  # [N, C]
+    tokens = torch.where(tok < starts[1:][seq][:, None], tok, T)
+    return ChunkPlan(tokens, F.pad(write_slots, (0, 1), value=-1)[tokens], seq_chunks, counts)
+
+
+@dataclass
+class ChunkTensors:
+    """Per-chunk quantities of the WY/UT form, all fp32 with value heads leading per chunk:
+    gam = within-chunk cumulative log decay, decay[i, j] = exp(gam_i - gam_j) for j <= i (else 0),
+    u = T beta v and w = T beta exp(gam) k with T = (I + tril(beta k k^T * decay, -1))^-1,
+    attn = (q k^T) * decay, q_dec = q exp(gam), k_dec = k exp(gam_last - gam)."""
+
+    gam: torch.Tensor  # [N, H, C]
+    decay: torch.Tensor  # [N, H, C, C]
+    u: torch.Tensor  # [N, H, C, Dv]
+    w: torch.Tensor  # [N, H, C, Dk]
+    attn: torch.Tensor  # [N, H, C, C]
+    q_dec: torch.Tensor  # [N, H, C, Dk]
+    k: torch.Tensor  # [N, H, C, Dk]
+    k_dec: torch.Tensor  # [N, H, C, Dk]
+
+
+def prepare_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   plan: ChunkPlan, use_qk_l2norm: bool) -> ChunkTensors:
+    """The intra-chunk part of the chunked rule, batched over every chunk of every sequence; padding
+    positions get k = v = 0 and g = 0, so they leave the state untouched."""
+    Hv = v.shape[1]
+    C = plan.tokens.shape[1]
+    q, k = _prepare_qk(q, k, Hv, use_qk_l2norm)
+
+    def chunked(x):  # [T, H, ...] -> [N, H, C, ...] with a zero row for padding
+        x = torch.cat([x.float(), x.new_zeros((1,) + x.shape[1:], dtype=torch.float32)])[plan.tokens]
+        return x.transpose(1, 2).contiguous()
+
+    qc, kc, vc, gc, bc = (chunked(x) for x in (q, k, v, g, beta))
+    gam = gc.cumsum(-1)  # [N, H, C]
+    causal = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()  # j <= i
+    decay = (gam[..., :, None] - gam[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [N, H, C, C]
+    kb = kc * bc[..., None]
+    unit_lower = torch.eye(C, device=v.device) + (kb @ kc.transpose(-1, -2) * decay).tril(-1)
+    u = torch.linalg.solve_triangular(unit_lower, vc * bc[..., None], upper=False)
+    w = torch.linalg.solve_triangular(unit_lower, kb * gam.exp()[..., None], upper=False)
+    return ChunkTensors(gam, decay, u.contiguous(), w.contiguous(), (qc @ kc.transpose(-1, -2)) * decay,
+                        qc * gam.exp()[..., None], kc, kc * (gam[..., -1:] - gam).exp()[..., None])
+
+
+def unchunk(o: torch.Tensor, plan: ChunkPlan, num_tokens: int) -> torch.Tensor:
+    """[N, H, C, Dv] per-chunk outputs -> [T, H, Dv] token rows (padding dropped)."""
+    N, H, C, Dv = o.shape
+    out = o.new_empty(num_tokens + 1, H, Dv)
+    out[plan.tokens.reshape(-1)] = o.transpose(1, 2).reshape(N * C, H, Dv)
+    return out[:num_tokens]
+
+
+def _scan_chunks(ct: ChunkTensors, state: torch.Tensor, plan: ChunkPlan, read_slots: torch.Tensor) -> torch.Tensor:
+    """The inter-chunk part: carry each sequence's state across its chunks (all sequences in step),
+    writing the state after any position that asks for it. Returns per-chunk outputs [N, H, C, Dv]."""
+    S = state[read_slots].float()  # [B, H, Dk, Dv], read before any write
+    o = torch.empty_like(ct.u)
+    first = plan.seq_chunks[:-1]
+    counts = torch.tensor(plan.counts, device=S.device)
+    for j in range(max(plan.counts, default=0)):
+        act = (counts > j).nonzero().squeeze(1)  # [A] sequences with a chunk j
+        c = first[act] + j  # [A] their chunk
+        Sa = S[act]  # [A, H, Dk, Dv]
+        v_new = ct.u[c] - ct.w[c] @ Sa  # [A, H, C, Dv]
+        o[c] = ct.q_dec[c] @ Sa + ct.attn[c] @ v_new
+        a_i, p_i = (plan.write_slots[c] >= 0).nonzero().unbind(1)  # written (sequence, position) pairs
+        if a_i.numel():
+            # State after position p: exp(gam_p) S + sum_{j <= p} exp(gam_p - gam_j) k_j v_new_j^T.
+            cw = c[a_i]
+            k_p = ct.k[cw] * ct.decay[cw, :, p_i][..., None]  # [W, H, C, Dk]
+            S_p = ct.gam[cw, :, p_i].exp()[..., None, None] * Sa[a_i] + k_p.transpose(-1, -2) @ v_new[a_i]
+            state[plan.write_slots[c][a_i, p_i]] = S_p.to(state.dtype)
+        S[act] = Sa * ct.gam[c, :, -1].exp()[..., None, None] + ct.k_dec[c].transpose(-1, -2) @ v_new
+    return o
+
+
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, state: torch.Tensor, query_start_loc: torch.Tensor,
                            read_slots: torch.Tensor, write_slots: torch.Tensor, chunk_size: int = 64,
                            use_qk_l2norm: bool = True) -> torch.Tensor:
     """Gated delta rule in chunks (prefill), same contract as `recurrent_gated_delta_rule`: within a
-    chunk the delta-rule updates fold into matmuls through the WY/UT form,
-    (I + tril(beta k k^T * decay, -1))^-1, and the fp32 state is carried from chunk to chunk. The state
-    after any token (not only the last) can be written, so the two rules are interchangeable.
+    chunk the delta-rule updates fold into matmuls (`prepare_chunks`), and the fp32 state is carried
+    from chunk to chunk (`_scan_chunks`). The state after any token (not only the last) can be
+    written, so the two rules are interchangeable.
 
     q, k: [T, Hk, Dk];  v: [T, Hv, Dv];  g, beta: [T, Hv];  state: [S, Hv, Dk, Dv] fp32;
     query_start_loc: [B+1];  read_slots: [B];  write_slots: [T]  ->  o [T, Hv, Dv] in v's dtype
     """
-    _check_heads(q, k, v)
-    Hv, Dv = v.shape[1:]
-    C = chunk_size
-    q, k = _prepare_qk(q, k, Hv, use_qk_l2norm)
-    vf, g, beta = v.float(), g.float(), beta.float()
-    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    causal = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()  # [C, C] j <= i
-    eye = torch.eye(C, device=v.device)
-    bounds = query_start_loc.tolist()
-    writes = write_slots.tolist()
-    init = state[read_slots].float()  # [B, H, Dk, Dv], read before any write
-    for i in range(len(bounds) - 1):
-        s, e = bounds[i], bounds[i + 1]
-        L = e - s
-        pad = (-L) % C
-        n = (L + pad) // C
-        # [L, H, D] -> [H, n, C, D]; zero padding leaves the state untouched (k = 0, g = 0).
-        qs, ks, vs = (F.pad(t[s:e], (0, 0, 0, 0, 0, pad)).view(n, C, Hv, -1).permute(2, 0, 1, 3)
-                      for t in (q, k, vf))
-        gs, bs = (F.pad(t[s:e], (0, 0, 0, pad)).view(n, C, Hv).permute(2, 0, 1) for t in (g, beta))
-        gam = gs.cumsum(-1)  # [H, n, C] log decay from chunk start through position i
-        decay = (gam[..., :, None] - gam[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [H, n, C, C]
-        kb = ks * bs[..., None]
-        A = (kb @ ks.transpose(-1, -2) * decay).tril(-1)  # [H, n, C, C] strictly lower
-        u = torch.linalg.solve_triangular(eye + A, vs * bs[..., None], upper=False)  # [H, n, C, Dv]
-        w = torch.linalg.solve_triangular(eye + A, kb * gam.exp()[..., None], upper=False)  # [H, n, C, Dk]
-        attn = qs @ ks.transpose(-1, -2) * decay  # [H, n, C, C]
-        q_dec = qs * gam.exp()[..., None]
-        k_dec = ks * (gam[..., -1:] - gam).exp()[..., None]
-        S = init[i]  # [H, Dk, Dv]
-        o = torch.empty(Hv, n, C, Dv, device=v.device)
-        for c in range(n):
-            v_new = u[:, c] - w[:, c] @ S  # [H, C, Dv]
-            o[:, c] = q_dec[:, c] @ S + attn[:, c] @ v_new
-            pos = [p for p in range(min(C, L - c * C)) if writes[s + c * C + p] >= 0]
-            if pos:
-                # State after position p: exp(gam_p) S + sum_{j <= p} exp(gam_p - gam_j) k_j v_new_j^T.
-                k_p = ks[:, c, None] * decay[:, c, pos, :, None]  # [H, P, C, Dk]
-                S_p = gam[:, c, pos].exp()[..., None, None] * S[:, None] + k_p.transpose(-1, -2) @ v_new[:, None]
-                state[[writes[s + c * C + p] for p in pos]] = S_p.transpose(0, 1).to(state.dtype)  # [P, H, Dk, Dv]
-            S = S * gam[:, c, -1].exp()[:, None, None] + k_dec[:, c].transpose(-1, -2) @ v_new
-        out[s:e] = o.permute(1, 2, 0, 3).reshape(n * C, Hv, Dv)[:L]  # [L, H, Dv]
-    return out.to(v.dtype)
+    check_heads(q, k, v)
+    plan = plan_chunks(query_start_loc, write_slots, chunk_size)
+    ct = prepare_chunks(q, k, v, g, beta, plan, use_qk_l2norm)
+    return unchunk(_scan_chunks(ct, state, plan, read_slots), plan, v.shape[0]).to(v.dtype)
 
 
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -164,7 +227,7 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     q, k: [T, Hk, Dk];  v: [T, Hv, Dv];  g, beta: [T, Hv];  state: [S, Hv, Dk, Dv] fp32;
     query_start_loc: [B+1];  read_slots: [B];  write_slots: [T]  ->  o [T, Hv, Dv] in v's dtype
     """
-    _check_heads(q, k, v)
+    check_heads(q, k, v)
     Hv = v.shape[1]
     q, k = _prepare_qk(q, k, Hv, use_qk_l2norm)
     vf, g, beta = v.float(), g.float(), beta.float()

@@ -1,7 +1,8 @@
 """Triton kernels of the Gated DeltaNet decode path, reading and writing state slots in place.
 
 Same signatures and semantics as the references in `gdn_ops.py` (which the tests compare them with):
-`causal_conv1d` and `recurrent_gated_delta_rule`. One program owns one sequence and one tile of
+`causal_conv1d`, `recurrent_gated_delta_rule`, and `chunk_gated_delta_rule` (whose intra-chunk part
+is the torch `prepare_chunks`; only the carry across chunks is a kernel). One program owns one sequence and one tile of
 channels (conv) or of one value head's Dv columns (delta rule) and walks that sequence's tokens,
 keeping the conv window / the [Dk, BV] state tile in registers: each slot tile is read once before
 the program writes anything, so a write slot may equal the read slot. Unlike the references, reads
@@ -15,6 +16,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from nvl72.model.gdn_ops import check_heads, plan_chunks, prepare_chunks, unchunk
 
 
 @triton.jit
@@ -110,11 +113,9 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                use_qk_l2norm: bool = True) -> torch.Tensor:
     """Triton twin of `gdn_ops.recurrent_gated_delta_rule`.
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; state: [S, Hv, Dk, Dv] fp32."""
+    check_heads(q, k, v)
     T, HK, DK = q.shape
     HV, DV = v.shape[1:]
-    if k.shape != q.shape or v.shape[0] != T or HV % HK:
-        raise ValueError(f"q, k must be [T, Hk, Dk] and v [T, Hv, Dv] with Hv a multiple of Hk; got "
-                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     for name, t, inner in (("q", q, DK), ("k", k, DK), ("v", v, DV)):
         if t.stride(2) != 1 or t.stride(1) != inner:
             raise ValueError(f"{name} needs contiguous heads within a token, got strides {t.stride()}")
@@ -131,3 +132,72 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             q.stride(0), k.stride(0), v.stride(0), HK, HV, DK, DV,
             BK=triton.next_power_of_2(DK), BV=BV, USE_QK_L2NORM=use_qk_l2norm)
     return o
+
+
+@triton.jit
+def _chunk_scan_kernel(u, w, q_dec, k, k_dec, attn, decay, gam, o, state, seq_chunks, read_slots, wslots,
+                       HV, DK, DV, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    oc = tl.arange(0, C)  # [C] chunk positions
+    ok = tl.arange(0, BK)
+    ov = i_v * BV + tl.arange(0, BV)
+    mk, mv = ok < DK, ov < DV
+    slot_size = HV * DK * DV
+    s_off = (i_h * DK + ok[:, None]) * DV + ov[None, :]  # [BK, BV] inside one slot
+    s_mask = mk[:, None] & mv[None, :]
+    S = tl.load(state + tl.load(read_slots + i_b).to(tl.int64) * slot_size + s_off, mask=s_mask, other=0.0)
+    c0 = tl.load(seq_chunks + i_b)
+    c1 = tl.load(seq_chunks + i_b + 1)
+    ck_off = oc[:, None] * DK + ok[None, :]  # [C, BK] inside one (chunk, head)
+    ck_mask = mk[None, :]
+    cv_off = oc[:, None] * DV + ov[None, :]  # [C, BV]
+    cv_mask = mv[None, :]
+    for c in range(c0, c1):
+        ch = c * HV + i_h  # (chunk, head) index
+        W = tl.load(w + ch * C * DK + ck_off, mask=ck_mask, other=0.0)
+        v_new = tl.load(u + ch * C * DV + cv_off, mask=cv_mask, other=0.0) \
+            - tl.dot(W, S, input_precision="ieee")  # [C, BV]
+        Qd = tl.load(q_dec + ch * C * DK + ck_off, mask=ck_mask, other=0.0)
+        At = tl.load(attn + ch * C * C + oc[:, None] * C + oc[None, :])
+        out = tl.dot(Qd, S, input_precision="ieee") + tl.dot(At, v_new, input_precision="ieee")
+        tl.store(o + ch * C * DV + cv_off, out, mask=cv_mask)
+        for p in range(C):
+            ws = tl.load(wslots + c * C + p)
+            if ws >= 0:
+                # State after position p: exp(gam_p) S + sum_{j <= p} exp(gam_p - gam_j) k_j v_new_j^T.
+                drow = tl.load(decay + (ch * C + p) * C + oc)  # [C]
+                Kp = tl.load(k + ch * C * DK + ck_off, mask=ck_mask, other=0.0) * drow[:, None]
+                S_p = S * tl.exp(tl.load(gam + ch * C + p)) + tl.dot(tl.trans(Kp), v_new, input_precision="ieee")
+                tl.store(state + ws * slot_size + s_off, S_p, mask=s_mask)
+        Kd = tl.load(k_dec + ch * C * DK + ck_off, mask=ck_mask, other=0.0)
+        S = S * tl.exp(tl.load(gam + ch * C + C - 1)) + tl.dot(tl.trans(Kd), v_new, input_precision="ieee")
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, state: torch.Tensor, query_start_loc: torch.Tensor,
+                           read_slots: torch.Tensor, write_slots: torch.Tensor, chunk_size: int = 64,
+                           use_qk_l2norm: bool = True) -> torch.Tensor:
+    """Twin of `gdn_ops.chunk_gated_delta_rule`: the intra-chunk part stays in torch (batched over all
+    chunks), the carry across chunks is this kernel (one program per sequence, value head, Dv tile),
+    so a prefill costs a fixed number of launches instead of one loop step per chunk."""
+    check_heads(q, k, v)
+    HV, DV = v.shape[1:]
+    DK = q.shape[2]
+    if state.dtype != torch.float32 or not state.is_contiguous() or state.shape[1:] != (HV, DK, DV):
+        raise ValueError(f"state must be contiguous float32 [slots, {HV}, {DK}, {DV}], got "
+                         f"{state.dtype} {tuple(state.shape)} strides {state.stride()}")
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two >= 16 for tl.dot, got {chunk_size}")
+    plan = plan_chunks(query_start_loc, write_slots, chunk_size)
+    ct = prepare_chunks(q, k, v, g, beta, plan, use_qk_l2norm)
+    o = torch.empty_like(ct.u)  # [N, H, C, Dv]
+    B = read_slots.shape[0]
+    BV = min(32, max(16, triton.next_power_of_2(DV)))
+    if B and o.numel():
+        _chunk_scan_kernel[(triton.cdiv(DV, BV), B * HV)](
+            ct.u, ct.w, ct.q_dec, ct.k.contiguous(), ct.k_dec.contiguous(), ct.attn.contiguous(),
+            ct.decay.contiguous(), ct.gam.contiguous(), o, state, plan.seq_chunks, read_slots,
+            plan.write_slots.contiguous(), HV, DK, DV,
+            C=chunk_size, BK=max(16, triton.next_power_of_2(DK)), BV=BV)
+    return unchunk(o, plan, v.shape[0]).to(v.dtype)

@@ -35,12 +35,7 @@ def test_recurrent_kernel_matches_reference(device, dtype, hk, hv, dk, dv):
     if device == "cpu" and dk == 128:
         pytest.skip("interpreter: small shape only")
     gen = torch.Generator().manual_seed(dk + hv)
-    T = sum(LENS)
-    q, k = (torch.randn(T, hk, dk, generator=gen).to(dtype) for _ in range(2))
-    v = torch.randn(T, hv, dv, generator=gen).to(dtype)
-    g, beta = gdn_ops.gdn_gating(torch.empty(hv).uniform_(0.01, 4, generator=gen).log(),
-                                 torch.randn(T, hv, generator=gen), torch.randn(hv, generator=gen),
-                                 torch.randn(T, hv, generator=gen).to(dtype))
+    q, k, v, g, beta = _delta_inputs(sum(LENS), hk, hv, dk, dv, dtype, gen)
     state = torch.randn(8, hv, dk, dv, generator=gen)
     qsl, read, write = _batch(LENS, READ, WRITE, "cpu")
     ref_state = state.clone()
@@ -50,6 +45,39 @@ def test_recurrent_kernel_matches_reference(device, dtype, hk, hv, dk, dv):
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert rel_err(out.cpu(), ref) < tol
     assert rel_err(dev[5].cpu(), ref_state) < 1e-5  # every slot, fp32 in both: written and untouched
+
+
+def _delta_inputs(T, hk, hv, dk, dv, dtype, gen):
+    q, k = (torch.randn(T, hk, dk, generator=gen).to(dtype) for _ in range(2))
+    v = torch.randn(T, hv, dv, generator=gen).to(dtype)
+    g, beta = gdn_ops.gdn_gating(torch.empty(hv).uniform_(0.01, 4, generator=gen).log(),
+                                 torch.randn(T, hv, generator=gen), torch.randn(hv, generator=gen),
+                                 torch.randn(T, hv, generator=gen).to(dtype))
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 32, 48), (4, 8, 128, 128)])
+def test_chunk_kernel_matches_reference(device, dtype, hk, hv, dk, dv):
+    """Prefill-length sequences, states written at the end, mid-chunk, at chunk edges and into the
+    read slot."""
+    if device == "cpu" and dk == 128:
+        pytest.skip("interpreter: small shape only")
+    gen = torch.Generator().manual_seed(dk + hv + 1)
+    lens, read = [70, 1, 130, 20], [0, 1, 2, 3]
+    T = sum(lens)
+    q, k, v, g, beta = _delta_inputs(T, hk, hv, dk, dv, dtype, gen)
+    write = torch.full((T,), -1)
+    write[[69, 70, 71 + 5, 71 + 63, 71 + 64, 71 + 129, T - 1]] = torch.tensor([0, 4, 5, 6, 7, 2, 8])
+    state = torch.randn(9, hv, dk, dv, generator=gen)
+    qsl, read, _ = _batch(lens, read, [], "cpu")
+    ref_state = state.clone()
+    ref = gdn_ops.chunk_gated_delta_rule(q, k, v, g, beta, ref_state, qsl, read, write)
+    dev = [t.to(device) for t in (q, k, v, g, beta, state, qsl, read, write)]
+    out = triton_mod.chunk_gated_delta_rule(*dev)
+    assert rel_err(out.cpu(), ref) < (1e-4 if dtype == torch.float32 else 1e-2)
+    assert rel_err(dev[5].cpu(), ref_state) < 1e-4
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -73,7 +101,8 @@ def test_conv_kernel_matches_reference(device, dtype, D, K):
 
 @pytest.mark.gpu
 def test_layer_on_gpu_matches_cpu_reference():
-    """The whole layer on CUDA (Triton decode ops) equals the CPU reference on a mixed batch."""
+    """The whole layer on CUDA (Triton ops) equals the CPU reference on a mixed batch (one prefill
+    sequence takes the chunked rule)."""
     from transformers import Qwen3NextConfig
 
     from nvl72.model.batch import ForwardBatch
