@@ -3,11 +3,15 @@ causal attention, on fresh random inputs."""
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import Qwen3_5MoeTextConfig
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextRotaryEmbedding
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_moe
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
+from nvl72.config import ModelConfig
 from nvl72.model import ops
 from nvl72.model.batch import ForwardBatch
+from nvl72.model.layers import rope_inv_freq
 
 
 def _rand(*shape, seed=0, dtype=torch.float32):
@@ -131,3 +135,17 @@ def test_missing_page_is_named():
     )
     with pytest.raises(ValueError, match="position 4"):
         ops.AttentionMetadata.build(batch, 4)
+
+
+def test_qwen3_5_interleaved_mrope_on_text_positions_is_plain_rope():
+    """Qwen3.5's real RoPE (head_dim 256, partial 0.25, interleaved mrope [11, 11, 10]): with the
+    three position rows equal (text), transformers' tables equal our plain-RoPE tables."""
+    rope = {"rope_type": "default", "rope_theta": 10_000_000, "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+    hf_cfg = Qwen3_5MoeTextConfig(head_dim=256, rope_parameters=rope)
+    pos = torch.tensor([0, 1, 5, 63, 64, 1000, 32767])
+    cos_hf, sin_hf = Qwen3_5MoeTextRotaryEmbedding(hf_cfg)(torch.zeros(1), pos[None, None].expand(3, 1, -1))
+    cfg = ModelConfig.from_dict(hf_cfg.to_dict())
+    assert cfg.rotary_dim == 64
+    cos, sin = ops.rope_cos_sin(pos, rope_inv_freq(cfg), torch.float32)
+    assert torch.equal(cos, cos_hf[0]) and torch.equal(sin, sin_hf[0])
