@@ -58,6 +58,10 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, batch: ForwardBatch, page_size: int) -> "AttentionMetadata":
+        width = batch.page_table.shape[1] * page_size
+        longest = int(batch.seq_lens.max()) if batch.num_seqs else 0
+        if longest > width:
+            raise ValueError(f"seq_len {longest} needs more pages than page_table holds ({batch.page_table.shape[1]} x {page_size})")
         qlens = batch.query_lens().long()  # [B]
         seq_of_token = torch.repeat_interleave(torch.arange(batch.num_seqs, device=qlens.device), qlens)  # [T]
         pos = batch.positions.long()

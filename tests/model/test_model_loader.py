@@ -82,11 +82,12 @@ def test_fused_expert_checkpoint_equals_per_expert_twin(qwen35, tmp_path):
     assert rel_err(a, hf_logits(ref, PROMPT)) < 1e-4
 
 
-def test_tied_embeddings_match_transformers(tmp_path):
-    ref = save_tiny("qwen3_moe", tmp_path, seed=4, tie_word_embeddings=True)
+def test_tied_embeddings_and_unnormalised_topk_match_transformers(tmp_path):
+    """Tied lm_head (no `lm_head.weight` in the checkpoint) and Qwen3-MoE's norm_topk_prob=False."""
+    ref = save_tiny("qwen3_moe", tmp_path, seed=4, tie_word_embeddings=True, norm_topk_prob=False)
     assert "lm_head.weight" not in _state(tmp_path)
     model = load_model(tmp_path, dtype=torch.float32, device="cpu")
-    assert model.lm_head is None
+    assert model.lm_head is None and not model.model.layers[0].mlp.norm_topk_prob
     assert rel_err(_logits(model), hf_logits(ref, PROMPT)) < 1e-4
 
 

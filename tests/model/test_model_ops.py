@@ -149,3 +149,15 @@ def test_qwen3_5_interleaved_mrope_on_text_positions_is_plain_rope():
     assert cfg.rotary_dim == 64
     cos, sin = ops.rope_cos_sin(pos, rope_inv_freq(cfg), torch.float32)
     assert torch.equal(cos, cos_hf[0]) and torch.equal(sin, sin_hf[0])
+
+
+def test_short_page_table_is_named():
+    batch = ForwardBatch(
+        input_ids=torch.zeros(1, dtype=torch.int64),
+        positions=torch.tensor([8]),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor([9], dtype=torch.int32),
+        page_table=torch.tensor([[0, 1]], dtype=torch.int32),
+    )
+    with pytest.raises(ValueError, match="seq_len 9"):
+        ops.AttentionMetadata.build(batch, 4)
