@@ -80,8 +80,6 @@ def rendezvous(env: LaunchEnv, environ: Mapping[str, str] | None = None) -> tupl
             return environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
         except ValueError:
             raise ParallelError(f"MASTER_PORT={environ['MASTER_PORT']!r} is not a port number") from None
-    if env.world_size == 1:
-        return "127.0.0.1", _free_port()
     if env.launcher in ("ompi", "pmi"):
         from mpi4py import MPI
 
@@ -102,15 +100,18 @@ def rendezvous(env: LaunchEnv, environ: Mapping[str, str] | None = None) -> tupl
 def init_distributed(env: LaunchEnv, device: str, timeout: float) -> dist.ProcessGroup:
     """Join the world; returns the gloo control group (the world itself on CPU)."""
     backend = "nccl" if device == "cuda" else "gloo"
-    addr, port = rendezvous(env)
     kw = {}
     if device == "cuda":
         torch.cuda.set_device(env.local_rank)
         kw["device_id"] = torch.device("cuda", env.local_rank)
+    if env.world_size == 1:  # nothing to meet: an in-memory store, no port to race for
+        kw["store"], where = dist.HashStore(), "an in-process store"
+    else:
+        addr, port = rendezvous(env)
+        kw["init_method"], where = f"tcp://{addr}:{port}", f"{addr}:{port}"
     td = datetime.timedelta(seconds=timeout)
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=env.rank, world_size=env.world_size,
-                            timeout=td, **kw)
-    log.info("rank %d/%d joined the world (%s via %s:%d, timeout %gs)", env.rank, env.world_size, backend, addr, port, timeout)
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=td, **kw)
+    log.info("rank %d/%d joined the world (%s via %s, timeout %gs)", env.rank, env.world_size, backend, where, timeout)
     return dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=td)
 
 
@@ -186,6 +187,17 @@ class ProcessGroups:
             dist.destroy_process_group()
 
 
+def group_lists(plan: Plan) -> dict[str, list[list[int]]]:
+    """The rank lists of every group the plan needs, in creation order: instances, and for decode
+    instances with TP > 1 their TP groups (consecutive ranks) and DP groups (same TP rank)."""
+    decode = [i for i in plan.of_role("decode") if i.tp > 1]
+    return {
+        "instance": [i.ranks for i in plan.instances],
+        "decode_tp": [i.ranks[j:j + i.tp] for i in decode for j in range(0, len(i.ranks), i.tp)],
+        "decode_dp": [i.ranks[j::i.tp] for i in decode for j in range(i.tp)],
+    }
+
+
 def _subgroups(lists: list[list[int]], rank: int, timeout: float, backend: str | None) -> dist.ProcessGroup | None:
     if not lists:
         return None
@@ -200,11 +212,10 @@ def build_groups(plan: Plan, control: dist.ProcessGroup, timeout: float, backend
         raise ParallelError(f"the plan is for {plan.rack.world_size} ranks but the world has {world}")
     rank = dist.get_rank()
     role = rank_role(plan, rank)
-    instance = _subgroups([i.ranks for i in plan.instances], rank, timeout, backend)
-    decode_tp = [i.ranks[j:j + i.tp] for i in plan.of_role("decode") if i.tp > 1 for j in range(0, len(i.ranks), i.tp)]
-    decode_dp = [i.ranks[j::i.tp] for i in plan.of_role("decode") if i.tp > 1 for j in range(i.tp)]
-    tp_group = _subgroups(decode_tp, rank, timeout, backend)
-    dp_group = _subgroups(decode_dp, rank, timeout, backend)
+    lists = group_lists(plan)
+    instance = _subgroups(lists["instance"], rank, timeout, backend)
+    tp_group = _subgroups(lists["decode_tp"], rank, timeout, backend)
+    dp_group = _subgroups(lists["decode_dp"], rank, timeout, backend)
     if role.role == "prefill":
         groups = ProcessGroups(role, control, instance, tp=instance, ep=instance, dp=None)
     elif role.role == "decode":

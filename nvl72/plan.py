@@ -143,28 +143,19 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, cfg: dict, name: str) -> ModelSpec:
-        """From a Hugging Face config.json dict (text_config is used when present)."""
-        cfg = cfg.get("text_config", cfg)
-        mt = cfg.get("model_type", "")
-        if mt not in ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"):
-            raise PlanError(f"{name}: model_type {mt!r} is not a supported Qwen MoE type")
-        hybrid = mt != "qwen3_moe"
+        """From a Hugging Face config.json dict, parsed by the model's own `ModelConfig`."""
+        from nvl72.config import FULL_ATTENTION, ConfigError, ModelConfig
+
         try:
-            kw = {f: cfg[f] for f in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                                      "num_experts", "num_experts_per_tok", "moe_intermediate_size", "vocab_size")}
-            kw["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-            if hybrid:
-                kw["shared_expert_intermediate_size"] = cfg["shared_expert_intermediate_size"]
-                kw["full_attention_interval"] = cfg.get("full_attention_interval", 4)
-                for f in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                          "linear_value_head_dim", "linear_conv_kernel_dim"):
-                    kw[f] = cfg[f]
-        except KeyError as e:
-            raise PlanError(f"{name}: config field {e.args[0]!r} is missing") from None
-        for k, v in kw.items():
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise PlanError(f"{name}: config field {k!r} must be a positive integer, got {v!r}")
-        return cls(name=name, model_type=mt, **kw)
+            mc = ModelConfig.from_dict(cfg)
+        except ConfigError as e:
+            raise PlanError(f"{name}: {e}") from None
+        attn = mc.layer_types.count(FULL_ATTENTION)
+        if attn == 0 or mc.num_hidden_layers % attn:
+            raise PlanError(f"{name}: {attn} full-attention layers of {mc.num_hidden_layers} is not a periodic layout")
+        kw = {f.name: getattr(mc, f.name) for f in dataclasses.fields(cls)
+              if f.name not in ("name", "full_attention_interval", "stated_total_b", "stated_active_b")}
+        return cls(name=name, full_attention_interval=mc.num_hidden_layers // attn, **kw)
 
 
 def _q35(name, layers, hidden, experts, topk, inter, total, active, v_heads, vocab=248320, heads=32, kv=2, mt="qwen3_5_moe"):
@@ -505,11 +496,17 @@ def make_plan(rack: Rack, model: ModelSpec, w: Workload, prefill_tp: int | None 
         util = c["prefill_target_utilisation"]
         need_p = math.ceil(w.input_tps / (cap * util)) if w.input_tps else 0
         why.append(f"prefill: TP{prefill_tp}/EP{prefill_tp} instances of {prefill_tp} ranks")
+        mem_frac, hbm = c["memory_fraction"], c["hbm_gib"] * 2**30
+        p_weights = ((model.dense_params + model.vocab_size * model.hidden_size) * DENSE_BYTES
+                     + model.expert_params * EXPERT_BYTES) / prefill_tp
+        why.append(f"  memory per rank: weights {p_weights / 2**30:.1f} GiB of {hbm / 2**30:.0f} GiB x {mem_frac:g}")
+        if p_weights > hbm * mem_frac:
+            raise PlanError(f"{model.name} does not fit a prefill rank of TP{prefill_tp}: weights need "
+                            f"{p_weights / 2**30:.1f} GiB of {hbm * mem_frac / 2**30:.0f} GiB")
         why += ["  " + s for s in pwhy]
         why.append(f"  needed: ceil({w.input_tps:,.0f} / ({cap:,.0f} x {util:g} target utilisation)) = {need_p} instance(s)")
 
         batch = w.decode_batch_threshold
-        mem_frac, hbm = c["memory_fraction"], c["hbm_gib"] * 2**30
         weights = (model.dense_params * DENSE_BYTES + model.expert_params / decode_size * EXPERT_BYTES
                    + model.vocab_size * model.hidden_size * DENSE_BYTES)
         per_seq = (w.prompt_len + w.output_len) * model.kv_bytes_per_token + model.state_bytes_per_seq

@@ -42,6 +42,14 @@ class CacheLayout:
     gdn_k_dim: int = 0
     gdn_v_dim: int = 0
 
+    @classmethod
+    def from_config(cls, cfg) -> CacheLayout:
+        """From anything with the Hugging Face field names (`nvl72.config.ModelConfig`, `plan.ModelSpec`)."""
+        if not cfg.linear_num_value_heads:
+            return cls(cfg.num_key_value_heads)
+        return cls(cfg.num_key_value_heads, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                   cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+
     @property
     def hybrid(self) -> bool:
         return self.gdn_v_heads > 0

@@ -88,5 +88,5 @@ def test_launch_plans_on_every_rank_and_stops_after_run_seconds(tmp_path):
 def test_launch_rejects_a_plan_for_another_world_size():
     out = subprocess.run([sys.executable, "-m", "launch", *SMALL], capture_output=True, text=True, timeout=60,
                          env=_env())
-    assert out.returncode == 2
+    assert out.returncode == 2, out.stderr[-3000:]
     assert "has 3 ranks but the launcher started 1" in out.stderr
