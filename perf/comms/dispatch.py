@@ -42,6 +42,62 @@ def add_arguments(p):
     p.add_argument("--nprocs", type=int, default=0, help="GPUs (default: all visible)")
     p.add_argument("--json", default="", help="write results here (rank 0)")
     p.add_argument("--timeout", type=float, default=300.0, help="whole run, seconds")
+    p.add_argument("--heap", default="auto", choices=("auto", "comms", "torch"),
+                   help="symmetric memory: comms.SymmetricHeap, torch symmetric memory, or auto (comms if it works)")
+
+
+class TorchSymmHeap:
+    """The slice of the `comms.SymmetricHeap` API that DispatchCombine uses, over torch's symmetric
+    memory (multicast off). A fallback for hosts where the cuMem heap cannot be set up, so the
+    kernels can still be measured; chosen once by `make_heap` and printed."""
+
+    def __init__(self, group, nbytes: int, device):
+        import torch.distributed._symmetric_memory as symm
+
+        self.group, self.device = group, torch.device(device)
+        self.rank, self.world_size, self.nbytes = dist.get_rank(group), dist.get_world_size(group), nbytes
+        if hasattr(symm, "enable_symm_mem_for_group"):
+            symm.enable_symm_mem_for_group(group.group_name)
+        self._buf = symm.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._handle = symm.rendezvous(self._buf, group.group_name)
+        self.peer_ptrs = torch.tensor(list(self._handle.buffer_ptrs), dtype=torch.int64, device=self.device)
+        self.used = 0
+
+    def alloc(self, nbytes: int, *, align: int = 256) -> int:
+        off = -(-self.used // align) * align
+        if off + nbytes > self.nbytes:
+            raise RuntimeError(f"TorchSymmHeap: alloc({nbytes}) past {self.nbytes} bytes")
+        self._buf[off:off + nbytes].zero_()
+        self.used = off + nbytes
+        return off
+
+    def barrier(self) -> None:
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+
+    def destroy(self) -> None:
+        self._buf = self._handle = self.peer_ptrs = None
+
+
+def make_heap(kind: str, group, nbytes: int, device):
+    """kind "comms" (comms.SymmetricHeap) or "torch" (TorchSymmHeap)."""
+    if kind == "torch":
+        return TorchSymmHeap(group, nbytes, device)
+    from comms.heap import SymmetricHeap
+
+    return SymmetricHeap(group, nbytes, device=device, timeout_s=30)
+
+
+def pick_heap(group, device) -> str:
+    """"comms" when a small comms.SymmetricHeap comes up on every rank, else "torch"."""
+    ok = torch.ones(1, device=device)
+    try:
+        make_heap("comms", group, 1 << 21, device).destroy()
+    except Exception as e:  # noqa: BLE001  (printed; the fallback is chosen on every rank)
+        print(f"rank {dist.get_rank(group)}: comms.SymmetricHeap failed ({type(e).__name__}: {e})", flush=True)
+        ok.zero_()
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    return "comms" if bool(ok) else "torch"
 
 
 def _ints(s):
@@ -128,10 +184,12 @@ def _worker(rank, world, store, args, out_path):
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args.timeout), device_id=dev)
     from comms.dispatch import DispatchCombine, token_rank_mask
-    from comms.heap import SymmetricHeap
 
     group = dist.group.WORLD
     K = args.topk
+    heap_kind = args.heap if args.heap != "auto" else pick_heap(group, dev)
+    if rank == 0:
+        print(f"# heap: {heap_kind}", flush=True)
     bw = _sendrecv_bw(rank, world, dev)
     if rank == 0:
         print(f"# NCCL send/recv (ring neighbour, both directions at once): {bw / 1e9:.1f} GB/s per GPU", flush=True)
@@ -142,7 +200,7 @@ def _worker(rank, world, store, args, out_path):
     try:
         for H in _ints(args.hidden):
             for E in _ints(args.experts):
-                heap = SymmetricHeap(group, DispatchCombine.heap_size_hint(world, E, K, H, M), device=dev)
+                heap = make_heap(heap_kind, group, DispatchCombine.heap_size_hint(world, E, K, H, M), dev)
                 fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", layout=args.layout)
                 ref = DispatchCombine(group, E, K, H, M, mode="dp_ep", layout=args.layout)
                 for T in tokens:

@@ -143,7 +143,7 @@ def _worker(rank, world, store_path, log):
     dist.init_process_group("nccl", init_method=f"file://{store_path}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S), device_id=dev)
     from comms.dispatch import CapacityError, DispatchCombine, DispatchTimeoutError
-    from comms.heap import SymmetricHeap
+    from perf.comms.dispatch import make_heap, pick_heap
 
     group = dist.group.WORLD
     gen = torch.Generator().manual_seed(7 + rank)
@@ -154,11 +154,15 @@ def _worker(rank, world, store_path, log):
             lines.append(msg)
             print(msg, flush=True)
 
+    kind = os.environ.get("DISPATCH_TEST_HEAP") or pick_heap(group, dev)
+    note(f"heap: {kind}")
+
+
     try:
         for E, K, H, M, toks, cases, layouts in CONFIGS:
             T = toks[rank % len(toks)]
             for layout in layouts:
-                heap = SymmetricHeap(group, DispatchCombine.heap_size_hint(world, E, K, H, M), device=dev)
+                heap = make_heap(kind, group, DispatchCombine.heap_size_hint(world, E, K, H, M), dev)
                 fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", layout=layout, timeout_s=5.0)
                 ref = DispatchCombine(group, E, K, H, M, mode="dp_ep", layout=layout)
                 assert fused._fused is not None, "heap on CUDA must select the fused kernels"
@@ -188,7 +192,7 @@ def _worker(rank, world, store_path, log):
                 heap.destroy()
         # capacity overflow -> CapacityError (rank 1 holds every token's experts)
         E, K, H, M = 16, 4, 1024, 64
-        heap = SymmetricHeap(group, DispatchCombine.heap_size_hint(world, E, K, H, M), device=dev)
+        heap = make_heap(kind, group, DispatchCombine.heap_size_hint(world, E, K, H, M), dev)
         fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", expert_capacity=4)
         x, ids, w = _inputs("one_rank", rank, world, 40, E, K, H, gen, dev)
         fused.dispatch(x, ids, w)
@@ -200,7 +204,7 @@ def _worker(rank, world, store_path, log):
         fused.destroy()
         heap.destroy()
         # bounded wait: only rank 0 dispatches; it must time out and raise, not hang
-        heap = SymmetricHeap(group, DispatchCombine.heap_size_hint(world, E, K, H, M), device=dev)
+        heap = make_heap(kind, group, DispatchCombine.heap_size_hint(world, E, K, H, M), dev)
         fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", timeout_s=0.5)
         if rank == 0:
             x, ids, w = _inputs("random", rank, world, 8, E, K, H, gen, dev)
