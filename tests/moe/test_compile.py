@@ -17,7 +17,16 @@ def test_sm90_grouped_gemm_compiles():
         mod.compile_for_export("sm_100a")
 
 
+def test_sm100_mxfp8_grouped_gemm_compiles():
+    mod = importlib.import_module("moe.kernels.sm100_grouped_gemm")
+    fns = mod.compile_for_export("sm_100a")
+    assert sorted(fns) == ["mxfp8_grouped_gemm_contig", "mxfp8_grouped_gemm_masked"]
+    with pytest.raises(ValueError, match="sm_90a"):
+        mod.compile_for_export("sm_90a")
+
+
 def test_exports_listed():
-    assert "moe.kernels.sm90_grouped_gemm" in EXPORTS
+    assert EXPORTS == ["moe.kernels.sm90_grouped_gemm", "moe.kernels.sm100_grouped_gemm"]
     for name in EXPORTS:
-        assert callable(importlib.import_module(name).compile_for_export)
+        mod = importlib.import_module(name)
+        assert callable(mod.compile_for_export) and mod.ARCHS
