@@ -176,19 +176,34 @@ def _advance(my_base, state_off, tid, nb, target):
 
 
 @cute.jit
+def _warp_inclusive_scan(v, lane):
+    """Inclusive prefix sum of v over the 32 lanes (shfl.up)."""
+    for k in cutlass.range_constexpr(5):
+        y = cute.arch.shuffle_sync_up(v, 1 << k)
+        if lane >= (1 << k):
+            v = v + y
+    return v
+
+
+@cute.jit
 def _row_starts(my_base, rntok_off, tid, world, rstart: cute.Tensor):
-    """rstart[s] = sum of rntok[< s] (received rows of earlier sources), rstart[world] = total."""
-    s = tid
-    while s < world:
-        rstart[s + 1] = ld_b32_cg(my_base + rntok_off + _i64(s) * 4)
-        s += THREADS
-    cute.arch.sync_threads()
-    if tid == 0:
-        rstart[0] = Int32(0)
-        acc = Int32(0)
-        for i in cutlass.range(world):
-            acc = acc + rstart[i + 1]
-            rstart[i + 1] = acc
+    """rstart[s] = sum of rntok[< s] (received rows of earlier sources), rstart[world] = total.
+    Warp 0 scans 32 sources per step."""
+    if tid < 32:
+        carry = Int32(0)
+        s0 = Int32(0)
+        while s0 < world:
+            s = s0 + tid
+            n = Int32(0)
+            if s < world:
+                n = ld_b32_cg(my_base + rntok_off + _i64(s) * 4)
+            incl = _warp_inclusive_scan(n, tid)
+            if s < world:
+                rstart[s + 1] = carry + incl
+            carry = carry + cute.arch.shuffle_sync(incl, 31)
+            s0 = s0 + 32
+        if tid == 0:
+            rstart[0] = Int32(0)
     cute.arch.sync_threads()
 
 
@@ -329,26 +344,34 @@ def _make_dispatch(K: int):
             base[e] = acc
             e += THREADS
         cute.arch.sync_threads()
-        if tid == 0:
-            acc = Int32(0)
-            for e2 in cutlass.range(nlocal):
-                cnt = base[e2]
-                b = e2 * cap
+        if tid < 32:  # warp 0: expert bases (contiguous: exclusive scan of the totals), counts, offsets
+            carry = Int32(0)
+            e0 = Int32(0)
+            while e0 < nlocal:
+                e2 = e0 + tid
+                cnt = Int32(0)
+                if e2 < nlocal:
+                    cnt = base[e2]
+                incl = _warp_inclusive_scan(cnt, tid)
+                if e2 < nlocal:
+                    b = e2 * cap
+                    if contiguous != 0:
+                        b = carry + incl - cnt
+                    base[e2] = b
+                    if bid == 0:
+                        counts[e2] = cnt
+                        offsets[e2] = b
+                    if cnt > cap:
+                        ptx.st_release_sys(err_addr, ERR_CAPACITY | e2)
+                carry = carry + cute.arch.shuffle_sync(incl, 31)
+                e0 = e0 + 32
+            if tid == 0:
+                last = nlocal * cap
                 if contiguous != 0:
-                    b = acc
-                base[e2] = b
+                    last = carry
+                base[nlocal] = last
                 if bid == 0:
-                    counts[e2] = cnt
-                    offsets[e2] = b
-                if cnt > cap:
-                    ptx.st_release_sys(err_addr, ERR_CAPACITY | e2)
-                acc = acc + cnt
-            last = nlocal * cap
-            if contiguous != 0:
-                last = acc
-            base[nlocal] = last
-            if bid == 0:
-                offsets[nlocal] = last
+                    offsets[nlocal] = last
         cute.arch.sync_threads()
 
         total = rstart[world]
