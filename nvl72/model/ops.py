@@ -49,19 +49,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 @dataclass
+class SeqAttention:
+    """One sequence's share of a forward: its query rows, context pages and causal mask."""
+
+    start: int  # rows start:end of q are this sequence's new tokens
+    end: int
+    pages: torch.Tensor  # [ceil(n / page_size)] int64 page ids holding its n context tokens
+    masked: torch.Tensor  # [L, n] bool, True where key position > query position
+
+
+@dataclass
 class AttentionMetadata:
-    """Per-forward attention indexing, built once and shared by every attention layer."""
+    """Per-forward attention indexing, built once (one host sync) and shared by every layer."""
 
     batch: ForwardBatch
     page_size: int
     slot_mapping: torch.Tensor  # [T] int64: page_id * page_size + offset of each new token
+    seqs: list[SeqAttention]  # sequences with at least one new token
 
     @classmethod
     def build(cls, batch: ForwardBatch, page_size: int) -> "AttentionMetadata":
+        qsl, seq_lens = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
         width = batch.page_table.shape[1] * page_size
-        longest = int(batch.seq_lens.max()) if batch.num_seqs else 0
-        if longest > width:
-            raise ValueError(f"seq_len {longest} needs more pages than page_table holds ({batch.page_table.shape[1]} x {page_size})")
+        if seq_lens and max(seq_lens) > width:
+            raise ValueError(
+                f"seq_len {max(seq_lens)} needs more pages than page_table holds ({batch.page_table.shape[1]} x {page_size})"
+            )
         qlens = batch.query_lens().long()  # [B]
         seq_of_token = torch.repeat_interleave(torch.arange(batch.num_seqs, device=qlens.device), qlens)  # [T]
         pos = batch.positions.long()
@@ -71,7 +84,16 @@ class AttentionMetadata:
             raise ValueError(
                 f"token {bad} at position {int(pos[bad])} has no KV page (page_table entry -1) in its sequence"
             )
-        return cls(batch=batch, page_size=page_size, slot_mapping=pages * page_size + pos % page_size)
+        seqs = []
+        for i, n in enumerate(seq_lens):
+            s, e = qsl[i], qsl[i + 1]
+            if e > s:
+                key_pos = torch.arange(n, device=pos.device)
+                seqs.append(SeqAttention(
+                    s, e, batch.page_table[i, : (n + page_size - 1) // page_size].long(),
+                    key_pos[None, :] > pos[s:e, None],  # [L, n]
+                ))
+        return cls(batch=batch, page_size=page_size, slot_mapping=pages * page_size + pos % page_size, seqs=seqs)
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -89,26 +111,18 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
 
     q [T, Hq, D] -> [T, Hq, D]. A query at position p sees keys 0..p of its own sequence (cached
     prefix and this step's tokens, which `write_kv` has already stored)."""
-    batch = meta.batch
-    ps = meta.page_size
     num_kv_heads = kv_cache.shape[2]
     groups = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
-    qsl = batch.query_start_loc.tolist()
-    seq_lens = batch.seq_lens.tolist()
-    for i, n in enumerate(seq_lens):
-        s, e = qsl[i], qsl[i + 1]
-        if e == s:
-            continue
-        kv = kv_cache[batch.page_table[i, : (n + ps - 1) // ps].long()]  # [np, 2, Hkv, ps, D]
+    for sq in meta.seqs:
+        n = sq.masked.shape[1]
+        kv = kv_cache[sq.pages]  # [np, 2, Hkv, ps, D]
         kv = kv.permute(1, 2, 0, 3, 4).flatten(2, 3)[:, :, :n]  # [2, Hkv, n, D]
         k = kv[0].repeat_interleave(groups, dim=0)  # [Hq, n, D]
         v = kv[1].repeat_interleave(groups, dim=0)
-        qi = q[s:e].transpose(0, 1)  # [Hq, L, D]
+        qi = q[sq.start : sq.end].transpose(0, 1)  # [Hq, L, D]
         scores = torch.matmul(qi, k.transpose(1, 2)) * scale  # [Hq, L, n]
-        key_pos = torch.arange(n, device=q.device)
-        masked = key_pos[None, :] > batch.positions[s:e, None]  # [L, n]
-        scores = scores.masked_fill(masked[None], float("-inf"))
+        scores = scores.masked_fill(sq.masked[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out[s:e] = torch.matmul(probs, v).transpose(0, 1)  # [L, Hq, D]
+        out[sq.start : sq.end] = torch.matmul(probs, v).transpose(0, 1)  # [L, Hq, D]
     return out

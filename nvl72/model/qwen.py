@@ -112,7 +112,8 @@ class QwenMoeForCausalLM(nn.Module):
     def forward_mtp(self, batch: ForwardBatch, caches: ModelCaches, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
         """MTP draft step. `batch.input_ids[t]` is the token *after* the one at `batch.positions[t]`
         (the main model's next token), `hidden` [T, H] the main model's output at that position;
-        the MTP layer's KV goes to caches.kv[num_hidden_layers + step] under the same page table.
+        the MTP layer's KV goes to caches.kv[num_hidden_layers + step % mtp_num_hidden_layers] under the
+        same page table.
         Returns normed hidden [T, H] for `compute_logits`."""
         if self.mtp is None:
             raise ValueError("this model was built without its MTP head (enable_mtp)")
