@@ -214,10 +214,11 @@ class LLMEngine:
             if seq.finish_reason is not None:
                 self.seqs.pop(seq.request_id, None)
                 self.scheduler.remove(seq)
+                accepted[i] = 0  # its pages are gone: nothing for a drafter to extend
             else:
                 want[i] = self.drafter is not None
             outputs.append(self._output(seq))
-        if any(want):
+        if self.drafter is not None:  # also on steps without decodes: the MTP head extends its KV
             drafts = self.drafter.propose(DraftInput(result, out.scheduled, accepted, want))
             for s, w, d in zip(out.scheduled, want, drafts):
                 if w:

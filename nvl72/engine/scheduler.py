@@ -152,7 +152,10 @@ class Scheduler:
         return self.slots.alloc(n)
 
     def _pages_needed(self, seq: Sequence, num_new: int) -> int:
-        return -(-(seq.num_computed + num_new) // self.page_size) - len(seq.pages)
+        # With speculation, pages reach k tokens further: a drafter (the MTP head) writes its own
+        # KV at the positions of the next step's drafts.
+        end = seq.num_computed + num_new + self.config.num_speculative_tokens
+        return max(-(-end // self.page_size) - len(seq.pages), 0)
 
     def _reserve(self, seq: Sequence, sched: ScheduledSeq, need_state: bool) -> bool:
         """Allocate pages for the step's tokens and its write slots (all or nothing)."""
