@@ -99,33 +99,40 @@ def test_conv_kernel_matches_reference(device, dtype, D, K):
     assert torch.equal(dev[2].cpu(), ref_state)  # tails are copies of inputs: exact
 
 
-@pytest.mark.gpu
-def test_layer_on_gpu_matches_cpu_reference():
-    """The whole layer on CUDA (Triton ops) equals the CPU reference on a mixed batch (one prefill
-    sequence takes the chunked rule)."""
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prefill", [0, 40])
+def test_layer_with_triton_ops_matches_reference(device, prefill, monkeypatch):
+    """The whole layer on the Triton ops equals it on the torch references, for a decode/verify batch
+    (one recurrent call on strided q/k/v views) and with a prefill sequence added (chunked rule)."""
     from transformers import Qwen3NextConfig
 
+    from nvl72.model import gdn
     from nvl72.model.batch import ForwardBatch
-    from nvl72.model.gdn import GatedDeltaNet
 
+    if device == "cpu":  # interpreter: send the CPU layer through the Triton ops
+        ops = gdn.GdnOps(triton_mod.causal_conv1d, triton_mod.recurrent_gated_delta_rule,
+                         triton_mod.chunk_gated_delta_rule)
+        reference = gdn.gdn_ops_for("cpu")
+        monkeypatch.setattr(gdn, "gdn_ops_for", lambda t: ops if t == "cpu" and triton_on else reference)
     torch.manual_seed(0)
     config = Qwen3NextConfig(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4,
                              linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
                              num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    layer = GatedDeltaNet(config, 0).eval()
-    conv_shape, rec_shape = GatedDeltaNet.state_shapes(config)
-    lens = LENS + [40]
+    layer = gdn.GatedDeltaNet(config, 0).eval()
+    conv_shape, rec_shape = gdn.GatedDeltaNet.state_shapes(config)
+    lens, read, write = LENS + [prefill], READ + [8], WRITE + [-1] * (prefill - 1) + [8]  # slot 8: its own
+    if not prefill:
+        lens, read, write = LENS, READ, WRITE
     T = sum(lens)
-    qsl, read, write = _batch(lens, READ + [7], WRITE + [-1] * 39 + [7], "cpu")
-    batch = ForwardBatch(torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long), qsl,
-                         torch.tensor(lens, dtype=torch.int32), torch.zeros(len(lens), 0, dtype=torch.int32),
-                         read, write)
-    h, conv, rec = torch.randn(T, 64), torch.randn(8, *conv_shape), torch.randn(8, *rec_shape)
-    gpu_conv, gpu_rec = conv.cuda(), rec.cuda()
+    qsl, read, write = _batch(lens, read, write, "cpu")
+    fields = (torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long), qsl,
+              torch.tensor(lens, dtype=torch.int32), torch.zeros(len(lens), 0, dtype=torch.int32), read, write)
+    h, conv, rec = torch.randn(T, 64), torch.randn(9, *conv_shape), torch.randn(9, *rec_shape)
+    dev_conv, dev_rec = conv.clone().to(device), rec.clone().to(device)
     with torch.no_grad():
-        ref = layer(h, batch, conv, rec)
-        gpu_batch = ForwardBatch(*(t.cuda() for t in (batch.input_ids, batch.positions, qsl, batch.seq_lens,
-                                                      batch.page_table, read, write)))
-        out = layer.cuda()(h.cuda(), gpu_batch, gpu_conv, gpu_rec)
+        triton_on = False
+        ref = layer(h, ForwardBatch(*fields), conv, rec)
+        triton_on = True
+        out = layer.to(device)(h.to(device), ForwardBatch(*(t.to(device) for t in fields)), dev_conv, dev_rec)
     assert rel_err(out.cpu(), ref) < 1e-4
-    assert rel_err(gpu_rec.cpu(), rec) < 1e-4 and rel_err(gpu_conv.cpu(), conv) < 1e-5
+    assert rel_err(dev_rec.cpu(), rec) < 1e-4 and rel_err(dev_conv.cpu(), conv) < 1e-5
