@@ -370,6 +370,7 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     front = None
     if env.rank == plan.front_rank:
+        log.info("plan for %s:\n%s", plan.model, "\n".join([plan.rack.describe(), *plan.layout()]))
         front = Front(env.world_size, args.front_host or host_address(), args.front_port, args.heartbeat_timeout,
                       args.ready_timeout, args.shutdown_timeout, args.run_seconds, args.ready_file)
         front.start()

@@ -48,9 +48,25 @@ def plan_from_args(args: argparse.Namespace, rack=None):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_plan_arguments(parser, rack_default="nvl72")
     parser.add_argument("--out", help="also write the plan as JSON here (input of `nvl72 launch --plan`)")
+    parser.add_argument("--measure-constants", metavar="FILE",
+                        help="instead of planning, measure this GPU's hardware figures and write them as "
+                             "plan_constants.json entries to FILE")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.measure_constants:
+        import json
+        import sys
+
+        from nvl72.plan import PlanError, measure_constants
+
+        try:
+            data = measure_constants("nvl72 plan " + " ".join(sys.argv[1:]))
+        except PlanError as e:
+            raise CLIError(str(e)) from None
+        pathlib.Path(args.measure_constants).write_text(json.dumps(data, indent=1))
+        print(json.dumps(data, indent=1))
+        return 0
     plan = plan_from_args(args)
     print(f"nvl72 plan: {plan.model} on {plan.rack.name}")
     print("\n".join(plan.explanation))

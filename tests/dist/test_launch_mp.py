@@ -90,3 +90,24 @@ def test_launch_rejects_a_plan_for_another_world_size():
                          env=_env())
     assert out.returncode == 2, out.stderr[-3000:]
     assert "has 3 ranks but the launcher started 1" in out.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.mp
+def test_launch_on_gpus_with_nccl(tmp_path):
+    """Two GPUs under torchrun: the rack comes from the gathered hostnames, a DP2/EP2 decode instance's
+    NCCL group carries an all-reduce, readiness and shutdown as on CPU."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    ready = tmp_path / "ready.json"
+    env = {**_env(), "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "launch",
+                          "--device", "cuda", "--model", "Qwen3-30B-A3B", "--prefill-instances", "0",
+                          "--decode-instances", "1", "--decode-size", "2", "--ready-file", str(ready),
+                          "--run-seconds", "1", "--heartbeat", "0.2", "--timeout", "120"],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert out.returncode == 0, out.stderr[-4000:]
+    ranks = json.loads(ready.read_text())["ranks"]
+    assert [r["device"] for r in ranks] == ["cuda", "cuda"]
+    assert [r["group_sums"] for r in ranks] == [{"instance": 2, "ep": 2, "dp": 2}] * 2
+    assert "H200" in out.stderr or "H100" in out.stderr or "B200" in out.stderr or "GB200" in out.stderr

@@ -49,3 +49,17 @@ def test_layer_groups():
     assert layer_groups(5, 2) == [[0, 1], [2, 3], [4]]
     with pytest.raises(ValueError, match="0"):
         layer_groups(5, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.mp
+def test_transfer_over_nccl_with_torchrun():
+    """The same transfer between two GPUs over NCCL (TP1 -> TP1), through the is_completed() poll path."""
+    root = HERE.parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          str(HERE / "transport_worker.py"), "--device", "cuda"],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "TRANSFER_OK TP1->TP1 on cuda:1" in out.stdout

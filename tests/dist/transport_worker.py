@@ -1,5 +1,6 @@
-"""Worker of test_transport_mp: under `mpiexec -n 3`, ranks 0-1 are a TP2 prefill instance and rank 2 a
-TP1 decode rank; a request's KV pages and GDN states go over gloo and must arrive bit-exactly."""
+"""Worker of test_transport_mp: the last rank is a TP1 decode rank, the others a prefill instance
+(`mpiexec -n 3`: TP2 -> TP1 over gloo; `torchrun --nproc-per-node 2 ... --device cuda`: TP1 -> TP1 over
+NCCL); a request's KV pages and GDN states must arrive bit-exactly, and the first token last."""
 import sys
 import time
 
@@ -24,20 +25,22 @@ def full_caches(gen):
     return {"kv": kv, "conv": conv, "recurrent": rec}
 
 
-def sharded(full, tp, rank):
-    return {k: [None if t is None else shard(t, k, LAYOUT, tp, rank) for t in ts] for k, ts in full.items()}
+def sharded(full, tp, rank, device="cpu"):
+    return {k: [None if t is None else shard(t, k, LAYOUT, tp, rank).to(device) for t in ts] for k, ts in full.items()}
 
 
 def main():
     env = launch_env()
-    assert env.world_size == 3, env
-    init_distributed(env, "cpu", TIMEOUT)
+    device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cpu"
+    init_distributed(env, device, TIMEOUT)
+    dev = f"cuda:{env.local_rank}" if device == "cuda" else "cpu"
+    src_tp = env.world_size - 1
     full = full_caches(torch.Generator().manual_seed(7))  # the same on every rank: the reference
-    plan = build_transfer_plan(LAYOUT, 2, 1, SRC_PAGES, DST_PAGES, SRC_SLOT, DST_SLOT)
+    plan = build_transfer_plan(LAYOUT, src_tp, 1, SRC_PAGES, DST_PAGES, SRC_SLOT, DST_SLOT)
     groups = layer_groups(LAYERS, 2)
-    src_ranks, dst_ranks = [0, 1], [2]
-    if env.rank < 2:
-        s = Sender(11, plan, env.rank, src_ranks, dst_ranks, sharded(full, 2, env.rank), groups)
+    src_ranks, dst_ranks = list(range(src_tp)), [src_tp]
+    if env.rank < src_tp:
+        s = Sender(11, plan, env.rank, src_ranks, dst_ranks, sharded(full, src_tp, env.rank, dev), groups)
         s.send_group(0)
         time.sleep(1.0)  # the second layer group is "still computing"
         s.send_group(1)
@@ -45,7 +48,7 @@ def main():
         s.wait(TIMEOUT)
     else:
         gen = torch.Generator().manual_seed(99)
-        mine = {k: [None if t is None else torch.randn(t.shape, generator=gen).to(t.dtype) for t in ts]
+        mine = {k: [None if t is None else torch.randn(t.shape, generator=gen).to(t.dtype).to(dev) for t in ts]
                 for k, ts in sharded(full, 1, 0).items()}
         r = Receiver(11, plan, 0, src_ranks, dst_ranks, mine, groups, TIMEOUT)
         assert not r.poll(), "complete before the last layer group and the first token were sent"
@@ -55,14 +58,17 @@ def main():
             time.sleep(0.01)
         assert polls > 0
         assert r.receipt.require_complete() == 4242
-        want = sharded(full, 1, 0)
+        want = sharded(full, 1, 0, dev)
         for l in (0, 3):
             for sp, dp in zip(SRC_PAGES, DST_PAGES):
                 assert torch.equal(mine["kv"][l][dp], want["kv"][l][sp]), (l, sp, dp)
         for kind in ("conv", "recurrent"):
             for l in (1, 2):
                 assert torch.equal(mine[kind][l][DST_SLOT], want[kind][l][SRC_SLOT]), (kind, l)
-        print("TRANSFER_OK", flush=True)
+        print(f"TRANSFER_OK TP{src_tp}->TP1 on {dev}", flush=True)
+    if device == "cuda":  # a timed-out NCCL receive aborts the communicator: the bound is gloo's test
+        torch.distributed.destroy_process_group()
+        return 0
     # A request nobody sends must time out within its bound (this closes the gloo pairs, so it comes last
     # and the ranks meet again over MPI).
     from mpi4py import MPI
