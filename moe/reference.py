@@ -136,3 +136,21 @@ def unpermute(
     if shared is not None:
         out = out + torch.sigmoid(shared_gate.float()) * shared.float()
     return out.to(y.dtype)
+
+
+def gather_quant_mx(
+    x: torch.Tensor, row_of: torch.Tensor, num_rows: int, rows_per_batch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scatter + MXFP8 quantization for Blackwell: 1 x 32 E8M0 scales in the swizzled layout.
+
+    x [T, H]; row_of [T, k] -> (q [num_rows, H] e4m3, sf flat uint8: for each batch of
+    rows_per_batch rows, mxfp8.swizzle_scales of its [rows_per_batch, H/32] scales, concatenated)."""
+    from moe import mxfp8
+
+    rows = torch.zeros(num_rows, x.shape[1], dtype=torch.float32, device=x.device)
+    valid = row_of >= 0
+    tok = torch.arange(x.shape[0], device=x.device)[:, None].expand_as(row_of)
+    rows[row_of[valid]] = x[tok[valid]].float()
+    q, s = mxfp8.quantize(rows)
+    sf = [mxfp8.swizzle_scales(b).view(torch.uint8) for b in s.view(-1, rows_per_batch, s.shape[-1])]
+    return q, torch.cat(sf) if sf else torch.empty(0, dtype=torch.uint8, device=x.device)

@@ -205,15 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {dev}, torch {torch.__version__}, copy bandwidth {bw:.0f} GB/s (read + write)")
     print(HEADER)
     rows = []
+    out = dict(device=dev, torch=torch.__version__, copy_gbps=bw, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               command=" ".join(["python -m perf.moe"] + (argv if argv is not None else sys.argv[1:])), rows=rows)
     for m in models:
         rows += bench_model(m, tokens, args.iters, gemm, bw)
         torch.cuda.empty_cache()
-    out = dict(device=dev, torch=torch.__version__, copy_gbps=bw, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               command=" ".join(["python -m perf.moe"] + (argv if argv is not None else sys.argv[1:])), rows=rows)
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+        if args.json:  # rewritten after each model, so a cut-short run keeps what it measured
+            os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+            with open(args.json, "w") as fh:
+                json.dump(out, fh, indent=1)
     return 0
 
 

@@ -53,6 +53,41 @@ def _gather_quant_kernel(x_ptr, row_ptr, q_ptr, s_ptr, H, nkb, rows_per_batch, K
 
 
 @triton.jit
+def _gather_quant_mx_kernel(
+    x_ptr, row_ptr, q_ptr, sf_ptr, H, rows_per_batch, rows_pad, cols_pad, K: tl.constexpr, BLOCK: tl.constexpr
+):
+    """MXFP8 for Blackwell: 4 blocks of 32 per program, scales written in the 128 x 4 swizzle."""
+    pair = tl.program_id(0)
+    chunk = tl.program_id(1)
+    row = tl.load(row_ptr + pair)
+    if row >= 0:
+        tok = pair // K
+        cols = chunk * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + tok.to(tl.int64) * H + cols, mask=cols < H, other=0.0).to(tl.float32)
+        v2 = tl.reshape(v, (BLOCK // 32, 32))
+        amax = tl.max(tl.abs(v2), axis=1)  # [BLOCK / 32]
+        bits = amax.to(tl.int32, bitcast=True)
+        s = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        s = tl.minimum(tl.maximum(s, -127), 127)
+        byte = tl.where(amax > 0, s + 127, 0)
+        sc = tl.minimum(tl.maximum(s, -126), 126)
+        inv = ((127 - sc) << 23).to(tl.float32, bitcast=True)
+        q = tl.reshape(v2 * inv[:, None], (BLOCK,)).to(tl.float8e4nv)
+        tl.store(q_ptr + row.to(tl.int64) * H + cols, q, mask=cols < H)
+        b = row // rows_per_batch
+        r = row % rows_per_batch
+        c = chunk * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
+        off = (
+            b.to(tl.int64) * rows_pad * cols_pad
+            + ((r // 128) * (cols_pad // 4) + c // 4) * 512
+            + (r % 32) * 16
+            + ((r % 128) // 32) * 4
+            + c % 4
+        )
+        tl.store(sf_ptr + off, byte.to(tl.uint8), mask=c < H // 32)
+
+
+@triton.jit
 def _silu_mul_quant_kernel(h_ptr, q_ptr, s_ptr, inter, nkb, rows_per_batch, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     kb = tl.program_id(1)
@@ -126,6 +161,20 @@ def gather_quant(x: torch.Tensor, row_of: torch.Tensor, num_rows: int, rows_per_
             x.contiguous(), row_of.contiguous(), q, s, h, nkb, rows_per_batch, K=k, BLOCK=BLOCK_K
         )
     return q, s
+
+
+def gather_quant_mx(x: torch.Tensor, row_of: torch.Tensor, num_rows: int, rows_per_batch: int):
+    (t, k), h = row_of.shape, x.shape[1]
+    if h % 32:
+        raise ValueError(f"hidden={h} must be a multiple of 32 for MXFP8")
+    rows_pad, cols_pad = triton.cdiv(rows_per_batch, 128) * 128, triton.cdiv(h // 32, 4) * 4
+    q = torch.empty(num_rows, h, dtype=torch.float8_e4m3fn, device=x.device)
+    sf = torch.zeros(num_rows // rows_per_batch * rows_pad * cols_pad, dtype=torch.uint8, device=x.device)
+    if t:
+        _gather_quant_mx_kernel[(t * k, triton.cdiv(h, BLOCK_K))](
+            x.contiguous(), row_of.contiguous(), q, sf, h, rows_per_batch, rows_pad, cols_pad, K=k, BLOCK=BLOCK_K
+        )
+    return q, sf
 
 
 def silu_mul_quant(h: torch.Tensor, rows_per_batch: int):

@@ -119,3 +119,25 @@ def test_moe_layer_sm90_matches_reference(tokens):
     got, want = fast(x), ref(x)
     assert fast._backend.name == "sm90-fp8"
     assert _rel(got, want) < 5e-2
+
+
+def test_triton_gather_quant_mx_matches_reference():
+    """Blackwell's activation quantization (1 x 32 E8M0, swizzled), checked on any GPU with Triton."""
+    from moe import mxfp8
+    from moe.kernels import triton_moe
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(200, 640, device="cuda", generator=gen, dtype=torch.bfloat16) * 4
+    ids = torch.rand(200, 16, device="cuda", generator=gen).argsort(1)[:, :2]
+    cap = 256
+    from moe.routing import permute_masked
+
+    p = permute_masked(ids, 16, cap)
+    q, sf = triton_moe.gather_quant_mx(x, p.row_of, p.num_rows, cap)
+    rq, rsf = reference.gather_quant_mx(x, p.row_of, p.num_rows, cap)
+    valid = p.token_of >= 0
+    assert torch.equal(q[valid].view(torch.uint8), rq[valid].view(torch.uint8))
+    per = sf.numel() // 16
+    got = torch.cat([mxfp8.unswizzle_scales(sf[i * per : (i + 1) * per], cap, 20) for i in range(16)])
+    want = torch.cat([mxfp8.unswizzle_scales(rsf[i * per : (i + 1) * per], cap, 20) for i in range(16)])
+    assert torch.equal(got[valid], want[valid])

@@ -87,3 +87,21 @@ def test_quantize_experts_shapes():
     assert c["scale_sm90"].shape == (3, 2, 1)
     deq = c["q_sm90"].float() * c["scale_sm90"].repeat_interleave(128, 1).repeat_interleave(128, 2)
     assert (deq - w).norm() / w.norm() < 0.04
+
+
+def test_gather_quant_mx_reference_layout():
+    """The Blackwell activation path: scattered rows, 1 x 32 scales, swizzled per batch of rows."""
+    from moe import reference
+
+    x = torch.randn(10, 64) * 5
+    row_of = torch.tensor([[3, -1]] * 5 + [[-1, 130]] * 5)
+    row_of[1, 0], row_of[2, 0], row_of[3, 0], row_of[4, 0] = 0, 1, 2, 4
+    row_of[6, 1], row_of[7, 1], row_of[8, 1], row_of[9, 1] = 129, 200, 255, 128
+    q, sf = reference.gather_quant_mx(x, row_of, 256, 128)
+    assert sf.numel() == 2 * 128 * 4  # two batches, each padded to 128 rows x 4 scale columns
+    s0 = mxfp8.unswizzle_scales(sf[:512], 128, 2)
+    s1 = mxfp8.unswizzle_scales(sf[512:], 128, 2)
+    want_q, want_s = mxfp8.quantize(x[5])
+    assert torch.equal(q[130].view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s1[2], want_s.view(torch.uint8))
+    assert torch.equal(s0[3], mxfp8.quantize(x[0])[1].view(torch.uint8))
