@@ -13,6 +13,7 @@ Tensors are read lazily (safetensors slices): an expert-parallel rank reads only
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ _PER_EXPERT = re.compile(r"^(?P<mlp>.+\.mlp)\.experts\.(?P<e>\d+)\.(?P<proj>gate
 _FUSED = re.compile(r"^(?P<mlp>.+\.mlp)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
 _SHARD = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 _SKIP_PREFIXES = ("model.visual.", "visual.")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 
 def load_model(
@@ -48,11 +50,21 @@ def load_model(
     ep_size: int = 1,
     seed: int = 0,
 ) -> QwenMoeForCausalLM:
-    """Config from `path` (unless given), build, load. `load_format="dummy"` needs only a config."""
+    """Config from `path` (unless given), build, load. `load_format="dummy"` needs only a config.
+
+    A hybrid checkpoint whose config.json does not declare its MTP layers (Qwen3-Next's does not;
+    vLLM then assumes one) gets them from the `mtp.layers.{j}.*` keys it holds."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r} is not one of {LOAD_FORMATS}")
     if config is None:
         if path is None:
             raise ValueError("load_model needs a checkpoint path or a config")
         config = ModelConfig.from_pretrained(path)
+    if config.is_hybrid and not config.has_mtp and enable_mtp is not False and load_format != "dummy" and path is not None:
+        n = len({m[1] for k in checkpoint_keys(path) if (m := _MTP_LAYER.match(k))})
+        if n:
+            log.info("config declares no MTP layers; the checkpoint holds %d (mtp.layers.*)", n)
+            config = dataclasses.replace(config, mtp_num_hidden_layers=n)
     model = build_model(config, dtype, device, enable_mtp=enable_mtp, ep_rank=ep_rank, ep_size=ep_size)
     load_weights(model, path, load_format=load_format, seed=seed)
     return model
@@ -72,7 +84,7 @@ def load_weights(
     params = dict(model.named_parameters())
     filled: set = set()
     skipped = 0
-    total = _count_keys(files)
+    total = len(checkpoint_keys(path))
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
         for key, tensor in _iter_tensors(files):
             bar.update(1)
@@ -118,12 +130,13 @@ def checkpoint_files(path: str | os.PathLike) -> list[str]:
     return out
 
 
-def _count_keys(files: list[str]) -> int:
-    n = 0
-    for f in files:
+def checkpoint_keys(path: str | os.PathLike) -> list[str]:
+    """All tensor names of a checkpoint (read from the safetensors headers)."""
+    keys = []
+    for f in checkpoint_files(path):
         with safe_open(f, framework="pt") as sf:
-            n += len(sf.keys())
-    return n
+            keys.extend(sf.keys())
+    return keys
 
 
 def _iter_tensors(files: list[str]) -> Iterator[tuple[str, LazyTensor]]:

@@ -121,3 +121,16 @@ def test_mtp_disabled_skips_mtp_keys(mtp_ckpt):
     assert plain.mtp is None and plain.cache_spec().num_layers == model.config.num_hidden_layers
     with pytest.raises(ValueError, match="without its MTP head"):
         plain.forward_mtp(None, None, torch.zeros(1, 64))
+
+
+def test_mtp_layers_found_in_checkpoint_when_config_is_silent(mtp_ckpt, tmp_path):
+    """Qwen3-Next's config.json names no MTP layers although its checkpoint ships `mtp.*`."""
+    model, _, _, mtp, path = mtp_ckpt
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["mtp_num_hidden_layers"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for f in ("model.safetensors", "mtp.safetensors"):
+        (tmp_path / f).symlink_to(path / f)
+    found = load_model(tmp_path, dtype=torch.float32, device="cpu")
+    assert found.config.mtp_num_hidden_layers == 1 and found.mtp is not None
+    assert torch.equal(dict(found.named_parameters())["mtp.fc.weight"], mtp["mtp.fc.weight"])
