@@ -20,7 +20,7 @@ M = max tokens per rank, K = top-k, L = local experts):
   state int32 [4]        dispatch epoch, dispatch ticket, combine epoch, combine ticket
 
 dispatch (one launch):
-  A. send: warps 0..E-1 scan this rank's tokens for one global expert each (ballot + popc) and
+  A. send: the last E warps scan this rank's tokens for one global expert each (ballot + popc) and
      write each hit's index (rslot) and the per-(rank, expert) count (recnt) to the owner; all
      warps copy 2 KiB chunks of token rows (16-byte vectors, 4 per lane) to every distinct
      destination rank of the token (once per rank, not per expert), plus ids, weights and stamp.
@@ -244,9 +244,10 @@ def _make_dispatch(K: int):
         nchunk = nvec // CHUNK_VEC
         lane_off = _i64(lane) * 16
 
-        # ---- A1. per-expert slot indices of this rank's tokens (warp g: global expert g)
+        # ---- A1. per-expert slot indices of this rank's tokens (the last warps: one global expert
+        # each, so they overlap the row copies of A2, which start at warp 0)
         nexp = nlocal * world
-        g = gw
+        g = nw - 1 - gw
         while g < nexp:
             d = g // nlocal
             dbase = peers[d]
@@ -382,20 +383,28 @@ def _make_dispatch(K: int):
             s = _find_source(rstart, world, rr)
             t = rr - rstart[s]
             row = _i64(s) * maxt + t
-            if ld_b32_cg(me + off_rstamp + row * 4) == epoch:
+            # every load of the unit is issued before the first use (stale rows are valid memory)
+            stamp = ld_b32_cg(me + off_rstamp + row * 4)
+            idl = Int32(-1)
+            sl = Int32(0)
+            wl = Int32(0)
+            if lane < K:
+                idl = ld_b32_cg(me + off_rid + (row * K + lane) * 4)
+                sl = ld_b32_cg(me + off_rslot + (row * K + lane) * 4)
+                wl = ld_b32_cg(me + off_rw + (row * K + lane) * 4)
+            src = me + off_rx + row * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
+            v0 = ptx.ld_v4_cg(src)
+            v1 = ptx.ld_v4_cg(src + 512)
+            v2 = ptx.ld_v4_cg(src + 1024)
+            v3 = ptx.ld_v4_cg(src + 1536)
+            if stamp == epoch:
                 posv = Int32(-1)
-                if lane < K:
-                    lid = ld_b32_cg(me + off_rid + (row * K + lane) * 4) - rank * nlocal
-                    if (lid >= 0) & (lid < nlocal):
-                        p = pre[s * nlocal + lid] + ld_b32_cg(me + off_rslot + (row * K + lane) * 4)
-                        if p < cap:
-                            posv = base[lid] + p
+                lid = idl - rank * nlocal
+                if (lane < K) & (lid >= 0) & (lid < nlocal):
+                    p = pre[s * nlocal + lid] + sl
+                    if p < cap:
+                        posv = base[lid] + p
                 m = cute.arch.vote_ballot_sync(posv >= 0)
-                src = me + off_rx + row * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
-                v0 = ptx.ld_v4_cg(src)
-                v1 = ptx.ld_v4_cg(src + 512)
-                v2 = ptx.ld_v4_cg(src + 1024)
-                v3 = ptx.ld_v4_cg(src + 1536)
                 for j in cutlass.range_constexpr(K):
                     if ((m >> j) & 1) != 0:
                         dst = oxa + _i64(cute.arch.shuffle_sync(posv, j)) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
@@ -407,7 +416,7 @@ def _make_dispatch(K: int):
                     if posv >= 0:
                         o_rank[posv] = s
                         o_tok[posv] = t
-                        o_w[posv] = ptx.i32_as_f32(ld_b32_cg(me + off_rw + (row * K + lane) * 4))
+                        o_w[posv] = ptx.i32_as_f32(wl)
                         row_pos[row * K + lane] = posv
             u = u + nw
         _advance(me, off_state, tid, nb, epoch)
@@ -465,16 +474,23 @@ def _make_combine(K: int):
             s = _find_source(rstart, world, rr)
             t = rr - rstart[s]
             row = _i64(s) * maxt + t
-            if ld_b32_cg(me + off_rstamp + row * 4) == d_epoch:
+            stamp = ld_b32_cg(me + off_rstamp + row * 4)
+            idl = Int32(-1)
+            pl = Int32(0)
+            wl = Int32(0)
+            if lane < K:  # issued together, used after the stamp check
+                idl = ld_b32_cg(me + off_rid + (row * K + lane) * 4)
+                pl = row_pos[row * K + lane]
+                wl = ld_b32_cg(me + off_rw + (row * K + lane) * 4)
+            if stamp == d_epoch:
                 ok = Int32(0)
                 posv = Int32(0)
                 wv = Int32(0)
-                if lane < K:
-                    lid = ld_b32_cg(me + off_rid + (row * K + lane) * 4) - rank * nlocal
-                    if (lid >= 0) & (lid < nlocal):
-                        ok = Int32(1)
-                        posv = row_pos[row * K + lane]
-                        wv = ld_b32_cg(me + off_rw + (row * K + lane) * 4)
+                lid = idl - rank * nlocal
+                if (lane < K) & (lid >= 0) & (lid < nlocal):
+                    ok = Int32(1)
+                    posv = pl
+                    wv = wl
                 m = cute.arch.vote_ballot_sync(ok != 0)
                 first = lowest_lane(m)  # lowest local slot: a valid row to read
                 pfirst = cute.arch.shuffle_sync(posv, first)
