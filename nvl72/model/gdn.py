@@ -73,7 +73,10 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    RECURRENT_MAX_TOKENS = 16
+    """One GDN layer: projections -> causal conv (state slots) -> gated delta rule (state slots) ->
+    gated RMSNorm -> out_proj. Tensor-parallel sharding is not applied here."""
+
+    RECURRENT_MAX_TOKENS = 16  # longer sequences take the chunked rule
     CHUNK_SIZE = 64
 
     def __init__(self, config, layer_idx: int, dtype=None, device=None):

@@ -3,9 +3,10 @@
 Every op works on a flattened mixed batch (sequence `i` owns tokens
 `query_start_loc[i]:query_start_loc[i+1]`) and, where it touches per-request state, on state *slots*:
 the state of sequence `i` is read from slot `read_slots[i]`, and the state after token `t` is written
-to slot `write_slots[t]` when that is >= 0. All reads happen before any write (a write slot may equal
-a read slot). GPU kernels take the same signatures (`gdn_triton.py`); these references run on CPU and
-are what the kernels are tested against.
+to slot `write_slots[t]` when that is >= 0. A sequence may write its own read slot; a slot written by
+one sequence must not be read by another in the same call (the references read every slot before any
+write, the kernels only per sequence). GPU kernels take the same signatures (`gdn_triton.py`); these
+references run on CPU and are what the kernels are tested against.
 
 Recurrence per value head (state S is [Dk, Dv], fp32; q and k are L2-normalised, q scaled by Dk^-0.5):
     S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T,      o_t = S_t^T q_t
