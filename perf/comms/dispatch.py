@@ -9,7 +9,7 @@ top-k routing:
           metadata, per-expert permutation; combine: local weighted sum, all_to_all back, sum), eager
           (it needs the counts on the host), wall clock per call, median;
   a2a     all_to_all_single of exactly the rows that cross ranks (no permutation, no metadata),
-          CUDA-graph replay like the fused path;
+          `iters` eager calls back to back timed with events (launch overhead included);
   floor   bytes leaving this GPU / NCCL send-recv bandwidth measured in the same run.
 A dispatch-only (or combine-only) replay loop reuses buffers that a peer one call ahead already
 rewrites, so its numbers are timings only; the pair loop is the real sequence.
@@ -162,6 +162,22 @@ def _graph_time(fn, iters, dev):
     return float(t), eager
 
 
+def _event_time(fn, iters, dev):
+    """Seconds per call of `iters` eager calls queued back to back (events; max over ranks)."""
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(iters):
+        fn()
+    e1.record()
+    torch.cuda.synchronize()
+    t = torch.tensor([e0.elapsed_time(e1) / 1e3 / iters], device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
 def _wall_median(fn, reps, dev):
     fn()
     torch.cuda.synchronize()
@@ -241,8 +257,8 @@ def _worker(rank, world, store, args, out_path):
                     dst, tok = torch.nonzero(mask.t(), as_tuple=True)
                     sbuf = x[tok].contiguous()
                     rbuf = torch.empty(sum(recv_counts), H, dtype=x.dtype, device=dev)
-                    t_a2a, _ = _graph_time(lambda: dist.all_to_all_single(rbuf, sbuf, recv_counts, send_counts),
-                                           args.iters, dev)
+                    t_a2a = _event_time(lambda: dist.all_to_all_single(rbuf, sbuf, recv_counts, send_counts),
+                                        args.iters, dev)
                     nbytes = int(remote) * H * 2
                     floor = nbytes / bw
                     rows.append(dict(tokens=T, hidden=H, experts=E, topk=K, world=world, layout=args.layout, graph=not eager,
