@@ -14,11 +14,15 @@ Algorithms (kernels in `comms.kernels.allreduce`, loaded from the `aot` bundle):
 `auto` picks once per size class from `select_algo` (the crossovers below); the choice for a
 given size is logged the first time it is made, never changed silently.
 
-Measured crossovers (2 x H200, NVLink 4, multicast off, CUDA-graph replay; see perf/RESULTS.md):
-  size            best         note
-  <= 256 KiB      oneshot
-  256 KiB..cap    twoshot
-  > cap           nccl         cap = the workspace size given at construction (max_bytes)
+Measured crossovers (2 x H200 NV18, bf16, multicast off, CUDA-graph replay, 2026-11-21; the
+full table is in perf/RESULTS.md):
+  size            oneshot  twoshot  nccl    -> auto
+  1 KiB            4.75     6.77    11.11      oneshot
+  256 KiB          6.82     8.84    49.12      oneshot
+  1 MiB           10.41    10.77    19.60      oneshot
+  2 MiB           15.33    14.76    29.67      twoshot
+  128 MiB        702.98   525.21   470.61      twoshot (nccl faster here; auto keeps twoshot up to
+                                                max_bytes, above it nccl)
 (multimem replaces twoshot where multicast is enabled; not measured on the lent hosts, which
 must not create multicast objects.)
 
@@ -47,7 +51,7 @@ THREADS = 512
 MAX_BLOCKS = 64
 MAX_WORLD = 8
 VEC_BYTES = 16
-ONESHOT_MAX_BYTES = 256 << 10
+ONESHOT_MAX_BYTES = 1 << 20
 DEFAULT_MAX_BYTES = 64 << 20
 
 
@@ -229,6 +233,14 @@ class AllReduce:
                                               aot.device_arch(self.device.index))
         return self._kernels[key]
 
+    def _call(self, fn, *args):
+        """Launch on torch's current stream (explicitly so on a side/capture stream)."""
+        if torch.cuda.current_stream(self.device).cuda_stream == 0:
+            return fn(*args)
+        import tvm_ffi
+        with tvm_ffi.use_torch_stream():
+            return fn(*args)
+
     def _launch(self, algo: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         epv = VEC_BYTES // x.element_size()
         n = x.numel()
@@ -244,7 +256,7 @@ class AllReduce:
                 self.state_off, self._err.data_ptr(), int(self.timeout_s * 1e9)]
         if algo != "oneshot":
             args.append(self.heap.multicast_ptr)
-        self._kernel(algo, x.dtype)(*args, nblocks)
+        self._call(self._kernel(algo, x.dtype), *args, nblocks)
         if of.data_ptr() != out.data_ptr():
             out.view(-1).copy_(of[:n])
         return out
@@ -253,8 +265,8 @@ class AllReduce:
         self.check()
         out, res_out = torch.empty_like(x), torch.empty_like(x)
         nblocks = max(1, min(MAX_BLOCKS, x.shape[0]))
-        self._kernel("rmsnorm", x.dtype)(
-            x.view(-1), residual.view(-1), weight, out.view(-1), res_out.view(-1), self.heap.peer_ptrs,
+        self._call(
+            self._kernel("rmsnorm", x.dtype), x.view(-1), residual.view(-1), weight, out.view(-1), res_out.view(-1), self.heap.peer_ptrs,
             self.rank, self.world, self.ws_off, self.max_bytes, self.flag_off, self.state_off,
             self._err.data_ptr(), int(self.timeout_s * 1e9), float(eps), 1.0 if zero_centered else 0.0, nblocks)
         return out, res_out

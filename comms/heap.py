@@ -296,7 +296,7 @@ class _CudaBackend:
                         drv.cuMemRelease(h)
                     ok = False
             if ok:
-                local, chosen, self.size, self.prop = h, kind, size, prop
+                local, chosen, self.size, self.prop, self.gran = h, kind, size, prop, gran
                 self.export = fh if kind == "fabric" else None
                 break
             log.info("symmetric heap: %s handles unavailable on cuda:%d, trying the next kind", kind, idx)
@@ -344,7 +344,7 @@ class _CudaBackend:
                         fl[0], T.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
                         f"cuMemImportFromShareableHandle(posix_fd, rank {r})")
         self.handles += [h for r, h in enumerate(imported) if r != rank]
-        self.va = int(_check(drv.cuMemAddressReserve(self.size * world, self.size, 0, 0), "cuMemAddressReserve"))
+        self.va = int(_check(drv.cuMemAddressReserve(self.size * world, self.gran, 0, 0), "cuMemAddressReserve"))
         access = drv.CUmemAccessDesc()
         access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         access.location.id = heap.device.index
@@ -386,7 +386,7 @@ class _CudaBackend:
         _check(drv.cuMulticastAddDevice(self.mc_handle, dev), "cuMulticastAddDevice")
         heap.barrier()
         _check(drv.cuMulticastBindMem(self.mc_handle, 0, self.handles[0], 0, self.size, 0), "cuMulticastBindMem")
-        self.mc_va = int(_check(drv.cuMemAddressReserve(self.size, self.size, 0, 0), "reserve multicast VA"))
+        self.mc_va = int(_check(drv.cuMemAddressReserve(self.size, self.gran, 0, 0), "reserve multicast VA"))
         _check(drv.cuMemMap(self.mc_va, self.size, 0, self.mc_handle, 0), "map multicast")
         access = drv.CUmemAccessDesc()
         access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE

@@ -106,7 +106,7 @@ def _worker(rank: int, world: int, init_file: str, cfg_json: str):
     max_bytes = sizes[-1]
     algos = cfg["algos"]
     group = dist.group.WORLD
-    heap = SymmetricHeap(group, (2 * world + 2) * max_bytes + (2 << 20), dev, timeout_s=120)
+    heap = SymmetricHeap(group, 2 * ((2 * world + 2) * max_bytes + (1 << 20)) + (2 << 20), dev, timeout_s=120)
     ars = {a: AllReduce(heap, a, max_bytes=max_bytes, timeout_s=10) for a in algos if a in OURS}
     symm = None
     if any(a.startswith("torch_") for a in algos):

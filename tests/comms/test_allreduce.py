@@ -16,7 +16,7 @@ def test_select_algo_by_size_and_capability():
     assert select_algo(64 << 20, 8, **kw) == "twoshot"
     assert select_algo((64 << 20) + 16, 2, **kw) == "nccl"
     assert select_algo(1 << 20, 9, **kw) == "nccl"
-    assert select_algo(1 << 20, 4, device="cuda", multicast=True, max_bytes=64 << 20) == "multimem"
+    assert select_algo(4 << 20, 4, device="cuda", multicast=True, max_bytes=64 << 20) == "multimem"
     assert select_algo(1 << 10, 4, device="cuda", multicast=True, max_bytes=64 << 20) == "oneshot"
     assert select_algo(1 << 30, 4, device="cpu", multicast=False, max_bytes=1) == "reference"
     with pytest.raises(AllReduceError, match="nbytes=-1"):

@@ -39,7 +39,7 @@ def _algos_body(rank, world):
     from comms import AllReduce, SymmetricHeap
 
     dev = torch.device("cuda", rank)
-    heap = SymmetricHeap(dist.group.WORLD, 160 << 20, dev, timeout_s=60)
+    heap = SymmetricHeap(dist.group.WORLD, 256 << 20, dev, timeout_s=60)  # 4 AllReduce x 48 MiB
     assert heap.capabilities.p2p and not heap.capabilities.multicast_enabled
     case = 0
     for algo in ("oneshot", "twoshot", "nccl", "auto"):
