@@ -240,6 +240,7 @@ def _make_dispatch(K: int):
         epoch = ptx.ld_relaxed_gpu(me + off_state) + 1
         xa = x.iterator.toint()
         oxa = out_x.iterator.toint()
+        nrows = out_x.shape[0]
         row_bytes = _i64(nvec) * 16
         nchunk = nvec // CHUNK_VEC
         lane_off = _i64(lane) * 16
@@ -404,6 +405,8 @@ def _make_dispatch(K: int):
                     p = pre[s * nlocal + lid] + sl
                     if p < cap:
                         posv = base[lid] + p
+                    if posv >= nrows:  # never with consistent metadata; keeps stray rows in bounds
+                        posv = Int32(-1)
                 m = cute.arch.vote_ballot_sync(posv >= 0)
                 for j in cutlass.range_constexpr(K):
                     if ((m >> j) & 1) != 0:
