@@ -13,8 +13,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from safetensors import safe_open
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
@@ -27,6 +30,7 @@ _FAMILIES = {
     "qwen3_5_moe_text": "qwen3_5_moe",
 }
 _HYBRID = ("qwen3_next", "qwen3_5_moe")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 # Fields without which the model is not defined (no transformers default is meaningful for them).
 _REQUIRED = (
@@ -152,7 +156,10 @@ class ModelConfig:
     # ---- construction --------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
-        """Read `<path>/config.json` (or `path` itself when it is a file)."""
+        """Read `<path>/config.json` (or `path` itself when it is a file).
+
+        A hybrid config.json that does not declare its MTP layers (Qwen3-Next's does not; vLLM then
+        assumes one) gets them from the `mtp.layers.{j}.*` tensors of the checkpoint beside it."""
         p = os.fspath(path)
         if os.path.isdir(p):
             p = os.path.join(p, "config.json")
@@ -163,7 +170,11 @@ class ModelConfig:
             raise ConfigError(f"no config.json at {p!r}") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{p!r} is not valid JSON: {e}") from None
-        return cls.from_dict(d)
+        cfg = cls.from_dict(d)
+        text = d.get("text_config") or d
+        if cfg.is_hybrid and "mtp_num_hidden_layers" not in text and "num_nextn_predict_layers" not in text:
+            cfg.mtp_num_hidden_layers = _mtp_layers_on_disk(os.path.dirname(p))
+        return cfg
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -274,6 +285,21 @@ class ModelConfig:
         if any(not cfg.is_moe_layer(i) for i in range(num_layers)) and not cfg.intermediate_size:
             raise ConfigError(f"{mtype} config has dense layers but no 'intermediate_size'")
         return cfg
+
+
+def _mtp_layers_on_disk(directory: str) -> int:
+    """Number of distinct `mtp.layers.{j}` in the safetensors checkpoint of `directory` (0 if none)."""
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            keys = list(json.load(f).get("weight_map", {}))
+    else:
+        keys = []
+        for name in sorted(os.listdir(directory)):
+            if name.endswith(".safetensors"):
+                with safe_open(os.path.join(directory, name), framework="pt") as sf:
+                    keys.extend(sf.keys())
+    return len({m[1] for k in keys if (m := _MTP_LAYER.match(k))})
 
 
 def _rope_parameters(d: dict[str, Any], family: str) -> dict[str, Any]:

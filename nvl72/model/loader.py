@@ -13,7 +13,6 @@ Tensors are read lazily (safetensors slices): an expert-parallel rank reads only
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -35,7 +34,6 @@ _PER_EXPERT = re.compile(r"^(?P<mlp>.+\.mlp)\.experts\.(?P<e>\d+)\.(?P<proj>gate
 _FUSED = re.compile(r"^(?P<mlp>.+\.mlp)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
 _SHARD = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 _SKIP_PREFIXES = ("model.visual.", "visual.")
-_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 
 def load_model(
@@ -50,21 +48,13 @@ def load_model(
     ep_size: int = 1,
     seed: int = 0,
 ) -> QwenMoeForCausalLM:
-    """Config from `path` (unless given), build, load. `load_format="dummy"` needs only a config.
-
-    A hybrid checkpoint whose config.json does not declare its MTP layers (Qwen3-Next's does not;
-    vLLM then assumes one) gets them from the `mtp.layers.{j}.*` keys it holds."""
+    """Config from `path` (unless given), build, load. `load_format="dummy"` needs only a config."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not one of {LOAD_FORMATS}")
     if config is None:
         if path is None:
             raise ValueError("load_model needs a checkpoint path or a config")
         config = ModelConfig.from_pretrained(path)
-    if config.is_hybrid and not config.has_mtp and enable_mtp is not False and load_format != "dummy" and path is not None:
-        n = len({m[1] for k in checkpoint_keys(path) if (m := _MTP_LAYER.match(k))})
-        if n:
-            log.info("config declares no MTP layers; the checkpoint holds %d (mtp.layers.*)", n)
-            config = dataclasses.replace(config, mtp_num_hidden_layers=n)
     model = build_model(config, dtype, device, enable_mtp=enable_mtp, ep_rank=ep_rank, ep_size=ep_size)
     load_weights(model, path, load_format=load_format, seed=seed)
     return model

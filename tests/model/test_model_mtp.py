@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from nvl72.config import ModelConfig
 from nvl72.model.batch import ForwardBatch
 from nvl72.model.loader import load_model
 from tests.model.tiny import CONFIGS, PAGE_SIZE, PagedRunner, hf_config, rel_err, save_tiny
@@ -131,6 +132,7 @@ def test_mtp_layers_found_in_checkpoint_when_config_is_silent(mtp_ckpt, tmp_path
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     for f in ("model.safetensors", "mtp.safetensors"):
         (tmp_path / f).symlink_to(path / f)
+    assert ModelConfig.from_pretrained(tmp_path).mtp_num_hidden_layers == 1
     found = load_model(tmp_path, dtype=torch.float32, device="cpu")
     assert found.config.mtp_num_hidden_layers == 1 and found.mtp is not None
     assert torch.equal(dict(found.named_parameters())["mtp.fc.weight"], mtp["mtp.fc.weight"])
