@@ -1,4 +1,5 @@
-"""`python -m perf.comms dispatch` argument surface; the benchmark itself needs >= 2 GPUs."""
+"""`python -m perf.comms dispatch` argument surface and the fused path's input checks (the
+benchmark and the kernels themselves need >= 2 GPUs)."""
 import argparse
 
 import pytest
@@ -15,3 +16,18 @@ def test_arguments_and_gpu_requirement():
     if torch.cuda.device_count() < 2:
         with pytest.raises(RuntimeError, match="found 1"):
             bench.run(args)
+
+
+def test_fused_path_rejects_unsupported_shapes_by_name():
+    """The fused path's limits are checked before anything is allocated (no GPU needed)."""
+    from types import SimpleNamespace
+
+    from comms.dispatch_fused import FusedDispatch, heap_bytes
+
+    cfg = dict(world=2, max_tokens=8, top_k=8, hidden=4096, num_local=64, dtype=torch.bfloat16)
+    for bad, msg in ((dict(hidden=1000), "hidden=1000"), (dict(top_k=3), "top_k=3"),
+                     (dict(dtype=torch.float16), "dtype=torch.float16"), (dict(world=200), "world=200")):
+        with pytest.raises(ValueError, match=msg):
+            FusedDispatch(None, SimpleNamespace(**{**cfg, **bad}), timeout_s=1.0)
+    # the size hint covers every region, rounded to 256 bytes each
+    assert heap_bytes(2, 128, 8, 4096, 128) >= 2 * (2 * 128 * 4096 * 2)
