@@ -28,6 +28,36 @@ class InvalidRequest(ValueError):
     """A request the engine refuses (bad sampling value, prompt too long, duplicate id...)."""
 
 
+def validate_request(req: AddRequest, max_model_len: int, vocab_size: int | None) -> None:
+    """Checks that need no engine state (clients run them before sending); raises InvalidRequest
+    naming the bad value."""
+    p: SamplingParams = req.sampling
+    rid = req.request_id
+    n = len(req.prompt_token_ids)
+    if n == 0:
+        raise InvalidRequest(f"request {rid!r}: empty prompt")
+    if n >= max_model_len:
+        raise InvalidRequest(f"request {rid!r}: prompt of {n} tokens leaves no room in max_model_len={max_model_len}")
+    if vocab_size is not None:
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest(f"request {rid!r}: token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+    checks = [
+        ("max_tokens", p.max_tokens, p.max_tokens >= 1),
+        ("temperature", p.temperature, 0.0 <= p.temperature and math.isfinite(p.temperature)),
+        ("top_p", p.top_p, 0.0 < p.top_p <= 1.0),
+        ("top_k", p.top_k, p.top_k == -1 or p.top_k >= 1),
+        ("min_p", p.min_p, 0.0 <= p.min_p <= 1.0),
+        ("repetition_penalty", p.repetition_penalty, p.repetition_penalty > 0.0),
+        ("presence_penalty", p.presence_penalty, -2.0 <= p.presence_penalty <= 2.0),
+        ("frequency_penalty", p.frequency_penalty, -2.0 <= p.frequency_penalty <= 2.0),
+        ("logprobs", p.logprobs, p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS),
+    ]
+    for name, value, ok in checks:
+        if not ok:
+            raise InvalidRequest(f"request {rid!r}: {name}={value!r} is out of range")
+
+
 @dataclass
 class EngineConfig:
     max_model_len: int = 4096
@@ -119,34 +149,9 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def _validate(self, req: AddRequest) -> None:
-        p: SamplingParams = req.sampling
-        rid = req.request_id
-        if rid in self.seqs:
-            raise InvalidRequest(f"duplicate request_id {rid!r}")
-        n = len(req.prompt_token_ids)
-        if n == 0:
-            raise InvalidRequest(f"request {rid!r}: empty prompt")
-        if n >= self.config.max_model_len:
-            raise InvalidRequest(f"request {rid!r}: prompt of {n} tokens leaves no room in max_model_len="
-                                 f"{self.config.max_model_len}")
-        if self.vocab_size is not None:
-            bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequest(f"request {rid!r}: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
-        checks = [
-            ("max_tokens", p.max_tokens, p.max_tokens >= 1),
-            ("temperature", p.temperature, 0.0 <= p.temperature and math.isfinite(p.temperature)),
-            ("top_p", p.top_p, 0.0 < p.top_p <= 1.0),
-            ("top_k", p.top_k, p.top_k == -1 or p.top_k >= 1),
-            ("min_p", p.min_p, 0.0 <= p.min_p <= 1.0),
-            ("repetition_penalty", p.repetition_penalty, p.repetition_penalty > 0.0),
-            ("presence_penalty", p.presence_penalty, -2.0 <= p.presence_penalty <= 2.0),
-            ("frequency_penalty", p.frequency_penalty, -2.0 <= p.frequency_penalty <= 2.0),
-            ("logprobs", p.logprobs, p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS),
-        ]
-        for name, value, ok in checks:
-            if not ok:
-                raise InvalidRequest(f"request {rid!r}: {name}={value!r} is out of range")
+        if req.request_id in self.seqs:
+            raise InvalidRequest(f"duplicate request_id {req.request_id!r}")
+        validate_request(req, self.config.max_model_len, self.vocab_size)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a waiting or running request (between steps); None if it is unknown or done."""

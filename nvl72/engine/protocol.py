@@ -93,7 +93,15 @@ class LoadReport(Message):
     stats: dict[str, float] = field(default_factory=dict)
 
 
-_KINDS: dict[str, type[Message]] = {c.KIND: c for c in (AddRequest, AbortRequest, RequestOutput, LoadReport)}
+@dataclass
+class Shutdown(Message):
+    """Asks an engine process to abort everything, release its caches and exit."""
+
+    KIND: ClassVar[str] = "shutdown"
+    reason: str = ""
+
+
+_KINDS: dict[str, type[Message]] = {c.KIND: c for c in (AddRequest, AbortRequest, RequestOutput, LoadReport, Shutdown)}
 
 
 def _to_plain(obj: Any) -> Any:

@@ -1,0 +1,313 @@
+"""`EngineClient` implementations: the engine in a background thread, or in its own process.
+
+Both deliver outputs from a non-asyncio thread (the engine thread, or the ZeroMQ reader thread)
+into one asyncio queue per request (`loop.call_soon_threadsafe`). `generate` validates what it can
+locally (raising `InvalidRequest` before anything is sent), streams outputs until one carries a
+finish_reason, and aborts the request if the consumer stops early.
+
+`start_local_engine(...)` builds either kind from plain arguments.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from nvl72.engine.core import EngineCore, build_engine
+from nvl72.engine.engine import InvalidRequest, LLMEngine, validate_request
+from nvl72.engine.protocol import (AbortRequest, AddRequest, EngineClient, LoadReport, Message, RequestOutput,
+                                   Shutdown)
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread or process is gone (shut down, crashed, or stopped answering)."""
+
+
+class _Streams:
+    """request_id -> (event loop, asyncio.Queue), fed from any thread."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+
+    def open(self, request_id: str) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._queues:
+                raise InvalidRequest(f"duplicate request_id {request_id!r}")
+            self._queues[request_id] = (asyncio.get_running_loop(), q)
+        return q
+
+    def close(self, request_id: str) -> None:
+        with self._lock:
+            self._queues.pop(request_id, None)
+
+    def deliver(self, out: RequestOutput) -> None:
+        with self._lock:
+            entry = self._queues.get(out.request_id)
+        if entry is not None:
+            loop, q = entry
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, out)
+            except RuntimeError:  # the consumer's loop is closed
+                self.close(out.request_id)
+
+    def fail_all(self, error: str) -> None:
+        with self._lock:
+            ids = list(self._queues)
+        for rid in ids:
+            self.deliver(RequestOutput(rid, [], "error", error=error))
+
+
+class _StreamingClient(EngineClient):
+    def __init__(self, max_model_len: int, vocab_size: int | None, output_timeout: float):
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.output_timeout = output_timeout
+        self._streams = _Streams()
+        self._stats: dict[str, float] = {}
+        self._dead: str | None = None
+
+    def _submit(self, msg: Message) -> None:
+        raise NotImplementedError
+
+    async def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
+        if self._dead:
+            raise EngineDeadError(self._dead)
+        validate_request(request, self.max_model_len, self.vocab_size)
+        rid = request.request_id
+        q = self._streams.open(rid)
+        finished = False
+        try:
+            self._submit(request)
+            while True:
+                try:
+                    out = await asyncio.wait_for(q.get(), timeout=self.output_timeout)
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"request {rid!r}: no output from the engine in {self.output_timeout} s") from None
+                finished = out.finish_reason is not None
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.close(rid)
+            if not finished and not self._dead:
+                self._submit(AbortRequest(rid))
+
+    async def abort(self, request_id: str) -> None:
+        if not self._dead:
+            self._submit(AbortRequest(request_id))
+
+    def stats(self) -> dict[str, float]:
+        return dict(self._stats)
+
+
+class ThreadEngineClient(_StreamingClient):
+    """The engine loop in a daemon thread of this process (tests, the zero-setup demo)."""
+
+    def __init__(self, engine: LLMEngine, *, report_interval: float = 0.2, output_timeout: float = 600.0):
+        super().__init__(engine.config.max_model_len, engine.vocab_size, output_timeout)
+        self._core = EngineCore(engine)
+        self._inbox: queue.Queue[Message] = queue.Queue()
+        self._report_interval = report_interval
+        self._stats = self._core.load_report().stats
+        self._thread = threading.Thread(target=self._loop, name="nvl72-engine", daemon=True)
+        self._thread.start()
+
+    def _submit(self, msg: Message) -> None:
+        if self._dead:
+            raise EngineDeadError(self._dead)
+        self._inbox.put(msg)
+
+    def _loop(self) -> None:
+        core, last, dirty = self._core, 0.0, False
+        try:
+            while not core.stopped:
+                try:
+                    msg = self._inbox.get_nowait() if core.busy else self._inbox.get(timeout=0.1)
+                except queue.Empty:
+                    msg = None
+                if msg is not None:
+                    for o in core.handle(msg):
+                        self._streams.deliver(o)
+                    dirty = True
+                    continue  # drain the inbox before stepping
+                outs = core.step()
+                now = time.monotonic()
+                # Gauges are refreshed before outputs go out, so a consumer that saw its request
+                # finish never reads older counters; while busy at most every report_interval.
+                if dirty and (not core.busy or now - last >= self._report_interval):
+                    self._stats = core.load_report().stats
+                    last, dirty = now, core.busy
+                for o in outs:
+                    self._streams.deliver(o)
+                dirty = dirty or bool(outs)
+            for o in core.close():
+                self._streams.deliver(o)
+            self._stats = core.load_report().stats
+        except Exception as e:  # pragma: no cover - a bug in the loop itself
+            log.exception("engine thread died")
+            self._dead = f"engine thread died: {type(e).__name__}: {e}"
+            self._streams.fail_all(self._dead)
+            return
+        self._dead = "engine shut down"
+        self._streams.fail_all(self._dead)
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        if self._thread.is_alive():
+            self._inbox.put(Shutdown("client shutdown"))
+            await asyncio.to_thread(self._thread.join, timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"engine thread did not stop within {timeout} s")
+
+
+class EngineStartError(RuntimeError):
+    """The engine process exited or stayed silent during start-up."""
+
+
+class ProcessEngineClient(_StreamingClient):
+    """The engine core in a child process (`python -m nvl72.engine.core`), over ZeroMQ ipc
+    sockets this client binds, msgpack messages (`nvl72.engine.protocol`)."""
+
+    def __init__(self, engine_args: dict, *, startup_timeout: float = 300.0, heartbeat_timeout: float = 30.0,
+                 output_timeout: float = 600.0, report_interval: float = 0.25):
+        import zmq
+
+        from nvl72.engine.protocol import decode
+
+        super().__init__(1, None, output_timeout)
+        self._decode = decode
+        self._dir = tempfile.mkdtemp(prefix="nvl72-engine-")
+        self._ctx = zmq.Context()
+        self._push, self._pull = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
+        self._push.setsockopt(zmq.SNDTIMEO, 5_000)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        inp, outp = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        self._push.bind(inp)
+        self._pull.bind(outp)
+        self._send_lock = threading.Lock()
+        self._log_path = os.path.join(self._dir, "engine.log")
+        self._log = open(self._log_path, "wb")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "nvl72.engine.core", "--input", inp, "--output", outp,
+             "--engine-args", json.dumps(engine_args), "--report-interval", str(report_interval)],
+            stdout=self._log, stderr=subprocess.STDOUT)
+        self.heartbeat_timeout = heartbeat_timeout
+        try:
+            self._wait_ready(startup_timeout)
+        except BaseException:
+            self._kill()
+            raise
+        self._stop = threading.Event()
+        self._reader = threading.Thread(target=self._read_loop, name="nvl72-engine-reader", daemon=True)
+        self._reader.start()
+
+    def _log_tail(self, n: int = 2000) -> str:
+        self._log.flush()
+        with open(self._log_path, "rb") as f:
+            return f.read()[-n:].decode(errors="replace")
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise EngineStartError(f"engine process exited with code {self._proc.returncode}:\n{self._log_tail()}")
+            if self._pull.poll(100):
+                msg = self._decode(self._pull.recv())
+                if isinstance(msg, LoadReport):
+                    self._on_report(msg)
+                    log.info("engine process %d ready (max_model_len %d)", self._proc.pid, self.max_model_len)
+                    return
+        raise EngineStartError(f"engine process sent nothing within {timeout} s:\n{self._log_tail()}")
+
+    def _on_report(self, msg: LoadReport) -> None:
+        self._stats = dict(msg.stats)
+        self.max_model_len = int(msg.stats.get("max_model_len", self.max_model_len))
+        self.vocab_size = int(msg.stats["vocab_size"]) if msg.stats.get("vocab_size") else None
+        self._last_beat = time.monotonic()
+
+    def _read_loop(self) -> None:
+        while not self._stop.is_set():
+            if self._pull.poll(100):
+                msg = self._decode(self._pull.recv())
+                if isinstance(msg, RequestOutput):
+                    self._streams.deliver(msg)
+                elif isinstance(msg, LoadReport):
+                    self._on_report(msg)
+                continue
+            why = None
+            if self._proc.poll() is not None:
+                why = f"engine process exited with code {self._proc.returncode}"
+            elif time.monotonic() - self._last_beat > self.heartbeat_timeout:
+                why = f"engine process silent for {self.heartbeat_timeout} s"
+            if why:
+                log.error("%s:\n%s", why, self._log_tail())
+                self._dead = why
+                self._streams.fail_all(why)
+                return
+
+    def _submit(self, msg: Message) -> None:
+        import zmq
+
+        from nvl72.engine.protocol import encode
+
+        if self._dead:
+            raise EngineDeadError(self._dead)
+        try:
+            with self._send_lock:
+                self._push.send(encode(msg))
+        except zmq.Again:
+            raise EngineDeadError("engine process is not taking messages (send timed out)") from None
+
+    def _kill(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(10)
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        if self._proc.poll() is None and not self._dead:
+            try:
+                self._submit(Shutdown("client shutdown"))
+            except EngineDeadError:
+                pass
+            try:
+                await asyncio.to_thread(self._proc.wait, timeout)
+            except subprocess.TimeoutExpired:
+                log.error("engine process %d ignored shutdown for %s s; killing it", self._proc.pid, timeout)
+        self._kill()
+        self._stop.set()
+        await asyncio.to_thread(self._reader.join, 5)
+        self._dead = self._dead or "engine shut down"
+        self._streams.fail_all(self._dead)
+        self._push.close()
+        self._pull.close()
+        self._ctx.term()
+        self._log.close()
+        for name in os.listdir(self._dir):
+            os.unlink(os.path.join(self._dir, name))
+        os.rmdir(self._dir)
+
+
+def start_local_engine(model: str | None = None, load_format: str = "auto", dtype: str = "auto",
+                       device: str = "auto", max_model_len: int | None = None, num_speculative_tokens: int = 0,
+                       max_num_seqs: int = 64, *, process: bool = False, **kv_options) -> EngineClient:
+    """An engine on this machine. `model=None` -> the embedded default config with dummy weights.
+    `process=True` runs the engine core in a child process over ZeroMQ, else in a thread.
+    `kv_options`: the rest of `nvl72.engine.core.build_engine`'s keywords (page_size, num_pages,
+    kv_cache_bytes, num_state_slots, max_num_batched_tokens, enable_prefix_caching, ...)."""
+    args = dict(model=model, load_format=load_format, dtype=dtype, device=device, max_model_len=max_model_len,
+                num_speculative_tokens=num_speculative_tokens, max_num_seqs=max_num_seqs, **kv_options)
+    if process:
+        return ProcessEngineClient(args)
+    return ThreadEngineClient(build_engine(**args))
