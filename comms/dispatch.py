@@ -167,12 +167,18 @@ class DispatchCombine:
     heap_or_group: a `comms.SymmetricHeap` on CUDA selects the fused CuTeDSL kernels; a
     torch.distributed ProcessGroup (gloo or NCCL), or a heap on CPU, selects the all_to_all
     reference. The choice is made here, once, and logged.
+    layout: "masked" ([E_local, cap, H], for decode graphs) or "contiguous" (expert after expert).
+    expert_capacity: rows per local expert (default: every token of every rank fits).
+    all_reduce: replicated mode's sum (default: comms.AllReduce on a heap, torch.distributed else).
+    timeout_s: bound on every wait for a peer inside a kernel.
+    num_blocks: fused kernels' grid (default: the SM count, min over ranks). Every block must be
+        resident at once; leave SMs free with a smaller grid if other kernels run concurrently.
     """
 
     def __init__(self, heap_or_group, num_experts: int, top_k: int, hidden: int, max_tokens_per_rank: int,
                  mode: str = "dp_ep", dtype: torch.dtype = torch.bfloat16, payload: str = "bf16", *,
                  layout: str = "masked", expert_capacity: int | None = None, all_reduce=None,
-                 timeout_s: float = 10.0):
+                 timeout_s: float = 10.0, num_blocks: int | None = None):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}, expected one of {MODES}")
         if layout not in LAYOUTS:
@@ -214,7 +220,7 @@ class DispatchCombine:
         if mode == "dp_ep" and device is not None and torch.device(device).type == "cuda":
             from comms.dispatch_fused import FusedDispatch
 
-            self._fused = FusedDispatch(heap_or_group, self, timeout_s)
+            self._fused = FusedDispatch(heap_or_group, self, timeout_s, num_blocks)
         backend = "fused-cutedsl" if self._fused else (
             "local+" + ("comms.AllReduce" if self._all_reduce is not None else "torch.distributed.all_reduce")
             if mode == "replicated" else "torch.distributed.all_to_all")
