@@ -63,6 +63,8 @@ def load_model(
 def load_weights(
     model: QwenMoeForCausalLM, path: str | os.PathLike | None, *, load_format: str = "auto", seed: int = 0, progress: bool = True
 ) -> None:
+    """Fill every parameter of `model` from the checkpoint at `path` (or with dummy weights);
+    raises WeightLoadError on a missing, unexpected or mis-shaped tensor."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not one of {LOAD_FORMATS}")
     if load_format == "dummy":

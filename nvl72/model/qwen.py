@@ -7,6 +7,8 @@ embed -> decoder layers (full attention or Gated DeltaNet by `config.layer_types
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,6 +20,8 @@ from nvl72.model.cache_spec import CacheSpec, KVLayerSpec, StateLayerSpec
 from nvl72.model.gdn import GatedDeltaNet
 from nvl72.model.layers import DecoderLayer, ForwardContext, RMSNorm, rope_inv_freq
 from nvl72.model.weights import attach_default_loaders
+
+log = logging.getLogger(__name__)
 
 
 class QwenModel(nn.Module):
@@ -171,4 +175,11 @@ def build_model(
 ) -> QwenMoeForCausalLM:
     """An unloaded model (parameters uninitialised); fill it with `nvl72.model.loader.load_weights`."""
     model = QwenMoeForCausalLM(config, dtype, device, enable_mtp=enable_mtp, ep_rank=ep_rank, ep_size=ep_size)
+    spec = model.cache_spec()
+    log.info(
+        "model %s: %d layers (%d full attention, %d GDN), MTP layers %d, %s on %s, EP %d/%d, attention: torch reference",
+        config.model_type, config.num_hidden_layers, config.layer_types.count(FULL_ATTENTION),
+        config.layer_types.count(LINEAR_ATTENTION), spec.num_layers - config.num_hidden_layers, dtype, model.device,
+        ep_rank, ep_size,
+    )
     return model.eval().requires_grad_(False)
