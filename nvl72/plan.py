@@ -205,9 +205,10 @@ class Constant:
     unit: str
     source: str
     measured: bool
+    date: str = ""
 
     def describe(self) -> str:
-        tag = "measured" if self.measured else NOT_MEASURED
+        tag = f"measured {self.date}".strip() if self.measured else NOT_MEASURED
         return f"{self.name} = {self.value:g} {self.unit} ({tag}; {self.source})"
 
 
@@ -229,7 +230,8 @@ class Constants:
         if name not in self._raw:
             raise PlanError(f"constant {key!r} is missing from {CONSTANTS_PATH.name}")
         e = self._raw[name]
-        self.used[name] = Constant(name, float(e["value"]), e["unit"], e["source"], bool(e.get("measured", False)))
+        self.used[name] = Constant(name, float(e["value"]), e["unit"], e["source"], bool(e.get("measured", False)),
+                                   e.get("date", ""))
         return float(e["value"])
 
 

@@ -188,11 +188,14 @@ class Front(threading.Thread):
         all_ready_at = None
         shutdown_started = last_sent = None
         while True:
-            now = time.monotonic()
             if self.sock.poll(100, zmq.POLLIN):
-                ident, data = self.sock.recv_multipart()
-                self._handle(ident, data, time.monotonic())
-                continue
+                while True:  # drain, then check: a steady stream of heartbeats must not starve the checks
+                    try:
+                        ident, data = self.sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._handle(ident, data, time.monotonic())
+            now = time.monotonic()
             if all_ready_at is None and len(self.ready) == self.world_size:
                 all_ready_at = now
                 self._all_ready()

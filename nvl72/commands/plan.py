@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         from nvl72.plan import PlanError, measure_constants
 
         try:
-            data = measure_constants("nvl72 plan " + " ".join(sys.argv[1:]))
+            data = measure_constants("nvl72 " + " ".join(sys.argv[1:]))
         except PlanError as e:
             raise CLIError(str(e)) from None
         pathlib.Path(args.measure_constants).write_text(json.dumps(data, indent=1))

@@ -126,7 +126,7 @@ def test_measured_constants_are_labelled(tmp_path):
     path.write_text(json.dumps(data))
     plan = make_plan(RACKS["nvl72"], MODELS["Qwen3-30B-A3B"], Workload(1000, 1000), constants_path=path)
     line = next(s for s in plan.explanation if "hbm_tbps[GB200]" in s)
-    assert "7.2 TB/s (measured; perf/ run)" in line
+    assert "7.2 TB/s (measured 2026-11-21; perf/ run)" in line
     assert any("prefill_mfu" in s and "estimated, not measured" in s for s in plan.explanation)
 
 
