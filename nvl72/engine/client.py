@@ -21,6 +21,8 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+import torch
+
 from nvl72.engine.core import EngineCore, build_engine
 from nvl72.engine.engine import InvalidRequest, LLMEngine, validate_request
 from nvl72.engine.protocol import (AbortRequest, AddRequest, EngineClient, LoadReport, Message, RequestOutput,
@@ -299,13 +301,15 @@ class ProcessEngineClient(_StreamingClient):
         os.rmdir(self._dir)
 
 
-def start_local_engine(model: str | None = None, load_format: str = "auto", dtype: str = "auto",
+def start_local_engine(model: str | None = None, load_format: str = "auto", dtype: str | torch.dtype = "auto",
                        device: str = "auto", max_model_len: int | None = None, num_speculative_tokens: int = 0,
                        max_num_seqs: int = 64, *, process: bool = False, **kv_options) -> EngineClient:
     """An engine on this machine. `model=None` -> the embedded default config with dummy weights.
     `process=True` runs the engine core in a child process over ZeroMQ, else in a thread.
     `kv_options`: the rest of `nvl72.engine.core.build_engine`'s keywords (page_size, num_pages,
     kv_cache_bytes, num_state_slots, max_num_batched_tokens, enable_prefix_caching, ...)."""
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
     args = dict(model=model, load_format=load_format, dtype=dtype, device=device, max_model_len=max_model_len,
                 num_speculative_tokens=num_speculative_tokens, max_num_seqs=max_num_seqs, **kv_options)
     if process:

@@ -152,6 +152,10 @@ class LLMEngine:
         if req.request_id in self.seqs:
             raise InvalidRequest(f"duplicate request_id {req.request_id!r}")
         validate_request(req, self.config.max_model_len, self.vocab_size)
+        c = self.config
+        if not c.enable_chunked_prefill and len(req.prompt_token_ids) > c.max_num_batched_tokens:
+            raise InvalidRequest(f"request {req.request_id!r}: prompt of {len(req.prompt_token_ids)} tokens exceeds "
+                                 f"max_num_batched_tokens={c.max_num_batched_tokens} with chunked prefill off")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a waiting or running request (between steps); None if it is unknown or done."""

@@ -99,3 +99,42 @@ def test_spec_wrong_drafter(reference, k):
     st = e.stats()
     assert st["spec_decode_num_draft_tokens"] > 0
     assert st["spec_decode_acceptance_rate"] < 0.1
+
+
+def test_eos_and_ignore_eos(reference):
+    fam, ps, ref = reference
+    from nvl72.engine.engine import LLMEngine
+    from tests.engine.tiny import tiny_model
+    eng = make_engine(fam)
+    eos = ref["r0"][3]
+    stop_at = ref["r0"].index(eos)
+    e = LLMEngine(tiny_model(fam), eng.config, eos_token_ids=[eos])
+    got = run_all(e, [ps[0]], GREEDY)["r0"]
+    assert got[0] == ref["r0"][:stop_at + 1] and got[1] == "stop"
+    e.add_request(AddRequest("i", ps[0], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
+    got = drain(e)["i"]
+    assert got[0] == ref["r0"] and got[1] == "length"
+
+
+def test_logprobs_same_with_speculation(reference):
+    fam, ps, ref = reference
+    sp = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
+
+    def run(engine):
+        for i, p in enumerate(ps):
+            engine.add_request(AddRequest(f"r{i}", p, sp))
+        lps = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                lps.setdefault(o.request_id, []).extend(o.logprobs)
+        return lps
+    plain = run(make_engine(fam))
+    full = [ps[i] + ref[f"r{i}"] for i in range(len(ps))]
+    spec = run(make_engine(fam, drafter=HistoryDrafter(3, _oracle(full)), num_speculative_tokens=3))
+    for rid, want in plain.items():
+        assert [lp.token_id for lp in want] == ref[rid]
+        got = spec[rid]
+        assert [lp.token_id for lp in got] == ref[rid]
+        for a, b in zip(got, want):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top] and len(a.top) == 2
