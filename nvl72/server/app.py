@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -486,7 +486,12 @@ class OpenAIServer:
 
     # ---- wiring ----------------------------------------------------------------------------
     def _build(self) -> FastAPI:
-        app = FastAPI(title="nvl72", docs_url=None, redoc_url=None, openapi_url=None)
+        @asynccontextmanager
+        async def lifespan(_: FastAPI):
+            yield
+            await self.engine.shutdown()
+
+        app = FastAPI(title="nvl72", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
         # Auth is a dependency of the /v1 routes, not an http middleware: Starlette's
         # BaseHTTPMiddleware wraps `receive` and would hide client disconnects from the handlers.
         deps = [Depends(self._auth)]

@@ -21,13 +21,15 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.
 
 # stats() key -> metric name (gauges); the first key present wins.
 ENGINE_GAUGES = {
-    "num_requests_running": ("num_requests_running", "num_running"),
-    "num_requests_waiting": ("num_requests_waiting", "num_waiting"),
+    "num_requests_running": ("num_requests_running", "num_running", "running"),
+    "num_requests_waiting": ("num_requests_waiting", "num_waiting", "waiting"),
     "kv_cache_usage_perc": ("kv_cache_usage_perc", "kv_usage"),
 }
 # Cumulative engine totals exported as counters.
 ENGINE_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
                    "num_preemptions")
+# Engine ratios exported as gauges when present.
+ENGINE_RATIOS = ("spec_decode_acceptance_rate", "spec_decode_tokens_per_step")
 
 
 class _EngineCollector:
@@ -47,6 +49,11 @@ class _EngineCollector:
             if key is not None:
                 g = GaugeMetricFamily(f"nvl72:{name}", f"engine {key}", labels=["model_name"])
                 g.add_metric([self._model], float(stats[key]))
+                yield g
+        for name in ENGINE_RATIOS:
+            if name in stats:
+                g = GaugeMetricFamily(f"nvl72:{name}", f"engine {name}", labels=["model_name"])
+                g.add_metric([self._model], float(stats[name]))
                 yield g
         for name in ENGINE_COUNTERS:
             if name in stats:

@@ -126,7 +126,8 @@ def _parse_call(body: str) -> ParsedToolCall | None:
 
 class ToolCallParser:
     """Extracts Qwen `<tool_call>{json}</tool_call>` blocks from content. A block whose body is not
-    a call object is passed through as text. Whitespace-only text next to calls is dropped."""
+    a call object is passed through as text. Whitespace before a call or at the end is dropped
+    when the output has calls."""
 
     def __init__(self):
         self._buf = ""
@@ -135,13 +136,11 @@ class ToolCallParser:
         self.calls: list[ParsedToolCall] = []
 
     def _text(self, s: str) -> str:
-        """Hold whitespace-only runs until real text follows (so newlines between calls vanish)."""
+        """Hold trailing whitespace until real text follows (so newlines around calls vanish)."""
         s = self._pending_ws + s
-        if s.strip():
-            self._pending_ws = ""
-            return s
-        self._pending_ws = s
-        return ""
+        body = s.rstrip()
+        self._pending_ws = s[len(body):]
+        return body
 
     def feed(self, delta: str) -> tuple[str, list[ParsedToolCall]]:
         """-> (content delta, calls completed by this delta)."""

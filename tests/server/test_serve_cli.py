@@ -1,0 +1,72 @@
+"""`nvl72 serve` options and the embedded default preset."""
+import pytest
+
+from nvl72.cli import CLIError, build_parser, main
+from nvl72.commands import serve
+from nvl72.config import ModelConfig
+from nvl72.presets import DEFAULT_CONFIG, DEFAULT_MODEL_NAME
+
+
+def _opts(*argv):
+    return serve.options(build_parser().parse_args(["serve", *argv]))
+
+
+def test_defaults_bind_localhost_and_use_the_preset():
+    o = _opts()
+    assert (o.host, o.port, o.model, o.served_model_name, o.api_key) == ("127.0.0.1", 8000, None, DEFAULT_MODEL_NAME,
+                                                                         None)
+    assert o.engine_kwargs()["model"] is None and o.enable_prefix_caching
+
+
+def test_options_parse(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    o = _opts("--model", str(tmp_path), "--port", "9001", "--kv-cache-memory", "1.5GiB", "--max-model-len", "4096",
+              "--num-speculative-tokens", "2", "--host", "0.0.0.0", "--api-key", "k", "--no-prefix-caching")
+    assert o.served_model_name == tmp_path.name and o.port == 9001 and o.kv_cache_bytes == int(1.5 * (1 << 30))
+    assert o.engine_kwargs()["num_speculative_tokens"] == 2 and not o.enable_prefix_caching
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--port", "70000"], "70000"),
+    (["--port", "http"], "'http'"),
+    (["--model", "/no/such/dir"], "/no/such/dir"),
+    (["--load-format", "gguf"], "'gguf'"),
+    (["--dtype", "fp4"], "'fp4'"),
+    (["--device", "tpu"], "'tpu'"),
+    (["--device", "cuda:9"], "cuda:9"),
+    (["--max-model-len", "0"], "--max-model-len=0"),
+    (["--num-speculative-tokens", "-1"], "--num-speculative-tokens=-1"),
+    (["--max-num-seqs", "0"], "--max-num-seqs=0"),
+    (["--kv-cache-memory", "4XB"], "'4XB'"),
+    (["--kv-cache-memory=-1GiB"], "'-1GiB'"),
+    (["--host", "bad host!"], "'bad host!'"),
+    (["--api-key", " "], "--api-key"),
+    (["--served-model-name", " "], "--served-model-name"),
+])
+def test_bad_values_name_the_value(argv, named, capsys):
+    with pytest.raises(CLIError, match=named.replace("-", r"\-").replace(".", r"\.")):
+        _opts(*argv)
+    assert main(["serve", *argv]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_model_dir_without_config(tmp_path):
+    with pytest.raises(CLIError, match="no config.json"):
+        _opts("--model", str(tmp_path))
+
+
+def test_preset_is_a_tiny_qwen3_5_moe_with_the_real_vocabulary():
+    cfg = ModelConfig.from_dict(DEFAULT_CONFIG)
+    assert cfg.model_type == "qwen3_5_moe" and cfg.is_hybrid and cfg.has_mtp
+    assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert cfg.vocab_size == 248320 and cfg.shared_expert_intermediate_size > 0
+    # transformers reads the same dict as a Qwen3.5-MoE config.
+    from transformers import AutoConfig
+
+    hf = AutoConfig.for_model(**DEFAULT_CONFIG).text_config
+    assert (hf.vocab_size, hf.hidden_size, hf.num_experts, hf.layer_types) == (
+        cfg.vocab_size, cfg.hidden_size, cfg.num_experts, cfg.layer_types)
+    # The shipped Qwen3.5 vocabulary fits it, and its EOS ids are the config's.
+    tok = serve.load_tokenizer(None)
+    assert tok.vocab_size <= cfg.vocab_size and tok.eos_token_ids == cfg.eos_token_id
+    assert tok.decode(tok.encode("<|im_start|>user\nhi<|im_end|>")) == "<|im_start|>user\nhi<|im_end|>"
