@@ -24,19 +24,26 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import msgpack
 
 from nvl72.cli import CLIError
 from nvl72.commands.plan import add_plan_arguments, plan_from_args
+from nvl72.engine import protocol
+from nvl72.engine.protocol import LoadReport, ProtocolError, Shutdown
+
+if TYPE_CHECKING:  # the runtime imports stay inside run(): `nvl72 --help` must not import torch
+    from nvl72.parallel import ProcessGroups
+    from nvl72.plan import Plan
 
 HELP = "start this rank's role under srun/mpirun (one process per GPU)"
 log = logging.getLogger("nvl72.launch")
 
 
 # ---------------------------------------------------------------------------------------------
-# Control messages (front <-> ranks). Heartbeats are the engine protocol's LoadReport.
+# Control messages (front <-> ranks). Heartbeats are the engine protocol's LoadReport, the stop
+# order its Shutdown; readiness, goodbye and heartbeat acknowledgements are the launcher's own.
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class RankReady:
@@ -54,12 +61,6 @@ class RankReady:
 
 
 @dataclass
-class Shutdown:
-    KIND: ClassVar[str] = "shutdown"
-    reason: str
-
-
-@dataclass
 class RankBye:
     KIND: ClassVar[str] = "rank_bye"
     rank: int
@@ -71,31 +72,27 @@ class HeartbeatAck:
     time: float
 
 
-_CONTROL = {c.KIND: c for c in (RankReady, Shutdown, RankBye, HeartbeatAck)}
+_CONTROL = {c.KIND: c for c in (RankReady, RankBye, HeartbeatAck)}
 
 
 def encode(msg) -> bytes:
-    from nvl72.engine import protocol
-
     if msg.KIND in _CONTROL:
         return msgpack.packb({"v": protocol.PROTOCOL_VERSION, "kind": msg.KIND, "body": asdict(msg)}, use_bin_type=True)
     return protocol.encode(msg)
 
 
 def decode(data: bytes):
-    from nvl72.engine import protocol
-
     try:
         raw = msgpack.unpackb(data, raw=False)
     except Exception as e:  # msgpack raises several unrelated types
-        raise protocol.ProtocolError(f"undecodable control message: {e}") from e
+        raise ProtocolError(f"undecodable control message: {e}") from e
     if isinstance(raw, dict) and raw.get("kind") in _CONTROL:
         if raw.get("v") != protocol.PROTOCOL_VERSION:
-            raise protocol.ProtocolError(f"unsupported protocol version {raw.get('v')!r}")
+            raise ProtocolError(f"unsupported protocol version {raw.get('v')!r}")
         try:
             return _CONTROL[raw["kind"]](**raw["body"])
         except TypeError as e:
-            raise protocol.ProtocolError(f"bad fields for {raw['kind']!r}: {e}") from e
+            raise ProtocolError(f"bad fields for {raw['kind']!r}: {e}") from e
     return protocol.decode(data)
 
 
@@ -161,8 +158,6 @@ class Front(threading.Thread):
             tmp.replace(self.ready_file)
 
     def _handle(self, ident: bytes, data: bytes, now: float) -> None:
-        from nvl72.engine.protocol import LoadReport, ProtocolError
-
         try:
             msg = decode(data)
         except ProtocolError as e:
@@ -251,8 +246,6 @@ class RankAgent:
         """Send a heartbeat when one is due, read the front's messages for up to one heartbeat."""
         import zmq
 
-        from nvl72.engine.protocol import LoadReport
-
         now = time.monotonic()
         if now - self._last_beat >= self.heartbeat_s:
             self.send(LoadReport(self.rank, 0, 0, 0.0, time.time(), stats or {}))
@@ -273,8 +266,11 @@ class RankAgent:
 
 @dataclass
 class RoleContext:
-    plan: object  # nvl72.plan.Plan
-    groups: object  # nvl72.parallel.ProcessGroups
+    """What a role body gets: the plan, its groups, its line to the front, and the stop event
+    (set by SIGTERM/SIGINT); it returns the rank's exit code."""
+
+    plan: Plan
+    groups: ProcessGroups
     agent: RankAgent
     device: str
     timeout: float

@@ -5,7 +5,8 @@ import time
 
 import zmq
 
-from nvl72.commands.launch import Front, RankAgent, RankBye, RankReady, Shutdown, decode, encode
+from nvl72.commands.launch import Front, RankAgent, RankBye, RankReady, decode, encode
+from nvl72.engine.protocol import Shutdown
 
 
 def _ready(rank):

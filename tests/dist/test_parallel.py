@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from nvl72.commands.launch import HeartbeatAck, RankBye, RankReady, Shutdown, decode, encode
-from nvl72.engine.protocol import LoadReport, ProtocolError
+from nvl72.commands.launch import HeartbeatAck, RankBye, RankReady, decode, encode
+from nvl72.engine.protocol import LoadReport, ProtocolError, Shutdown
 from nvl72.parallel import ParallelError, group_lists, rank_role, rendezvous
 from nvl72.plan import MODELS, Workload, make_plan
 from nvl72.topology import LaunchEnv, load_rack
