@@ -78,11 +78,14 @@ def load_sm90_module():
 class Sm90Gemm:
     """Torch-facing wrapper of the CuTeDSL variants (views as the kernel module documents).
 
-    Defaults: prefill (contiguous) FP8 uses the overlapped-promotion kernel, decode (masked) FP8
-    the swap-AB kernel; `variant=` names another export of moe.kernels.sm90_grouped_gemm."""
+    Defaults, from perf/RESULTS.md (H200): prefill (contiguous) FP8 uses the serial-promotion
+    kernel (faster than the overlapped one at 10 of the 12 measured sizes of 512..16384 tokens, by
+    up to 4%), decode (masked) FP8 the swap-AB kernel (8-16% faster than the 128-row masked one
+    at 16..256 tokens, 10-17% slower at 1-2 tokens); `variant=` names another export of
+    moe.kernels.sm90_grouped_gemm."""
 
     DEFAULTS = {
-        (True, False): "grouped_gemm_fp8_contig",
+        (True, False): "grouped_gemm_fp8_contig_serial",
         (True, True): "grouped_gemm_fp8_masked_swapab",
         (False, False): "grouped_gemm_bf16_contig",
         (False, True): "grouped_gemm_bf16_masked",

@@ -43,7 +43,8 @@ def _ranks(topk_ids: torch.Tensor, num_local: int, expert_offset: int):
     local = topk_ids.reshape(-1) - expert_offset  # [T*k]
     local = torch.where((local >= 0) & (local < num_local), local, torch.full_like(local, num_local))
     order = torch.argsort(local, stable=True)  # pairs in expert-major order
-    counts_all = torch.bincount(local, minlength=num_local + 1)  # [E_local + 1]
+    counts_all = torch.zeros(num_local + 1, dtype=local.dtype, device=local.device)  # [E_local + 1]
+    counts_all.scatter_add_(0, local, torch.ones_like(local))  # bincount without its host sync on CUDA
     starts = torch.cumsum(counts_all, 0) - counts_all
     rank = torch.empty_like(local)
     rank[order] = torch.arange(local.numel(), device=local.device) - starts[local[order]]

@@ -20,6 +20,13 @@ sa[row, k] * sb[n_block, k] ("promotion" once per K tile, as DeepGEMM does).
   b_scale: [E, N/128, K/128] fp32
 BF16 operands take the same entry point with the scale arguments ignored (pass 1-element tensors).
 
+Measured on an H200 (perf/RESULTS.md, 2026-11-21): all variants match the fp32 product of the
+dequantized operands (rel err < 1e-2). FP8 two-GEMM expert time at 16384 tokens: 9.9 ms for
+Qwen3-235B (0.90x torch._scaled_grouped_mm row-wise, 0.83x torch._grouped_mm bf16) and 10.2 ms for
+Qwen3.5-397B (1.07x, 1.04x); decode at 128 tokens (swap-AB) at 56% of the copy bandwidth. The
+overlapped promotion did not pay (it was slower at most sizes: more registers, same serial wait on
+the TMA ring); what is missing is warp specialization, a persistent tile scheduler and larger tiles.
+
 Torch view convention at call time (what `compile_for_export` compiles against): every operand is
 passed as a rank-3 view (rows, K or N, batch) = t.permute(1, 2, 0) of the [batch, rows, cols]
 tensor; FP8 tensors travel as torch.uint8 views and are re-typed inside the kernel.
