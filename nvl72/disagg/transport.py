@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from nvl72.disagg.plan import AXIS, KINDS, TransferPlan
+from nvl72.model.batch import ModelCaches
 
 MAGIC = 0x6E766C3732  # "nvl72"
 MAX_GROUPS = 80
@@ -38,6 +39,11 @@ class TransferError(RuntimeError):
 
 class TransferTimeout(TransferError, TimeoutError):
     """A part of a transfer did not arrive (or leave) within its timeout."""
+
+
+def caches_of(mc: ModelCaches) -> Caches:
+    """The transport's view of the engine's caches (the same tensors, no copy)."""
+    return {"kv": mc.kv, "conv": mc.conv, "recurrent": mc.recurrent}
 
 
 def layer_groups(num_layers: int, per_group: int) -> list[list[int]]:

@@ -7,7 +7,8 @@ import time
 import torch
 
 from nvl72.disagg.plan import CacheLayout, build_transfer_plan, shard
-from nvl72.disagg.transport import Receiver, Sender, TransferTimeout, layer_groups
+from nvl72.disagg.transport import Receiver, Sender, TransferTimeout, caches_of, layer_groups
+from nvl72.model.batch import ModelCaches
 from nvl72.parallel import init_distributed
 from nvl72.topology import launch_env
 
@@ -26,7 +27,9 @@ def full_caches(gen):
 
 
 def sharded(full, tp, rank, device="cpu"):
-    return {k: [None if t is None else shard(t, k, LAYOUT, tp, rank).to(device) for t in ts] for k, ts in full.items()}
+    """The caches a TP rank holds, as the engine keeps them (ModelCaches), seen by the transport."""
+    part = {k: [None if t is None else shard(t, k, LAYOUT, tp, rank).to(device) for t in ts] for k, ts in full.items()}
+    return caches_of(ModelCaches(kv=part["kv"], conv=part["conv"], recurrent=part["recurrent"]))
 
 
 def main():
