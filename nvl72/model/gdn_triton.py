@@ -1,15 +1,17 @@
-"""Triton kernels of the Gated DeltaNet decode path, reading and writing state slots in place.
+"""Triton kernels of the Gated DeltaNet layer, reading and writing state slots in place.
 
 Same signatures and semantics as the references in `gdn_ops.py` (which the tests compare them with):
-`causal_conv1d`, `recurrent_gated_delta_rule`, and `chunk_gated_delta_rule` (whose intra-chunk part
-is the torch `prepare_chunks`; only the carry across chunks is a kernel). One program owns one sequence and one tile of
-channels (conv) or of one value head's Dv columns (delta rule) and walks that sequence's tokens,
-keeping the conv window / the [Dk, BV] state tile in registers: each slot tile is read once before
-the program writes anything, so a write slot may equal the read slot. Unlike the references, reads
-and writes of *different* sequences are not ordered: a slot one sequence writes must not be another
-sequence's read slot in the same call (the engine never schedules that).
+- `causal_conv1d`: parallel over (tokens, channels) after gathering the start tails;
+- `recurrent_gated_delta_rule` (decode, verify): one program per (sequence, value head, Dv tile)
+  walks the sequence's tokens with its [Dk, BV] state tile in registers;
+- `chunk_gated_delta_rule` (prefill): the intra-chunk part stays in torch (`prepare_chunks`, batched
+  over all chunks); the carry across chunks is a kernel laid out like the recurrent one.
+A delta-rule program reads its state tile once before writing anything, so a sequence may write its
+own read slot; unlike the references, different sequences are not ordered: a slot one sequence writes
+must not be another's read slot in the same call (the engine never schedules that).
 
-Verified so far in Triton's interpreter (TRITON_INTERPRET=1) on CPU; GPU timings: none yet.
+Verified in Triton's interpreter (TRITON_INTERPRET=1) on CPU and compiled for sm_90 / sm_100 with
+Triton 3.9; not yet run or timed on a GPU.
 """
 from __future__ import annotations
 
@@ -21,37 +23,39 @@ from nvl72.model.gdn_ops import check_heads, plan_chunks, prepare_chunks, unchun
 
 
 @triton.jit
-def _causal_conv1d_kernel(x, w, conv_state, out, qsl, read_slots, write_slots, D, stride_x, stride_o,
-                          K: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr):
-    i_d, i_b = tl.program_id(0), tl.program_id(1)
+def _causal_conv1d_kernel(x, w, tails, conv_state, out, tok_seq, qsl, write_slots, T, D, stride_x, stride_o,
+                          K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    i_d, i_t = tl.program_id(0), tl.program_id(1)
     od = i_d * BD + tl.arange(0, BD)  # [BD] channels
-    oc = tl.arange(0, KP)  # [KP] window columns, K used
-    md = od < D
-    start = tl.load(qsl + i_b).to(tl.int64)
-    end = tl.load(qsl + i_b + 1).to(tl.int64)
-    slot = tl.load(read_slots + i_b).to(tl.int64)
-    tail_off = od[:, None] * (K - 1) + oc[None, :]  # [BD, KP] inside one slot [D, K-1]
-    tail_mask = md[:, None] & (oc[None, :] < K - 1)
-    # Columns 0..K-2: the last K-1 inputs; column K-1 takes the current token.
-    win = tl.load(conv_state + slot * D * (K - 1) + tail_off, mask=tail_mask, other=0.0).to(tl.float32)
-    wt = tl.load(w + od[:, None] * K + oc[None, :], mask=md[:, None] & (oc[None, :] < K), other=0.0).to(tl.float32)
-    # shift[c, c'] = 1 where c' == c + 1: moves every column one to the left.
-    shift = (oc[None, :] == oc[:, None] + 1).to(tl.float32)  # [KP, KP]
-    for t in range(start, end):
-        xt = tl.load(x + t * stride_x + od, mask=md, other=0.0).to(tl.float32)
-        win = tl.where(oc[None, :] == K - 1, xt[:, None], win)
-        acc = tl.sum(win * wt, 1)
-        tl.store(out + t * stride_o + od, (acc * tl.sigmoid(acc)).to(out.dtype.element_ty), mask=md)
-        win = tl.sum(win[:, None, :] * shift[None, :, :], 2)  # [BD, KP]
-        ws = tl.load(write_slots + t).to(tl.int64)
-        if ws >= 0:
-            tl.store(conv_state + ws * D * (K - 1) + tail_off, win.to(conv_state.dtype.element_ty), mask=tail_mask)
+    ot = i_t * BT + tl.arange(0, BT)  # [BT] tokens
+    md, mt = od < D, ot < T
+    m2 = mt[:, None] & md[None, :]
+    seq = tl.load(tok_seq + ot, mask=mt, other=0).to(tl.int64)  # [BT]
+    j = ot - tl.load(qsl + seq, mask=mt, other=0).to(tl.int64)  # [BT] position in its sequence
+    ws = tl.load(write_slots + ot, mask=mt, other=-1).to(tl.int64)
+    wmask = m2 & (ws >= 0)[:, None]
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    for m in tl.static_range(K):
+        # Input at position j + m - (K-1): a token of x, or before the sequence, its start tail.
+        idx = j + (m - (K - 1))  # [BT]
+        xv = tl.load(x + (ot + (m - (K - 1)))[:, None] * stride_x + od[None, :], mask=m2 & (idx >= 0)[:, None],
+                     other=0.0)
+        tv = tl.load(tails + (seq[:, None] * D + od[None, :]) * (K - 1) + (idx + (K - 1))[:, None],
+                     mask=m2 & (idx < 0)[:, None], other=0.0)
+        val = tl.where((idx >= 0)[:, None], xv.to(tl.float32), tv.to(tl.float32))  # [BT, BD]
+        acc += val * tl.load(w + od * K + m, mask=md, other=0.0).to(tl.float32)[None, :]
+        if m >= 1:  # the tail after token t is the inputs at j-K+2..j
+            tl.store(conv_state + (ws[:, None] * D + od[None, :]) * (K - 1) + (m - 1),
+                     val.to(conv_state.dtype.element_ty), mask=wmask)
+    tl.store(out + ot[:, None] * stride_o + od[None, :], (acc * tl.sigmoid(acc)).to(out.dtype.element_ty), mask=m2)
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                   query_start_loc: torch.Tensor, read_slots: torch.Tensor,
                   write_slots: torch.Tensor) -> torch.Tensor:
-    """Triton twin of `gdn_ops.causal_conv1d`.  x: [T, D]; weight: [D, K]; conv_state: [S, D, K-1]."""
+    """Twin of `gdn_ops.causal_conv1d`, parallel over tokens and channels. The start tails are first
+    gathered (a [B, D, K-1] copy, small next to the recurrent state), so the kernel only writes
+    conv_state and read/write order cannot matter.  x: [T, D]; weight: [D, K]; conv_state: [S, D, K-1]."""
     T, D = x.shape
     K = weight.shape[1]
     if x.stride(1) != 1 or not weight.is_contiguous() or not conv_state.is_contiguous():
@@ -62,11 +66,14 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
         raise ValueError(f"conv_state must be [slots, {D}, {K - 1}], got {tuple(conv_state.shape)}")
     out = torch.empty((T, D), dtype=x.dtype, device=x.device)
     B = read_slots.shape[0]
-    BD = 128
     if B and T:
-        _causal_conv1d_kernel[(triton.cdiv(D, BD), B)](
-            x, weight, conv_state, out, query_start_loc, read_slots, write_slots, D, x.stride(0), out.stride(0),
-            K=K, KP=triton.next_power_of_2(K), BD=BD)
+        tails = conv_state[read_slots]  # [B, D, K-1]
+        lens = query_start_loc[1:] - query_start_loc[:-1]
+        tok_seq = torch.repeat_interleave(torch.arange(B, device=x.device), lens, output_size=T)  # [T]
+        BT, BD = 16, 128
+        _causal_conv1d_kernel[(triton.cdiv(D, BD), triton.cdiv(T, BT))](
+            x, weight, tails, conv_state, out, tok_seq, query_start_loc, write_slots, T, D, x.stride(0),
+            out.stride(0), K=K, BT=BT, BD=BD)
     return out
 
 

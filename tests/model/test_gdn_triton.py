@@ -80,16 +80,21 @@ def test_chunk_kernel_matches_reference(device, dtype, hk, hv, dk, dv):
     assert rel_err(dev[5].cpu(), ref_state) < 1e-4
 
 
+# Sequences spanning several 16-token blocks, one ending mid-block, a 2-token one writing both states.
+LONG = ([20, 2, 37], [1, 2, 0], [-1] * 19 + [1] + [3, 2] + [-1] * 36 + [0])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("D,K", [(200, 4), (96, 3)])
-def test_conv_kernel_matches_reference(device, dtype, D, K):
-    gen = torch.Generator().manual_seed(D + K)
-    T = sum(LENS)
+@pytest.mark.parametrize("D,K,case", [(200, 4, "short"), (96, 3, "short"), (200, 4, "long")])
+def test_conv_kernel_matches_reference(device, dtype, D, K, case):
+    lens, read, write = (LENS, READ, WRITE) if case == "short" else LONG
+    gen = torch.Generator().manual_seed(D + K + len(lens))
+    T = sum(lens)
     x = torch.randn(T, D, generator=gen).to(dtype)
     w = torch.randn(D, K, generator=gen).to(dtype)
     conv_state = torch.randn(8, D, K - 1, generator=gen).to(dtype)
-    qsl, read, write = _batch(LENS, READ, WRITE, "cpu")
+    qsl, read, write = _batch(lens, read, write, "cpu")
     ref_state = conv_state.clone()
     ref = gdn_ops.causal_conv1d(x, w, ref_state, qsl, read, write)
     dev = [t.to(device) for t in (x, w, conv_state, qsl, read, write)]
@@ -136,3 +141,32 @@ def test_layer_with_triton_ops_matches_reference(device, prefill, monkeypatch):
         out = layer.to(device)(h.to(device), ForwardBatch(*(t.to(device) for t in fields)), dev_conv, dev_rec)
     assert rel_err(out.cpu(), ref) < 1e-4
     assert rel_err(dev_rec.cpu(), rec) < 1e-4 and rel_err(dev_conv.cpu(), conv) < 1e-5
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreted kernels do not compile")
+@pytest.mark.parametrize("arch", [90, 100])
+def test_kernels_compile_for_hopper_and_blackwell(arch):
+    """Ahead-of-time compile to cubin (no GPU needed) with the bf16 / fp32 signatures the layer uses."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, 32)
+    ints = {"i32": ("T", "D", "stride_x", "stride_o", "stride_q", "stride_k", "stride_v", "HK", "HV", "DK", "DV")}
+    kernels = [
+        (triton_mod._causal_conv1d_kernel, {"x": "*bf16", "w": "*bf16", "tails": "*bf16", "conv_state": "*bf16",
+                                            "out": "*bf16", "tok_seq": "*i64", "qsl": "*i32", "write_slots": "*i64"},
+         {"K": 4, "BT": 16, "BD": 128}),
+        (triton_mod._recurrent_gdn_kernel, {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "beta": "*bf16",
+                                            "o": "*bf16", "state": "*fp32", "qsl": "*i32", "read_slots": "*i64",
+                                            "write_slots": "*i64", "scale": "fp32"},
+         {"BK": 128, "BV": 32, "USE_QK_L2NORM": True}),
+        (triton_mod._chunk_scan_kernel, {**{n: "*fp32" for n in ("u", "w", "q_dec", "k", "k_dec", "attn", "decay",
+                                                                  "gam", "o", "state")},
+                                         "seq_chunks": "*i64", "read_slots": "*i64", "wslots": "*i64"},
+         {"C": 64, "BK": 128, "BV": 32}),
+    ]
+    for fn, sig, constexprs in kernels:
+        sig = {**sig, **{n: "i32" for n in ints["i32"] if n in fn.arg_names}, **{n: "constexpr" for n in constexprs}}
+        compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=target)
+        assert compiled.asm["cubin"], fn.__name__
