@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-cache-memory", default=None,
       help="KV cache size, e.g. 4GiB or 512MiB (default: 90%% of free GPU memory; on CPU enough for max-num-seqs)")
     a("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    a("--engine-process", action="store_true",
+      help="run the engine core in a child process over ZeroMQ (default: a thread of this process)")
     a("--seed", default="0", help="seed of requests that sample without their own seed (and of dummy weights)")
     a("--max-body-bytes", default=str(8 << 20), help="largest accepted request body (default 8 MiB)")
 
@@ -64,6 +66,7 @@ class ServeOptions:
     enable_prefix_caching: bool
     seed: int
     max_body_bytes: int
+    engine_process: bool = False
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Arguments of the engine builder (nvl72.engine.core.build_engine's names)."""
@@ -159,7 +162,7 @@ def options(args: argparse.Namespace) -> ServeOptions:
         page_size=_int("page-size", args.page_size, 1, 4096), num_pages=_int("num-pages", args.num_pages, 1),
         kv_cache_bytes=parse_bytes("kv-cache-memory", args.kv_cache_memory),
         enable_prefix_caching=not args.no_prefix_caching, seed=_int("seed", args.seed, 0, 2**63 - 1),
-        max_body_bytes=_int("max-body-bytes", args.max_body_bytes, 1024))
+        max_body_bytes=_int("max-body-bytes", args.max_body_bytes, 1024), engine_process=args.engine_process)
 
 
 def load_tokenizer(model: str | None):
@@ -184,7 +187,7 @@ def start_engine(opts: ServeOptions):
     except ImportError:
         raise CLIError("no local engine in this build (nvl72.engine.client.start_local_engine is missing)") from None
     try:
-        return start_local_engine(**opts.engine_kwargs())
+        return start_local_engine(**opts.engine_kwargs(), process=opts.engine_process)
     except ValueError as e:  # ConfigError, bad sizes: the user's values
         raise CLIError(str(e)) from e
 

@@ -266,9 +266,15 @@ class OpenAIServer:
                 except StopAsyncIteration:
                     raise APIError(500, f"engine stream of {p.request_id} ended without a finish reason",
                                    type="internal_server_error") from None
-                except asyncio.TimeoutError:
+                except (asyncio.TimeoutError, TimeoutError):
                     raise APIError(504, f"engine produced no output for {p.request_id} within "
                                         f"{self.cfg.output_timeout_s} s", type="timeout") from None
+                except ValueError as e:  # the engine rejected the request (nvl72.engine InvalidRequest)
+                    finished = True
+                    raise APIError(400, str(e)) from e
+                except RuntimeError as e:  # engine dead or shut down (nvl72.engine EngineDeadError)
+                    finished = True
+                    raise APIError(503, f"engine unavailable: {e}", type="service_unavailable") from e
                 if out.finish_reason == "error":
                     finished = True
                     raise APIError(500, f"engine failed on {p.request_id}: {out.error}", type="internal_server_error")
