@@ -329,6 +329,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-file", help="the front writes the ranks' readiness here as JSON")
 
 
+def _fabric_cluster(index: int) -> str | None:
+    """The NVLink fabric clique this GPU belongs to (GB200: NVML's fabric cluster UUID), if any."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        info = pynvml.nvmlDeviceGetGpuFabricInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
+    except (pynvml.NVMLError, AttributeError):  # no NVML, or a driver without fabric info
+        return None
+    if info.state != getattr(pynvml, "NVML_GPU_FABRIC_STATE_COMPLETED", 3) or info.status != 0:
+        return None
+    return "fabric-" + bytes(info.clusterUuid).hex()[:16]
+
+
+def local_fabric(device: str, local_rank: int, hostname: str) -> tuple[str, bool, bool]:
+    """(NVLink domain, fabric handles, multicast) of this rank's GPU. The domain is
+    NVL72_NVLINK_DOMAIN if set, else the fabric cluster (NVL72), else the host (an HGX node is its
+    own NVLink domain). Driver queries only: nothing is created."""
+    domain = os.environ.get("NVL72_NVLINK_DOMAIN")
+    if device != "cuda":
+        return domain or hostname, False, False
+    from comms.heap import device_capabilities
+
+    caps = device_capabilities(local_rank)
+    return domain or _fabric_cluster(local_rank) or hostname, caps["fabric"], caps["multicast"]
+
+
 def _gpu_name(device: str) -> str:
     if device != "cuda":
         return "cpu"
@@ -353,11 +382,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         env = launch_env()
         control = init_distributed(env, device, args.timeout)
-        hosts = all_gather_strings(env.hostname, control, args.timeout)
+        domain, fabric, multicast = local_fabric(device, env.local_rank, env.hostname)
+        mine = "\t".join([env.hostname, domain, str(int(fabric)), str(int(multicast))])
+        gathered = [s.split("\t") for s in all_gather_strings(mine, control, args.timeout)]
         if args.plan:
             plan = Plan.from_json(pathlib.Path(args.plan).read_text(), args.plan)
         else:
-            rack = None if args.rack else rack_from_hostnames(hosts, _gpu_name(device))
+            rack = None if args.rack else rack_from_hostnames(
+                [g[0] for g in gathered], _gpu_name(device), [g[1] for g in gathered],
+                fabric_handles=all(g[2] == "1" for g in gathered), multicast=all(g[3] == "1" for g in gathered))
             plan = plan_from_args(args, rack)
         if plan.rack.world_size != env.world_size:
             raise CLIError(f"the plan's rack {plan.rack.name} has {plan.rack.world_size} ranks but the launcher "

@@ -77,12 +77,14 @@ def test_launch_brings_up_roles_and_shuts_down_on_request(tmp_path):
 @pytest.mark.mp
 def test_launch_plans_on_every_rank_and_stops_after_run_seconds(tmp_path):
     ready = tmp_path / "ready.json"
-    out = subprocess.run([_mpiexec(), "-n", "3", sys.executable, "-m", "launch", *SMALL, "--ready-file", str(ready),
+    gathered = SMALL[2:]  # no --rack: the rack is the hosts the ranks report
+    out = subprocess.run([_mpiexec(), "-n", "3", sys.executable, "-m", "launch", *gathered, "--ready-file", str(ready),
                           "--run-seconds", "0", "--heartbeat", "0.2", "--timeout", "60"],
                          capture_output=True, text=True, timeout=120, env=_env())
     assert out.returncode == 0, out.stderr[-4000:]
     assert json.loads(ready.read_text())["world_size"] == 3
     assert out.stderr.count("leaving (--run-seconds 0 elapsed)") == 3
+    assert "rack launch: 1 nodes x 3 cpu = 3 ranks" in out.stderr
 
 
 def test_launch_rejects_a_plan_for_another_world_size():

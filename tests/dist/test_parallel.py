@@ -90,6 +90,15 @@ def test_srun_script_with_a_fake_slurm(tmp_path):
     assert out.returncode != 0 and "SLURM_JOB_ID" in out.stderr
 
 
+def test_local_fabric_on_cpu(monkeypatch):
+    from nvl72.commands.launch import local_fabric
+
+    monkeypatch.delenv("NVL72_NVLINK_DOMAIN", raising=False)
+    assert local_fabric("cpu", 0, "hostA") == ("hostA", False, False)  # a host is its own domain
+    monkeypatch.setenv("NVL72_NVLINK_DOMAIN", "rack7")
+    assert local_fabric("cpu", 0, "hostA") == ("rack7", False, False)
+
+
 def test_python_m_launch_help():
     out = subprocess.run([sys.executable, "-m", "launch", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--ready-file" in out.stdout and "--plan" in out.stdout
