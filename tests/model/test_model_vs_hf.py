@@ -55,6 +55,19 @@ def test_chunked_prefill_then_decode(pair):
         assert rel_err(c, r[t : t + 1]) < TOL, f"decode at {t}"
 
 
+def test_token_by_token_from_the_first_token(pair):
+    """Every token its own decode step (two sequences side by side), across several pages."""
+    model, prompts, refs = pair
+    run = PagedRunner(model, seed=8)
+    p, q = prompts[4], prompts[1]  # 13 and 7 tokens
+    for t in range(len(p)):
+        chunks = [(0, [p[t]])] + ([(1, [q[t]])] if t < len(q) else [])
+        out = run.step(chunks)
+        assert rel_err(out[0], refs[4][t : t + 1]) < TOL, f"position {t}"
+        if t < len(q):
+            assert rel_err(out[1], refs[1][t : t + 1]) < TOL, f"position {t}"
+
+
 def test_mixed_prefill_chunks_and_decodes_in_one_batch(pair):
     """Decode tokens of two sequences beside a new prefill and a continued chunk, with page ids
     shuffled and sequences interleaved in the pool."""
