@@ -26,19 +26,23 @@ CONFIGS = {
 }
 
 
-@functools.cache
-def tiny_model(family: str):
-    """fp32 CPU model with random weights large enough that greedy continuations vary."""
-    torch.manual_seed(0)
+def build_tiny(family: str, device="cpu"):
+    """fp32 model with random weights large enough that greedy continuations vary; the same
+    weights on every device (drawn on the CPU, then moved before any forward)."""
     model = build_model(ModelConfig.from_dict(CONFIGS[family]), torch.float32, "cpu")
     init_dummy_weights(model, seed=1, std=0.3)
-    return model
+    return model.to(device)
 
 
-def make_engine(family: str, drafter=None, **kw) -> LLMEngine:
+@functools.cache
+def tiny_model(family: str):
+    return build_tiny(family)
+
+
+def make_engine(family: str, drafter=None, model=None, **kw) -> LLMEngine:
     cfg = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, page_size=4, num_pages=96)
     cfg.update(kw)
-    return LLMEngine(tiny_model(family), EngineConfig(**cfg), drafter=drafter, eos_token_ids=[])
+    return LLMEngine(model or tiny_model(family), EngineConfig(**cfg), drafter=drafter, eos_token_ids=[])
 
 
 def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 30) -> list[list[int]]:
