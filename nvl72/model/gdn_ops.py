@@ -128,7 +128,7 @@ def plan_chunks(query_start_loc: torch.Tensor, write_slots: torch.Tensor, chunk_
 
 @dataclass
 class ChunkTensors:
-    """Per-chunk quantities of the WY/UT form, all fp32 with value heads leading per chunk:
+    """Per-chunk quantities of the WY/UT form, all fp32, contiguous, value heads leading per chunk:
     gam = within-chunk cumulative log decay, decay[i, j] = exp(gam_i - gam_j) for j <= i (else 0),
     u = T beta v and w = T beta exp(gam) k with T = (I + tril(beta k k^T * decay, -1))^-1,
     attn = (q k^T) * decay, q_dec = q exp(gam), k_dec = k exp(gam_last - gam)."""

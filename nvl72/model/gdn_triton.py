@@ -77,6 +77,12 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     return out
 
 
+def _check_state(state: torch.Tensor, HV: int, DK: int, DV: int) -> None:
+    if state.dtype != torch.float32 or not state.is_contiguous() or state.shape[1:] != (HV, DK, DV):
+        raise ValueError(f"state must be contiguous float32 [slots, {HV}, {DK}, {DV}], got "
+                         f"{state.dtype} {tuple(state.shape)} strides {state.stride()}")
+
+
 @triton.jit
 def _recurrent_gdn_kernel(q, k, v, g, beta, o, state, qsl, read_slots, write_slots, scale,
                           stride_q, stride_k, stride_v, HK, HV, DK, DV,
@@ -126,9 +132,7 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     for name, t, inner in (("q", q, DK), ("k", k, DK), ("v", v, DV)):
         if t.stride(2) != 1 or t.stride(1) != inner:
             raise ValueError(f"{name} needs contiguous heads within a token, got strides {t.stride()}")
-    if state.dtype != torch.float32 or not state.is_contiguous() or state.shape[1:] != (HV, DK, DV):
-        raise ValueError(f"state must be contiguous float32 [slots, {HV}, {DK}, {DV}], got "
-                         f"{state.dtype} {tuple(state.shape)} strides {state.stride()}")
+    _check_state(state, HV, DK, DV)
     g, beta = g.float().contiguous(), beta.contiguous()
     o = torch.empty((T, HV, DV), dtype=v.dtype, device=v.device)
     B = read_slots.shape[0]
@@ -191,9 +195,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     check_heads(q, k, v)
     HV, DV = v.shape[1:]
     DK = q.shape[2]
-    if state.dtype != torch.float32 or not state.is_contiguous() or state.shape[1:] != (HV, DK, DV):
-        raise ValueError(f"state must be contiguous float32 [slots, {HV}, {DK}, {DV}], got "
-                         f"{state.dtype} {tuple(state.shape)} strides {state.stride()}")
+    _check_state(state, HV, DK, DV)
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= 16 for tl.dot, got {chunk_size}")
     plan = plan_chunks(query_start_loc, write_slots, chunk_size)
@@ -203,8 +205,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     BV = min(32, max(16, triton.next_power_of_2(DV)))
     if B and o.numel():
         _chunk_scan_kernel[(triton.cdiv(DV, BV), B * HV)](
-            ct.u, ct.w, ct.q_dec, ct.k.contiguous(), ct.k_dec.contiguous(), ct.attn.contiguous(),
-            ct.decay.contiguous(), ct.gam.contiguous(), o, state, plan.seq_chunks, read_slots,
-            plan.write_slots.contiguous(), HV, DK, DV,
+            ct.u, ct.w, ct.q_dec, ct.k, ct.k_dec, ct.attn, ct.decay, ct.gam, o, state, plan.seq_chunks,
+            read_slots, plan.write_slots, HV, DK, DV,
             C=chunk_size, BK=max(16, triton.next_power_of_2(DK)), BV=BV)
     return unchunk(o, plan, v.shape[0]).to(v.dtype)
