@@ -443,22 +443,25 @@ def _blocks(rack: Rack, size: int, within: str) -> dict[str, list[list[int]]]:
 
 
 def _place(rack: Rack, n_prefill: int, n_decode: int, prefill_tp: int, decode_size: int) -> tuple[list[list[int]], list[list[int]]] | None:
-    """Decode blocks from the end of each domain, prefill blocks from the front of what is left."""
+    """Decode blocks from the end of each domain, taken round-robin over the domains (a domain's
+    loss takes the fewest decoders), prefill blocks from the front of what is left, round-robin too."""
     within_p = "node" if prefill_tp <= min(n.gpus for n in rack.nodes) else "domain"
     decode: list[list[int]] = []
     taken: set[int] = set()
-    for blocks in _blocks(rack, decode_size, "domain").values():
-        for b in reversed(blocks):
-            if len(decode) < n_decode:
-                decode.append(b)
-                taken.update(b)
+    per_domain = [list(reversed(b)) for b in _blocks(rack, decode_size, "domain").values()]
+    for k in range(max((len(b) for b in per_domain), default=0)):
+        for blocks in per_domain:
+            if k < len(blocks) and len(decode) < n_decode:
+                decode.append(blocks[k])
+                taken.update(blocks[k])
     if len(decode) < n_decode:
         return None
     prefill: list[list[int]] = []
-    for blocks in _blocks(rack, prefill_tp, within_p).values():
-        for b in blocks:
-            if len(prefill) < n_prefill and not taken.intersection(b):
-                prefill.append(b)
+    free = [[b for b in blocks if not taken.intersection(b)] for blocks in _blocks(rack, prefill_tp, within_p).values()]
+    for k in range(max((len(b) for b in free), default=0)):
+        for blocks in free:
+            if k < len(blocks) and len(prefill) < n_prefill:
+                prefill.append(blocks[k])
     if len(prefill) < n_prefill:
         return None
     return sorted(prefill), sorted(decode)

@@ -2,6 +2,7 @@
 of prefill (one node) and decode (four nodes of one NVLink domain) instances, the printed report."""
 import json
 import math
+import pathlib
 
 import pytest
 from transformers import Qwen3_5MoeConfig, Qwen3NextConfig
@@ -115,6 +116,15 @@ def test_decode_instances_stay_in_one_nvlink_domain(tmp_path):
     with pytest.raises(PlanError, match="cannot hold"):
         make_plan(load_rack(str(f)), MODELS["Qwen3-235B-A22B"], Workload(0, 0), prefill_instances=0,
                   decode_instances=1, decode_size=32)
+
+
+def test_two_racks_example_file():
+    root = pathlib.Path(__file__).resolve().parents[2]
+    rack = load_rack(str(root / "launch" / "racks" / "two-nvl72.yaml"))
+    assert rack.world_size == 144 and sorted(rack.domains()) == ["nvl72-rack0", "nvl72-rack1"]
+    plan = make_plan(rack, MODELS["Qwen3.5-397B-A17B"], Workload(600000, 400000))
+    _check_layout(plan)
+    assert {rack.nodes[rack.node_of_rank(i.ranks[0])].domain for i in plan.of_role("decode")} == set(rack.domains())
 
 
 def test_measured_constants_are_labelled(tmp_path):
