@@ -130,7 +130,19 @@ class ExpertBackend:
     def route(self, router_logits, top_k, renormalize):
         return reference.route(router_logits, top_k, renormalize)
 
-    def run(self, x, topk_weights, topk_ids, weights: ExpertWeights, expert_offset: int, shared=None, shared_gate=None, shared_ready=None):
+    def run(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        weights: ExpertWeights,
+        expert_offset: int,
+        shared: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
+        shared_ready: torch.cuda.Event | None = None,
+    ) -> torch.Tensor:
+        """x [T, H], topk_* [T, k] -> [T, H]: this rank's experts, plus the gated shared expert if
+        given (after waiting on `shared_ready`, the event of the stream that computed it)."""
         raise NotImplementedError
 
 

@@ -115,7 +115,8 @@ class MoE(nn.Module):
         if x.dim() != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"x.shape={tuple(x.shape)}: expected [T, {self.hidden}]")
         backend = self._ready()
-        return backend.run(x, topk_weights, topk_ids, self._weights, self.expert_offset, shared, shared_gate, shared_ready)
+        w = self._weights
+        return backend.run(x, topk_weights, topk_ids, w, self.expert_offset, shared, shared_gate, shared_ready)
 
     def shared(self, x: torch.Tensor) -> torch.Tensor | None:
         """sigmoid(x . w_gate) * shared_expert(x), or None when the model has no shared expert."""

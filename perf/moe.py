@@ -11,10 +11,10 @@ then w2: [T*k, I] x [H, I]^T) done by
   torch-bf16      torch._grouped_mm (bf16)
   torch-fp8-row   torch._scaled_grouped_mm (FP8, row-wise scales)
 ours-bf16 (the same kernel on bf16 operands) and the alternative FP8 variants (`alt`: BM=128
-masked kernel for decode, overlapped promotion for prefill), and our whole layer (`layer-fp8`: route-free permute + quantize + GEMM + SiLU-and-mul + quantize +
-GEMM + weighted un-permute). TFLOP/s counts 6 * T * k * H * I; bandwidth counts the bytes of the
-active experts' weights plus activations in and out, against a device-to-device copy measured in the
-same run (bytes read + written). Needs a CUDA GPU (sm_90 for ours); prints a table, writes JSON.
+masked kernel for decode, overlapped promotion for prefill), and our whole layer (`layer-fp8`:
+permute + quantize + GEMM + SiLU-and-mul + quantize + GEMM + weighted un-permute; no routing).
+TFLOP/s counts 6 * T * k * H * I; bandwidth counts the bytes of the active experts' weights plus
+activations in and out, against a device-to-device copy measured in the same run (read + write). Needs a CUDA GPU (sm_90 for ours); prints a table, writes JSON.
 """
 from __future__ import annotations
 
@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {dev}, torch {torch.__version__}, copy bandwidth {bw:.0f} GB/s (read + write)")
     print(HEADER)
     rows = []
-    out = dict(device=dev, torch=torch.__version__, copy_gbps=bw, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    out = dict(device=dev, torch=torch.__version__, copy_gbps=bw, date=date,
                command=" ".join(["python -m perf.moe"] + (argv if argv is not None else sys.argv[1:])), rows=rows)
     for m in models:
         rows += bench_model(m, tokens, args.iters, gemm, bw)

@@ -89,7 +89,9 @@ class GroupedGemmSm90:
         k_major = utils.LayoutEnum.ROW_MAJOR
         self.a_smem_staged = sm90_utils.make_smem_layout_a(k_major, self.tile_mnk, self.ab_dtype, self.ab_stage)
         self.b_smem_staged = sm90_utils.make_smem_layout_b(k_major, self.tile_mnk, self.ab_dtype, self.ab_stage)
-        self.epi_smem_staged = sm90_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage)
+        self.epi_smem_staged = sm90_utils.make_smem_layout_epi(
+            self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage
+        )
 
     @cute.jit
     def __call__(
@@ -246,7 +248,9 @@ class GroupedGemmSm90:
                     for kt in cutlass.range(1, k_tiles, 2, unroll=1):
                         cons = self._mma(ab_pipe, cons, mmas, part1, tCrA, tCrB, num_kb, True)
                         cute.nvgpu.warpgroup.wait_group(1)
-                        rel = self._retire(ab_pipe, rel, acc, part0, tCcC, mSA, mSB, kt - 1, pid_m, pid_n, pid_l, expert)
+                        rel = self._retire(
+                            ab_pipe, rel, acc, part0, tCcC, mSA, mSB, kt - 1, pid_m, pid_n, pid_l, expert
+                        )
                         if warp_idx == 0 and prod.count < k_tiles:
                             prod = self._load(ab_pipe, prod, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB)
                         if kt + 1 < k_tiles:
@@ -259,7 +263,9 @@ class GroupedGemmSm90:
                             prod = self._load(ab_pipe, prod, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB)
                     if k_tiles % 2 == 1:
                         cute.nvgpu.warpgroup.wait_group(0)
-                        rel = self._retire(ab_pipe, rel, acc, part0, tCcC, mSA, mSB, k_tiles - 1, pid_m, pid_n, pid_l, expert)
+                        rel = self._retire(
+                            ab_pipe, rel, acc, part0, tCcC, mSA, mSB, k_tiles - 1, pid_m, pid_n, pid_l, expert
+                        )
                 else:
                     for kt in cutlass.range(k_tiles, unroll=1):
                         cons = self._mma(ab_pipe, cons, mmas, part0, tCrA, tCrB, num_kb, True)

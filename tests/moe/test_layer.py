@@ -39,7 +39,8 @@ def test_reference_layer_matches_dense_loop_and_ep_slices():
     parts = []
     for r in range(2):
         m = MoE(32, 8, 2, 16, shared_intermediate=24, ep_rank=r, ep_size=2)
-        m.load_state_dict({k: (v[4 * r : 4 * r + 4] if k in ("w13", "w2") else v) for k, v in full.state_dict().items()})
+        sd = {k: (v[4 * r : 4 * r + 4] if k in ("w13", "w2") else v) for k, v in full.state_dict().items()}
+        m.load_state_dict(sd)
         parts.append(m(x))
     assert torch.allclose(parts[0] + parts[1], want, rtol=1e-4, atol=1e-5)
 
@@ -94,3 +95,10 @@ def test_bad_inputs_raise():
 
 def test_cpu_selects_reference():
     assert backend.select("cpu").name == "reference"
+
+
+def test_backend_choice_is_logged(caplog):
+    backend._chosen.pop("mxfp8-emulated", None)
+    with caplog.at_level("INFO", logger="moe.backend"):
+        backend.select("cpu", "mxfp8-emulated")
+    assert "MoE expert backend: mxfp8-emulated" in caplog.text
