@@ -14,7 +14,8 @@ ours-bf16 (the same kernel on bf16 operands) and the alternative FP8 variants (`
 masked kernel for decode, overlapped promotion for prefill), and our whole layer (`layer-fp8`:
 permute + quantize + GEMM + SiLU-and-mul + quantize + GEMM + weighted un-permute; no routing).
 TFLOP/s counts 6 * T * k * H * I; bandwidth counts the bytes of the active experts' weights plus
-activations in and out, against a device-to-device copy measured in the same run (read + write). Needs a CUDA GPU (sm_90 for ours); prints a table, writes JSON.
+activations in and out, against a device-to-device copy measured in the same run (read + write).
+Needs a CUDA GPU (sm_90 for ours); prints a table, writes JSON.
 """
 from __future__ import annotations
 
