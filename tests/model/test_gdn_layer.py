@@ -27,7 +27,7 @@ class Pair:
         torch.manual_seed(seed)
         config_cls, hf_cls = KINDS[kind]
         self.config = config_cls(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
-                                 linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                                 linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
                                  num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
                                  vocab_size=64)
         self.hf = hf_cls(self.config, LAYER).eval()
@@ -35,7 +35,7 @@ class Pair:
             # Mild decays so state carried across chunks still shapes the outputs.
             self.hf.A_log.copy_(torch.empty(4).uniform_(0.01, 0.3).log())
             self.hf.dt_bias.copy_(torch.randn(4) * 0.5)
-            self.hf.norm.weight.copy_(1 + 0.3 * torch.randn(8))
+            self.hf.norm.weight.copy_(1 + 0.3 * torch.randn(12))
         self.ours = GatedDeltaNet(self.config, LAYER)
         self.ours.load_state_dict(self.hf.state_dict(), strict=True)
         conv_shape, rec_shape = GatedDeltaNet.state_shapes(self.config)
