@@ -81,20 +81,28 @@ class PrefixCache:
             self.slots.incref(slot)
         return PrefixMatch([n.page for n in path], len(path) * self.page_size, slot)
 
-    def insert(self, tokens: list[int], pages: list[int], checkpoints: dict[int, int] | None = None) -> None:
-        """Record the full pages of `tokens` (KV in `pages`); `checkpoints` maps a page index to the
+    def insert(self, tokens: list[int], pages: list[int], checkpoints: dict[int, int] | None = None,
+               cursor: "_Node | None" = None, num_tokens: int | None = None) -> "_Node | None":
+        """Record the full pages of `tokens[:num_tokens]` (KV in `pages`); `checkpoints` maps a page index to the
         slot holding the GDN state after that page's last token (a function of the tokens only). The
-        tree takes its own references; where it already holds the same tokens it keeps its page."""
+        tree takes its own references; where it already holds the same tokens it keeps its page.
+
+        `cursor`, the value a previous insert of a prefix of `tokens` returned, lets the walk start
+        where that one ended (a growing sequence inserts each new page once, not its whole path)."""
         if not self.enabled:
-            return
+            return None
         checkpoints = checkpoints or {}
         now = next(self._clock)
-        node = self.root
-        for i, key in enumerate(self._keys(tokens, min(len(tokens) // self.page_size, len(pages)))):
+        node = cursor if cursor is not None and self._attached(cursor) else self.root
+        p = self.page_size
+        n = len(tokens) if num_tokens is None else min(num_tokens, len(tokens))
+        for i in range(node.depth, min(n // p, len(pages))):
+            key = tuple(tokens[i * p:(i + 1) * p])
             child = node.children.get(key)
             if child is None:
                 child = _Node(key, pages[i], node, depth=i + 1)
                 self.pages.incref(pages[i])
+                self.pages.tag(pages[i])
                 node.children[key] = child
                 self.num_nodes += 1
             child.last_access = now
@@ -103,6 +111,10 @@ class PrefixCache:
                 child.slot = slot
                 self.slots.incref(slot)
             node = child
+        return node
+
+    def _attached(self, n: _Node) -> bool:
+        return n is self.root or n.parent is not None
 
     def _nodes(self):
         stack = list(self.root.children.values())
@@ -114,7 +126,7 @@ class PrefixCache:
     def num_evictable_pages(self) -> int:
         """Pages only the tree references (a running sequence holds its whole prefix, so every
         such node can go once its descendants have)."""
-        return sum(1 for n in self._nodes() if self.pages.refcount(n.page) == 1)
+        return self.pages.num_tagged_only
 
     def evict_pages(self, num_pages: int) -> int:
         """Drop least-recently-used leaves that only the tree references until `num_pages` pages
@@ -146,6 +158,8 @@ class PrefixCache:
 
     def _drop(self, n: _Node) -> None:
         del n.parent.children[n.key]
+        n.parent = None  # detached: a cursor pointing here is stale
+        self.pages.untag(n.page)
         self.pages.decref(n.page)
         if n.slot >= 0:
             self.slots.decref(n.slot)
@@ -154,6 +168,8 @@ class PrefixCache:
     def clear(self) -> None:
         """Release every reference the tree holds."""
         for n in list(self._nodes()):
+            n.parent = None
+            self.pages.untag(n.page)
             self.pages.decref(n.page)
             if n.slot >= 0:
                 self.slots.decref(n.slot)

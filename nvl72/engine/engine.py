@@ -143,7 +143,7 @@ class LLMEngine:
         if not p.greedy:
             seed = p.seed if p.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
             gen = torch.Generator(device=self.device).manual_seed(seed)
-        seq = Sequence(req.request_id, list(req.prompt_token_ids), p, self._arrival, gen)
+        seq = Sequence(req.request_id, list(req.prompt_token_ids), len(req.prompt_token_ids), p, self._arrival, gen)
         self._arrival += 1
         self.seqs[req.request_id] = seq
         self.scheduler.add(seq)
@@ -236,21 +236,21 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int, sampled, row: int) -> None:
         p = seq.params
-        seq.output_ids.append(token)
+        seq.all_ids.append(token)
         if p.logprobs is not None:
             seq.pending_logprobs.append(TokenLogprob(token, sampled.logprobs[row], sampled.top_logprobs[row]))
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             seq.finish_reason = "stop"
-        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        elif seq.num_output >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
             seq.finish_reason = "length"
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        new = seq.output_ids[seq.num_sent:]
-        seq.num_sent = len(seq.output_ids)
+        new = seq.all_ids[seq.num_prompt + seq.num_sent:]
+        seq.num_sent = seq.num_output
         lps = None
         if seq.params.logprobs is not None:
             lps, seq.pending_logprobs = seq.pending_logprobs, []
-        return RequestOutput(seq.request_id, new, seq.finish_reason, len(seq.prompt_ids), seq.num_cached_tokens, lps)
+        return RequestOutput(seq.request_id, new, seq.finish_reason, seq.num_prompt, seq.num_cached_tokens, lps)
 
     # ---------------------------------------------------------------- gauges
     def stats(self) -> dict[str, float]:

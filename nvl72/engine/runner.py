@@ -92,6 +92,6 @@ class ModelRunner:
             first = s.num_new - 1 - len(s.drafts)
             seq = s.seq
             # Penalties at draft position j see the drafts before it as already generated.
-            sample_rows.append(SampleRow(seq.params, seq.prompt_ids, seq.output_ids + s.drafts[:off - first],
-                                         seq.generator))
+            sample_rows.append(SampleRow(seq.params, seq.all_ids, seq.num_prompt, seq.generator,
+                                         s.drafts[:off - first]))
         return StepResult(hidden, batch, rows, self.sampler(logits, sample_rows))

@@ -11,7 +11,7 @@ whatever the batch around it).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,9 +21,14 @@ from nvl72.engine.protocol import SamplingParams
 @dataclass
 class SampleRow:
     params: SamplingParams
-    prompt_ids: list[int]
-    output_ids: list[int]  # tokens generated before this position (for penalties)
+    history: list[int]  # prompt then generated tokens (read only when a penalty is set)
+    num_prompt: int
     generator: torch.Generator | None = None  # required unless greedy
+    extra: list[int] = field(default_factory=list)  # draft tokens before this position (count as generated)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.history[self.num_prompt:] + self.extra
 
 
 @dataclass
@@ -40,14 +45,15 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     for i, r in enumerate(rows):
         p = r.params
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(r.prompt_ids + r.output_ids, dtype=torch.long, device=logits.device)
+            seen = torch.tensor(r.history + r.extra, dtype=torch.long, device=logits.device)
             mask = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
             mask[seen] = True
             row = out[i]
             pen = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             out[i] = torch.where(mask, pen, row)
-        if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and r.output_ids:
-            counts = torch.bincount(torch.tensor(r.output_ids, dtype=torch.long, device=logits.device),
+        out_ids = r.output_ids if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 else []
+        if out_ids:
+            counts = torch.bincount(torch.tensor(out_ids, dtype=torch.long, device=logits.device),
                                     minlength=vocab)[:vocab].to(out.dtype)
             out[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(out.dtype)
     return out

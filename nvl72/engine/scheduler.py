@@ -113,6 +113,7 @@ class Scheduler:
         for p in seq.pages:
             self.pages.decref(p)
         seq.pages = []
+        seq.tree_cursor = None
         if seq.state_slot >= 0:
             self.slots.decref(seq.state_slot)
             seq.state_slot = -1
@@ -134,7 +135,8 @@ class Scheduler:
         if n <= 0:
             return []
         if self.pages.num_free < n:
-            self.prefix.evict_pages(n - self.pages.num_free)
+            # Evicting walks the tree: free a batch at once so that it happens rarely.
+            self.prefix.evict_pages(max(n - self.pages.num_free, self.pages.size // 64))
         if self.pages.num_free < n:
             return None
         return self.pages.alloc(n)
@@ -143,7 +145,7 @@ class Scheduler:
         if n <= 0 or not self.hybrid:
             return []
         if self.slots.num_free < n:
-            self.prefix.evict_slots(n - self.slots.num_free)
+            self.prefix.evict_slots(max(n - self.slots.num_free, self.slots.size // 16))
         if self.slots.num_free < n:
             # A checkpoint slot can also live on a node only the tree references via its page.
             self.prefix.evict_pages(n - self.slots.num_free)
@@ -182,7 +184,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed, budget)
             return ScheduledSeq(seq, n, []) if n > 0 else None
         room = min(budget - 1, self.config.max_model_len - seq.num_tokens,
-                   seq.params.max_tokens - len(seq.output_ids) - 1)
+                   seq.params.max_tokens - seq.num_output - 1)
         drafts = seq.drafts[:max(room, 0)]
         if budget < 1:
             return None
@@ -235,7 +237,7 @@ class Scheduler:
             if not seq.admitted_once:
                 seq.admitted_once = True
                 seq.num_cached_tokens = match.num_tokens
-                self.prefix_queries += len(seq.prompt_ids)
+                self.prefix_queries += seq.num_prompt
                 self.prefix_hits += match.num_tokens
             scheduled.append(sched)
             budget -= n
@@ -257,7 +259,7 @@ class Scheduler:
     def commit(self, sched: ScheduledSeq, num_accepted: int) -> None:
         """Record that the first `num_accepted` fed tokens are now in the cache (all of a prefill
         chunk; the fed token plus the accepted drafts of a decode). The caller has already
-        appended the newly sampled tokens to `seq.output_ids`."""
+        appended the newly sampled tokens to `seq.all_ids`."""
         seq = sched.seq
         start = seq.num_computed
         seq.num_computed = start + num_accepted
@@ -275,7 +277,8 @@ class Scheduler:
             self.slots.decref(seq.state_slot)
             seq.state_slot = keep
         if seq.num_computed // self.page_size > start // self.page_size or checkpoints:
-            self.prefix.insert(seq.all_ids[:seq.num_computed], seq.pages, checkpoints)
+            seq.tree_cursor = self.prefix.insert(seq.all_ids, seq.pages, checkpoints, seq.tree_cursor,
+                                                 num_tokens=seq.num_computed)
         if self.hybrid:
             for slot in sched.write_slots:
                 if slot != seq.state_slot:

@@ -18,17 +18,18 @@ class Status(enum.Enum):
 @dataclass(eq=False)
 class Sequence:
     request_id: str
-    prompt_ids: list[int]
+    all_ids: list[int]  # prompt then generated tokens; only `append` grows it
+    num_prompt: int
     params: SamplingParams
     arrival: int  # admission order; preemption picks the youngest
     generator: torch.Generator | None = None
-    output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     # Tokens whose KV (and GDN state) are in the cache. While decoding this is len(all_ids) - 1:
     # the last sampled token is fed in the next step.
     num_computed: int = 0
     pages: list[int] = field(default_factory=list)  # KV page ids, in order
     state_slot: int = -1  # GDN slot holding the state after num_computed tokens (one reference)
+    tree_cursor: object = None  # where this sequence's last prefix-tree insertion ended
     num_cached_tokens: int = 0  # prefix-cache hit of the first admission (reported to the front)
     drafts: list[int] = field(default_factory=list)  # speculative tokens to verify next step
     finish_reason: str | None = None
@@ -39,12 +40,12 @@ class Sequence:
     admitted_once: bool = False
 
     @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def num_tokens(self) -> int:
+        return len(self.all_ids)
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+    def num_output(self) -> int:
+        return len(self.all_ids) - self.num_prompt
 
     @property
     def in_prefill(self) -> bool:

@@ -24,6 +24,7 @@ def check_refcounts(e):
         if n.slot >= 0:
             slots[n.slot] += 1
     assert all(e.pages.refcount(p) == pages[p] for p in range(e.pages.size))
+    assert e.prefix.num_evictable_pages() == sum(1 for n in e.prefix._nodes() if pages[n.page] == 1)
     if e.slots is not None:
         assert all(e.slots.refcount(s) == slots[s] for s in range(e.slots.size))
 

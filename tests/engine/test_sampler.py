@@ -51,7 +51,10 @@ def test_penalties_match_reference():
     prompt, out = [1, 2, 3, 3], [3, 5, 5, 5, 9]
     ps = [SamplingParams(repetition_penalty=1.7), SamplingParams(frequency_penalty=0.4, presence_penalty=0.9),
           SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.3)]
-    got = apply_penalties(x, [SampleRow(p, prompt, out) for p in ps])
+    got = apply_penalties(x, [SampleRow(p, prompt + out, len(prompt)) for p in ps])
+    # Draft tokens before a verify position count as generated.
+    split = apply_penalties(x, [SampleRow(p, prompt + out[:-2], len(prompt), extra=out[-2:]) for p in ps])
+    assert torch.equal(split, got)
     for i, p in enumerate(ps):
         want = x[i].clone()
         for t in set(prompt + out):
@@ -63,7 +66,7 @@ def test_penalties_match_reference():
 
 def test_greedy_and_logprobs():
     x = _logits(4, seed=5)
-    rows = [SampleRow(SamplingParams(temperature=0.0, logprobs=3), [1], [])] * 4
+    rows = [SampleRow(SamplingParams(temperature=0.0, logprobs=3), [1], 1)] * 4
     res = Sampler()(x, rows)
     assert res.token_ids == x.argmax(-1).tolist()
     lp = torch.log_softmax(x, -1)
@@ -80,7 +83,7 @@ def test_seed_reproducible_and_distribution():
     n = 4000
 
     def draw(seed0):
-        rows = [SampleRow(p, [], [], torch.Generator().manual_seed(seed0 + i)) for i in range(n)]
+        rows = [SampleRow(p, [], 0, torch.Generator().manual_seed(seed0 + i)) for i in range(n)]
         return torch.tensor(Sampler()(x.expand(n, V), rows).token_ids)
     a, b, c = draw(0), draw(0), draw(10_000)
     assert torch.equal(a, b)
