@@ -5,7 +5,9 @@
     y, res = ar.add_rmsnorm(x, residual, weight, eps, zero_centered=False)
 
 Algorithms (kernels in `comms.kernels.allreduce`, loaded from the `aot` bundle):
-  oneshot   push x to every peer, each rank reduces all copies       (latency-bound sizes)
+  lamport   one-shot whose data is its own flag (sentinel-filled slots, 3 rotating buffers):
+            no flags, no fences; up to 1 MiB                           (latency-bound sizes)
+  oneshot   push x to every peer, flag per block, each rank reduces all copies
   twoshot   reduce-scatter + all-gather over NVLink                    (bandwidth-bound sizes)
   multimem  two-shot through NVLink SHARP (multimem.ld_reduce/st); needs a heap created with
             enable_multicast=True on a device with multicast
@@ -43,15 +45,18 @@ from comms.heap import SymmetricHeap
 
 log = logging.getLogger(__name__)
 
-ALGOS = ("auto", "oneshot", "twoshot", "multimem", "nccl", "reference")
+ALGOS = ("auto", "lamport", "oneshot", "twoshot", "multimem", "nccl", "reference")
+KERNEL_ALGOS = ("lamport", "oneshot", "twoshot", "multimem")
 DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 KERNEL_MODULE = "comms.kernels.allreduce"
 # compile-time constants of comms.kernels.allreduce (kept here so CPU code need not import it)
 THREADS = 512
-MAX_BLOCKS = 64
+MAX_BLOCKS = 256
 MAX_WORLD = 8
 VEC_BYTES = 16
 ONESHOT_MAX_BYTES = 1 << 20
+LAMPORT_MAX_BYTES = 1 << 20   # per-slot capacity of the Lamport buffers
+LAMPORT_SENTINEL = -1          # int32 word of an empty Lamport slot
 DEFAULT_MAX_BYTES = 64 << 20
 
 
@@ -125,13 +130,19 @@ class AllReduce:
         if algo == "multimem" and not self.multicast:
             raise AllReduceError("algo='multimem' needs a heap created with enable_multicast=True on a "
                                  "device that reports multicast")
-        if algo in ("oneshot", "twoshot", "multimem") and self.world > MAX_WORLD:
+        if algo in KERNEL_ALGOS and self.world > MAX_WORLD:
             raise AllReduceError(f"algo={algo!r} supports at most {MAX_WORLD} ranks, group has {self.world}")
         self.algo = algo
         # heap layout: data [2 parity][W][cap] + gather [2][cap]; flags [2][MAX_WORLD][MAX_BLOCKS]; state
         self.ws_off = heap.alloc((2 * self.world + 2) * max_bytes)
         self.flag_off = heap.alloc(2 * MAX_WORLD * MAX_BLOCKS * 4)
         self.state_off = heap.alloc(64)
+        # Lamport one-shot: 3 rotating buffers [3][W][lam_cap] of sentinel words + its own state
+        # [epoch, ticket, -, -, dirty vectors of buffer 0..2] (its rotation must not see other calls)
+        self.lam_cap = min(max_bytes, LAMPORT_MAX_BYTES)
+        self.lam_off = heap.alloc(3 * self.world * self.lam_cap)
+        heap.buffer(self.lam_off, (3 * self.world * self.lam_cap // 4,), torch.int32).fill_(LAMPORT_SENTINEL)
+        self.lam_state_off = heap.alloc(64)
         self._err = torch.zeros(4, dtype=torch.int32, pin_memory=True)  # written by kernels (UVA)
         self._kernels: dict = {}
         heap.barrier()
@@ -177,8 +188,10 @@ class AllReduce:
             raise AllReduceError(f"add_rmsnorm: weight {weight.dtype}/{weight.device} must match x "
                                  f"{x.dtype}/{x.device} and residual must be contiguous")
         epv = VEC_BYTES // x.element_size()
-        if self.device.type == "cuda" and self.algo_for(x) == "oneshot" and x.shape[1] % epv == 0:
-            return self._launch_rmsnorm(x, residual, weight.contiguous(), eps, zero_centered)
+        if self.device.type == "cuda" and x.shape[1] % epv == 0:
+            algo = self.algo_for(x)
+            if algo in ("oneshot", "lamport"):
+                return self._launch_rmsnorm(algo, x, residual, weight.contiguous(), eps, zero_centered)
         # larger messages (or a hidden size not a multiple of 16 bytes): all-reduce, then torch ops
         s = self(x)
         res = (s.float() + residual.float()).to(x.dtype)
@@ -187,8 +200,10 @@ class AllReduce:
     def algo_for(self, x: torch.Tensor) -> str:
         nbytes = x.numel() * x.element_size()
         if self.algo != "auto":
-            if self.algo in ("oneshot", "twoshot", "multimem") and self._padded_bytes(x) > self.max_bytes:
-                raise AllReduceError(f"{nbytes} bytes exceed this AllReduce's max_bytes={self.max_bytes}")
+            limit = self.lam_cap if self.algo == "lamport" else self.max_bytes
+            if self.algo in KERNEL_ALGOS and self._padded_bytes(x) > limit:
+                raise AllReduceError(f"{nbytes} bytes exceed this AllReduce's limit of {limit} bytes for "
+                                     f"algo={self.algo!r} (max_bytes={self.max_bytes})")
             return self.algo
         algo = select_algo(nbytes, self.world, device=self.device.type, multicast=self.multicast,
                            max_bytes=self.max_bytes)
@@ -250,23 +265,31 @@ class AllReduce:
             xf = torch.nn.functional.pad(xf, (0, npad - n))
             of = torch.empty_like(xf)
         nvec = xf.numel() // epv
-        per_block = nvec if algo == "oneshot" else -(-nvec // self.world)
+        per_block = nvec if algo in ("oneshot", "lamport") else -(-nvec // self.world)
         nblocks = max(1, min(MAX_BLOCKS, -(-per_block // THREADS)))
-        args = [xf, of, self.heap.peer_ptrs, self.rank, self.world, self.ws_off, self.max_bytes, self.flag_off,
-                self.state_off, self._err.data_ptr(), int(self.timeout_s * 1e9)]
-        if algo != "oneshot":
+        if algo == "lamport":
+            args = [xf, of, self.heap.peer_ptrs, self.rank, self.world, self.lam_off, self.lam_cap,
+                    self.lam_state_off, self._err.data_ptr(), int(self.timeout_s * 1e9)]
+        else:
+            args = [xf, of, self.heap.peer_ptrs, self.rank, self.world, self.ws_off, self.max_bytes, self.flag_off,
+                    self.state_off, self._err.data_ptr(), int(self.timeout_s * 1e9)]
+        if algo in ("twoshot", "multimem"):
             args.append(self.heap.multicast_ptr)
         self._call(self._kernel(algo, x.dtype), *args, nblocks)
         if of.data_ptr() != out.data_ptr():
             out.view(-1).copy_(of[:n])
         return out
 
-    def _launch_rmsnorm(self, x, residual, weight, eps, zero_centered):
+    def _launch_rmsnorm(self, algo, x, residual, weight, eps, zero_centered):
         self.check()
         out, res_out = torch.empty_like(x), torch.empty_like(x)
         nblocks = max(1, min(MAX_BLOCKS, x.shape[0]))
+        if algo == "lamport":
+            name, region = "lamport_rmsnorm", (self.lam_off, self.lam_cap, 0, self.lam_state_off)
+        else:
+            name, region = "rmsnorm", (self.ws_off, self.max_bytes, self.flag_off, self.state_off)
         self._call(
-            self._kernel("rmsnorm", x.dtype), x.view(-1), residual.view(-1), weight, out.view(-1), res_out.view(-1), self.heap.peer_ptrs,
-            self.rank, self.world, self.ws_off, self.max_bytes, self.flag_off, self.state_off,
-            self._err.data_ptr(), int(self.timeout_s * 1e9), float(eps), 1.0 if zero_centered else 0.0, nblocks)
+            self._kernel(name, x.dtype), x.view(-1), residual.view(-1), weight, out.view(-1), res_out.view(-1),
+            self.heap.peer_ptrs, self.rank, self.world, *region, self._err.data_ptr(), int(self.timeout_s * 1e9),
+            float(eps), 1.0 if zero_centered else 0.0, nblocks)
         return out, res_out

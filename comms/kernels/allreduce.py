@@ -37,33 +37,79 @@ from comms.kernels import ptx
 
 ARCHS = ("sm_90a", "sm_100a")
 THREADS = 512
-MAX_BLOCKS = 64
+MAX_BLOCKS = 256
 MAX_WORLD = 8
 VEC_BYTES = 16
-NORM_THREADS = 256
+UNROLL = 4          # 16-byte vectors in flight per thread in the bandwidth loops
+LAMPORT_SENTINEL = -1  # 0xFFFFFFFF: an empty Lamport slot word
 
 
 def _i64(v):
     return cutlass.Int64(v)
 
 
-def _accumulate(acc, d, is_bf16: bool):
-    """acc[:] += the elements of one 16-byte vector `d` (4 x Int32)."""
+def _accumulate(acc, d, is_bf16: bool, base: int = 0):
+    """acc[base:base+epv] += the elements of one 16-byte vector `d` (4 x Int32)."""
     if is_bf16:  # plain Python at trace time: unrolled
         for j in range(4):
             lo, hi = ptx.bf16x2_to_f32(d[j])
-            acc[2 * j] = acc[2 * j] + lo
-            acc[2 * j + 1] = acc[2 * j + 1] + hi
+            acc[base + 2 * j] = acc[base + 2 * j] + lo
+            acc[base + 2 * j + 1] = acc[base + 2 * j + 1] + hi
     else:
         for j in range(4):
-            acc[j] = acc[j] + ptx.i32_as_f32(d[j])
+            acc[base + j] = acc[base + j] + ptx.i32_as_f32(d[j])
 
 
-def _pack(acc, is_bf16: bool):
-    """The fp32 accumulators of one vector -> 4 x Int32 in the data dtype."""
+def _pack(acc, is_bf16: bool, base: int = 0):
+    """The fp32 accumulators acc[base:base+epv] of one vector -> 4 x Int32 in the data dtype."""
     if is_bf16:
-        return [ptx.f32_to_bf16x2(acc[2 * j], acc[2 * j + 1]) for j in range(4)]
-    return [ptx.f32_as_i32(acc[j]) for j in range(4)]
+        return [ptx.f32_to_bf16x2(acc[base + 2 * j], acc[base + 2 * j + 1]) for j in range(4)]
+    return [ptx.f32_as_i32(acc[base + j]) for j in range(4)]
+
+
+@cute.jit
+def _copy(src, dst, v, vend, cg: cutlass.Constexpr):
+    """Vectors v, v + THREADS, ... < vend of src -> dst (byte bases), UNROLL loads in flight;
+    cg: read past L1 (data that peers wrote during this kernel)."""
+    buf = cute.make_rmem_tensor(cute.make_layout(UNROLL * 4), cutlass.Int32)
+    while v < vend:
+        for u in cutlass.range_constexpr(UNROLL):
+            vv = v + u * THREADS
+            if vv < vend:
+                if cutlass.const_expr(cg):
+                    d = ptx.ld_v4_cg(src + _i64(vv) * VEC_BYTES)
+                else:
+                    d = ptx.ld_v4(src + _i64(vv) * VEC_BYTES)
+                for j in cutlass.range_constexpr(4):
+                    buf[u * 4 + j] = d[j]
+        for u in cutlass.range_constexpr(UNROLL):
+            vv = v + u * THREADS
+            if vv < vend:
+                ptx.st_v4(dst + _i64(vv) * VEC_BYTES, [buf[u * 4 + j] for j in range(4)])
+        v += UNROLL * THREADS
+
+
+@cute.jit
+def _reduce_group(acc, stage, xa, slots, cap, rank, world, v, vend, is_bf16: cutlass.Constexpr):
+    """acc[u*epv:(u+1)*epv] = sum over ranks (in rank order) of vector v + u*THREADS, for the
+    UNROLL vectors below vend; rank r's copy at slots + r*cap, ours at xa."""
+    epv = 8 if is_bf16 else 4
+    for e in cutlass.range_constexpr(UNROLL * epv):
+        acc[e] = cutlass.Float32(0.0)
+    for r in cutlass.range_constexpr(MAX_WORLD):
+        if r < world:
+            base = slots + r * cap
+            if r == rank:
+                base = xa
+            for u in cutlass.range_constexpr(UNROLL):
+                vv = v + u * THREADS
+                if vv < vend:
+                    d = ptx.ld_v4_cg(base + _i64(vv) * VEC_BYTES)
+                    for j in cutlass.range_constexpr(4):
+                        stage[u * 4 + j] = d[j]
+            for u in cutlass.range_constexpr(UNROLL):
+                if v + u * THREADS < vend:
+                    _accumulate(acc, [stage[u * 4 + j] for j in range(4)], is_bf16, u * epv)
 
 
 @cute.jit
@@ -142,31 +188,36 @@ def _make_oneshot(is_bf16: bool):
         slot = ws_off + (par * _i64(world) + _i64(rank)) * cap
         v = v0 + tid
         pr = _load_peers(peers, world)
+        buf = cute.make_rmem_tensor(cute.make_layout(UNROLL * 4), cutlass.Int32)
         while v < v1:
-            d = ptx.ld_v4(xa + _i64(v) * VEC_BYTES)
+            for u in cutlass.range_constexpr(UNROLL):
+                if v + u * THREADS < v1:
+                    d = ptx.ld_v4(xa + _i64(v + u * THREADS) * VEC_BYTES)
+                    for j in cutlass.range_constexpr(4):
+                        buf[u * 4 + j] = d[j]
             for r in cutlass.range_constexpr(MAX_WORLD):
                 if r < world:
                     if r != rank:
-                        ptx.st_v4(pr[r] + slot + _i64(v) * VEC_BYTES, d)
-            v += THREADS
+                        for u in cutlass.range_constexpr(UNROLL):
+                            if v + u * THREADS < v1:
+                                ptx.st_v4(pr[r] + slot + _i64(v + u * THREADS) * VEC_BYTES,
+                                          [buf[u * 4 + j] for j in range(4)])
+            v += UNROLL * THREADS
         cute.arch.sync_threads()
         _signal(peers, tid, rank, world, flag_off + _i64(rank * MAX_BLOCKS + bid) * 4, target)
         _wait(my_base, tid, rank, world, flag_off + _i64(bid) * 4, target, err_addr, timeout_ns)
         cute.arch.sync_threads()
         # reduce the W copies in rank order
-        acc = cute.make_rmem_tensor(cute.make_layout(epv), cutlass.Float32)
+        acc = cute.make_rmem_tensor(cute.make_layout(UNROLL * epv), cutlass.Float32)
+        stage = cute.make_rmem_tensor(cute.make_layout(UNROLL * 4), cutlass.Int32)
+        slots = my_base + ws_off + par * _i64(world) * cap
         v = v0 + tid
         while v < v1:
-            for j in cutlass.range_constexpr(epv):
-                acc[j] = cutlass.Float32(0.0)
-            for r in cutlass.range_constexpr(MAX_WORLD):
-                if r < world:
-                    a = my_base + ws_off + (par * _i64(world) + r) * cap + _i64(v) * VEC_BYTES
-                    if r == rank:
-                        a = xa + _i64(v) * VEC_BYTES
-                    _accumulate(acc, ptx.ld_v4_cg(a), is_bf16)
-            ptx.st_v4(oa + _i64(v) * VEC_BYTES, _pack(acc, is_bf16))
-            v += THREADS
+            _reduce_group(acc, stage, xa, slots, cap, rank, world, v, v1, is_bf16)
+            for u in cutlass.range_constexpr(UNROLL):
+                if v + u * THREADS < v1:
+                    ptx.st_v4(oa + _i64(v + u * THREADS) * VEC_BYTES, _pack(acc, is_bf16, u * epv))
+            v += UNROLL * THREADS
         _advance_epoch(my_base, state_off, tid, nb, target)
 
     @cute.jit
@@ -177,6 +228,130 @@ def _make_oneshot(is_bf16: bool):
         nvec = x.shape[0] // epv
         kernel(x, out, peers, rank, world, ws_off, cap, flag_off, state_off, err_addr, timeout_ns,
                nvec).launch(grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+    return launch
+
+
+# ------------------------------------------------------------------------------------------ Lamport one-shot
+@cute.jit
+def _lamport_load(addr, src, err_addr, timeout_ns):
+    """Poll one 16-byte vector of a Lamport slot until no word is the sentinel (the peer's
+    store has landed) or the timeout passes (error word = 1 + src); returns the 4 words."""
+    d = ptx.ld_volatile_v4(addr)
+    w0, w1, w2, w3 = d[0], d[1], d[2], d[3]
+    S = cutlass.Int32(LAMPORT_SENTINEL)
+    if (w0 == S) | (w1 == S) | (w2 == S) | (w3 == S):
+        t0 = ptx.globaltimer()
+        late = cutlass.Int32(0)
+        while ((w0 == S) | (w1 == S) | (w2 == S) | (w3 == S)) & (late == 0):
+            d = ptx.ld_volatile_v4(addr)
+            w0, w1, w2, w3 = d[0], d[1], d[2], d[3]
+            if ptx.globaltimer() - t0 > timeout_ns:
+                late = cutlass.Int32(1)
+                ptx.st_release_sys(err_addr, src + 1)
+    return w0, w1, w2, w3
+
+
+@cute.jit
+def _lamport_clear(my_base, lam_off, lcap, clr, dirty, rank, world, tid, bid, nb):
+    """Refill this block's share of buffer `clr` (its first `dirty` vectors of every source slot
+    but ours) with the sentinel."""
+    cper = (dirty + nb - 1) // nb
+    c0 = bid * cper
+    c1 = c0 + cper
+    if c1 > dirty:
+        c1 = dirty
+    S = cutlass.Int32(LAMPORT_SENTINEL)
+    for r in cutlass.range_constexpr(MAX_WORLD):
+        if r < world:
+            if r != rank:
+                slot = my_base + lam_off + (_i64(clr) * _i64(world) + r) * lcap
+                v = c0 + tid
+                while v < c1:
+                    ptx.st_v4(slot + _i64(v) * VEC_BYTES, [S, S, S, S])
+                    v += THREADS
+
+
+@cute.jit
+def _lamport_finish(my_base, state_off, tid, nb, cur, clr, nvec, target):
+    """The last block: buffer `clr` is clean, buffer `cur` holds nvec vectors, next epoch."""
+    cute.arch.sync_threads()
+    if tid == 0:
+        t = ptx.atom_add_acq_rel_gpu(my_base + state_off + 4, 1)
+        if t == nb - 1:
+            ptx.st_relaxed_gpu(my_base + state_off + 16 + _i64(clr) * 4, 0)
+            ptx.st_relaxed_gpu(my_base + state_off + 16 + _i64(cur) * 4, nvec)
+            ptx.st_relaxed_gpu(my_base + state_off + 4, 0)
+            ptx.st_relaxed_gpu(my_base + state_off, target)
+
+
+def _make_lamport(is_bf16: bool):
+    """One-shot without flags: the data is its own flag. Slots start as the sentinel word
+    0xFFFFFFFF; senders replace that word in their data by another NaN (`ptx.canon_word`), so a
+    receiver polls each vector until no word is the sentinel. Three buffers rotate by epoch: call
+    e writes buffer e%3 and clears buffer (e+2)%3 (read in call e-1; no peer writes it before call
+    e+2, which needs this call finished), over the vectors recorded for it in state[4 + b]."""
+    epv = 8 if is_bf16 else 4
+
+    @cute.kernel
+    def kernel(x: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, rank: cutlass.Int32,
+               world: cutlass.Int32, lam_off: cutlass.Int64, lcap: cutlass.Int64, state_off: cutlass.Int64,
+               err_addr: cutlass.Int64, timeout_ns: cutlass.Int64, nvec: cutlass.Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        nb, _, _ = cute.arch.grid_dim()
+        my_base = peers[rank]
+        epoch = ptx.ld_relaxed_gpu(my_base + state_off)
+        target = epoch + 1
+        cur = (epoch & 0x3FFFFFFF) % 3
+        clr = (cur + 2) % 3
+        dirty = ptx.ld_relaxed_gpu(my_base + state_off + 16 + _i64(clr) * 4)  # vectors per slot
+        xa = x.iterator.toint()
+        oa = out.iterator.toint()
+        pr = _load_peers(peers, world)
+        buf_cur = lam_off + _i64(cur) * _i64(world) * lcap
+        per = (nvec + nb - 1) // nb
+        v0 = bid * per
+        v1 = v0 + per
+        if v1 > nvec:
+            v1 = nvec
+        # push x (sentinel words replaced) into my slot of buffer `cur` on every peer
+        v = v0 + tid
+        while v < v1:
+            d = ptx.ld_v4(xa + _i64(v) * VEC_BYTES)
+            c = [ptx.canon_word(d[j]) for j in range(4)]
+            for r in cutlass.range_constexpr(MAX_WORLD):
+                if r < world:
+                    if r != rank:
+                        ptx.st_v4(pr[r] + buf_cur + _i64(rank) * lcap + _i64(v) * VEC_BYTES, c)
+            v += THREADS
+        _lamport_clear(my_base, lam_off, lcap, clr, dirty, rank, world, tid, bid, nb)
+        # reduce in rank order, polling the peers' slots
+        acc = cute.make_rmem_tensor(cute.make_layout(epv), cutlass.Float32)
+        v = v0 + tid
+        while v < v1:
+            for e in cutlass.range_constexpr(epv):
+                acc[e] = cutlass.Float32(0.0)
+            for r in cutlass.range_constexpr(MAX_WORLD):
+                if r < world:
+                    if r == rank:
+                        d = ptx.ld_v4(xa + _i64(v) * VEC_BYTES)
+                        _accumulate(acc, [ptx.canon_word(d[j]) for j in range(4)], is_bf16)
+                    else:
+                        a = my_base + buf_cur + r * lcap + _i64(v) * VEC_BYTES
+                        w0, w1, w2, w3 = _lamport_load(a, cutlass.Int32(r), err_addr, timeout_ns)
+                        _accumulate(acc, [w0, w1, w2, w3], is_bf16)
+            ptx.st_v4(oa + _i64(v) * VEC_BYTES, _pack(acc, is_bf16))
+            v += THREADS
+        _lamport_finish(my_base, state_off, tid, nb, cur, clr, nvec, target)
+
+    @cute.jit
+    def launch(x: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, rank: cutlass.Int32,
+               world: cutlass.Int32, lam_off: cutlass.Int64, lcap: cutlass.Int64, state_off: cutlass.Int64,
+               err_addr: cutlass.Int64, timeout_ns: cutlass.Int64, nblocks: cutlass.Int32, stream):
+        nvec = x.shape[0] // epv
+        kernel(x, out, peers, rank, world, lam_off, lcap, state_off, err_addr, timeout_ns, nvec).launch(
+            grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     return launch
 
@@ -225,9 +400,7 @@ def _make_twoshot(is_bf16: bool, multimem: bool):
                         dst = pr[r] + scatter + _i64(rank) * cap
                 if cutlass.const_expr(multimem):
                     dst = my_base + scatter
-                while v < vend:
-                    ptx.st_v4(dst + _i64(v) * VEC_BYTES, ptx.ld_v4(xa + _i64(v) * VEC_BYTES))
-                    v += THREADS
+                _copy(xa, dst, v, vend, False)
         cute.arch.sync_threads()
         _signal(peers, tid, rank, world, flags1 + _i64(rank * MAX_BLOCKS + bid) * 4, target)
         _wait(my_base, tid, rank, world, flags1 + _i64(bid) * 4, target, err_addr, timeout_ns)
@@ -237,28 +410,26 @@ def _make_twoshot(is_bf16: bool, multimem: bool):
         vend = rank * chunk + b1
         if vend > nvec:
             vend = nvec
-        acc = cute.make_rmem_tensor(cute.make_layout(epv), cutlass.Float32)
-        while v < vend:
-            off = _i64(v) * VEC_BYTES
-            if cutlass.const_expr(multimem):
-                res = ptx.multimem_ld_reduce_v4(mc_base + scatter + off, is_bf16)
-                ptx.multimem_st_v4(mc_base + gather + off, res)
-            else:
-                for j in cutlass.range_constexpr(epv):
-                    acc[j] = cutlass.Float32(0.0)
-                for r in cutlass.range_constexpr(MAX_WORLD):
-                    if r < world:
-                        a = my_base + scatter + r * cap + off
-                        if r == rank:
-                            a = xa + off
-                        _accumulate(acc, ptx.ld_v4_cg(a), is_bf16)
-                res = _pack(acc, is_bf16)
-                for r in cutlass.range_constexpr(MAX_WORLD):
-                    if r < world:
-                        if r != rank:
-                            ptx.st_v4(pr[r] + gather + off, res)
-                ptx.st_v4(oa + off, res)
-            v += THREADS
+        if cutlass.const_expr(multimem):
+            while v < vend:
+                off = _i64(v) * VEC_BYTES
+                ptx.multimem_st_v4(mc_base + gather + off, ptx.multimem_ld_reduce_v4(mc_base + scatter + off, is_bf16))
+                v += THREADS
+        else:
+            acc = cute.make_rmem_tensor(cute.make_layout(UNROLL * epv), cutlass.Float32)
+            stage = cute.make_rmem_tensor(cute.make_layout(UNROLL * 4), cutlass.Int32)
+            while v < vend:
+                _reduce_group(acc, stage, xa, my_base + scatter, cap, rank, world, v, vend, is_bf16)
+                for u in cutlass.range_constexpr(UNROLL):
+                    if v + u * THREADS < vend:
+                        off = _i64(v + u * THREADS) * VEC_BYTES
+                        res = _pack(acc, is_bf16, u * epv)
+                        for r in cutlass.range_constexpr(MAX_WORLD):
+                            if r < world:
+                                if r != rank:
+                                    ptx.st_v4(pr[r] + gather + off, res)
+                        ptx.st_v4(oa + off, res)
+                v += UNROLL * THREADS
         cute.arch.sync_threads()
         if cutlass.const_expr(multimem):
             ptx.fence_acq_rel_sys()
@@ -272,10 +443,7 @@ def _make_twoshot(is_bf16: bool, multimem: bool):
                 vend = c * chunk + b1
                 if vend > nvec:
                     vend = nvec
-                while v < vend:
-                    off = _i64(v) * VEC_BYTES
-                    ptx.st_v4(oa + off, ptx.ld_v4_cg(my_base + gather + off))
-                    v += THREADS
+                _copy(my_base + gather, oa, v, vend, True)
         _advance_epoch(my_base, state_off, tid, nb, target)
 
     @cute.jit
@@ -306,8 +474,10 @@ def _block_sum(v, smem, tid):
     return total
 
 
-def _make_oneshot_rmsnorm(is_bf16: bool):
-    """One-shot all-reduce of x [R, H] fused with `res = sum + residual` and RMSNorm of res."""
+def _make_oneshot_rmsnorm(is_bf16: bool, lamport: bool):
+    """One-shot all-reduce of x [R, H] fused with `res = sum + residual` and RMSNorm of res;
+    lamport=True: the Lamport exchange (ws_off/cap/state_off name the Lamport buffers and
+    state, flag_off is unused), else the flagged one."""
     epv = 8 if is_bf16 else 4
 
     @cute.kernel
@@ -324,13 +494,17 @@ def _make_oneshot_rmsnorm(is_bf16: bool):
         my_base = peers[rank]
         epoch = ptx.ld_relaxed_gpu(my_base + state_off)
         target = epoch + 1
-        par = _i64(epoch & 1)
+        cur = epoch & 1  # flagged: parity; Lamport: buffer epoch % 3
+        clr = cur
+        if cutlass.const_expr(lamport):
+            cur = (epoch & 0x3FFFFFFF) % 3
+            clr = (cur + 2) % 3
         xa = x.iterator.toint()
         ra = residual.iterator.toint()
         wa = weight.iterator.toint()
         oa = out.iterator.toint()
         qa = res_out.iterator.toint()
-        slot = ws_off + (par * _i64(world) + _i64(rank)) * cap
+        slots = ws_off + _i64(cur) * _i64(world) * cap  # + r * cap: rank r's copy
         pr = _load_peers(peers, world)
         # push my rows to every peer
         row = bid
@@ -339,16 +513,22 @@ def _make_oneshot_rmsnorm(is_bf16: bool):
             while j < hvec:
                 off = (_i64(row) * _i64(hvec) + _i64(j)) * VEC_BYTES
                 d = ptx.ld_v4(xa + off)
+                if cutlass.const_expr(lamport):
+                    d = [ptx.canon_word(d[k]) for k in range(4)]
                 for r in cutlass.range_constexpr(MAX_WORLD):
                     if r < world:
                         if r != rank:
-                            ptx.st_v4(pr[r] + slot + off, d)
+                            ptx.st_v4(pr[r] + slots + _i64(rank) * cap + off, d)
                 j += THREADS
             row += nb
-        cute.arch.sync_threads()
-        _signal(peers, tid, rank, world, flag_off + _i64(rank * MAX_BLOCKS + bid) * 4, target)
-        _wait(my_base, tid, rank, world, flag_off + _i64(bid) * 4, target, err_addr, timeout_ns)
-        cute.arch.sync_threads()
+        if cutlass.const_expr(lamport):
+            dirty = ptx.ld_relaxed_gpu(my_base + state_off + 16 + _i64(clr) * 4)
+            _lamport_clear(my_base, ws_off, cap, clr, dirty, rank, world, tid, bid, nb)
+        else:
+            cute.arch.sync_threads()
+            _signal(peers, tid, rank, world, flag_off + _i64(rank * MAX_BLOCKS + bid) * 4, target)
+            _wait(my_base, tid, rank, world, flag_off + _i64(bid) * 4, target, err_addr, timeout_ns)
+            cute.arch.sync_threads()
         acc = cute.make_rmem_tensor(cute.make_layout(epv), cutlass.Float32)
         inv_h = cutlass.Float32(1.0) / cutlass.Float32(hvec * epv)
         row = bid
@@ -362,10 +542,19 @@ def _make_oneshot_rmsnorm(is_bf16: bool):
                     acc[e] = cutlass.Float32(0.0)
                 for r in cutlass.range_constexpr(MAX_WORLD):
                     if r < world:
-                        a = my_base + ws_off + (par * _i64(world) + r) * cap + off
-                        if r == rank:
-                            a = xa + off
-                        _accumulate(acc, ptx.ld_v4_cg(a), is_bf16)
+                        if cutlass.const_expr(lamport):
+                            if r == rank:
+                                d = ptx.ld_v4(xa + off)
+                                _accumulate(acc, [ptx.canon_word(d[k]) for k in range(4)], is_bf16)
+                            else:
+                                w0, w1, w2, w3 = _lamport_load(my_base + slots + r * cap + off, cutlass.Int32(r),
+                                                               err_addr, timeout_ns)
+                                _accumulate(acc, [w0, w1, w2, w3], is_bf16)
+                        else:
+                            a = my_base + slots + r * cap + off
+                            if r == rank:
+                                a = xa + off
+                            _accumulate(acc, ptx.ld_v4_cg(a), is_bf16)
                 _accumulate(acc, ptx.ld_v4(ra + off), is_bf16)
                 packed = _pack(acc, is_bf16)
                 ptx.st_v4(qa + off, packed)
@@ -392,7 +581,10 @@ def _make_oneshot_rmsnorm(is_bf16: bool):
                 ptx.st_v4(oa + off, _pack(acc, is_bf16))
                 j += THREADS
             row += nb
-        _advance_epoch(my_base, state_off, tid, nb, target)
+        if cutlass.const_expr(lamport):
+            _lamport_finish(my_base, state_off, tid, nb, cur, clr, rows * hvec, target)
+        else:
+            _advance_epoch(my_base, state_off, tid, nb, target)
 
     @cute.jit
     def launch(x: cute.Tensor, residual: cute.Tensor, weight: cute.Tensor, out: cute.Tensor,
@@ -432,6 +624,8 @@ def compile_for_export(arch: str) -> dict:
         peers = make_fake_compact_tensor(cutlass.Int64, (cute.sym_int(),), assumed_align=8)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         common = (x, y, peers, i32, i32, i64, i64, i64, i64, i64, i64)
+        out[f"allreduce_lamport_{name}"] = cute.compile(_make_lamport(dt is cutlass.BFloat16), x, y, peers, i32, i32,
+                                                        i64, i64, i64, i64, i64, i32, stream, options=opts)
         out[f"allreduce_oneshot_{name}"] = cute.compile(_make_oneshot(dt is cutlass.BFloat16), *common, i32,
                                                         stream, options=opts)
         for algo, mm in (("twoshot", False), ("multimem", True)):
@@ -441,7 +635,8 @@ def compile_for_export(arch: str) -> dict:
         rows_h = [make_fake_compact_tensor(dt, (n,), assumed_align=16) for _ in range(4)]
         w = make_fake_compact_tensor(dt, (h,), assumed_align=16)
         f32 = cutlass.Float32(0.0)
-        out[f"allreduce_rmsnorm_{name}"] = cute.compile(
-            _make_oneshot_rmsnorm(dt is cutlass.BFloat16), rows_h[0], rows_h[1], w, rows_h[2], rows_h[3], peers,
-            i32, i32, i64, i64, i64, i64, i64, i64, f32, f32, i32, stream, options=opts)
+        for tag, lam in (("rmsnorm", False), ("lamport_rmsnorm", True)):
+            out[f"allreduce_{tag}_{name}"] = cute.compile(
+                _make_oneshot_rmsnorm(dt is cutlass.BFloat16, lam), rows_h[0], rows_h[1], w, rows_h[2], rows_h[3],
+                peers, i32, i32, i64, i64, i64, i64, i64, i64, f32, f32, i32, stream, options=opts)
     return out

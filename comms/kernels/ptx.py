@@ -55,6 +55,23 @@ def ld_v4_cg(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def ld_volatile_v4(addr, *, loc=None, ip=None):
+    """16-byte volatile load (never served from L1): polls data that peers write (Lamport)."""
+    r = _asm(_struct(4), [_i64(addr, loc, ip)], "ld.volatile.global.v4.b32 {$0, $1, $2, $3}, [$4];",
+             "=r,=r,=r,=r,l,~{memory}", loc, ip)
+    return [cutlass.Int32(v) for v in _unpack(r, 4, T.i32())]
+
+
+@dsl_user_op
+def canon_word(w, *, loc=None, ip=None) -> cutlass.Int32:
+    """Replace the Lamport sentinel word 0xFFFFFFFF (a NaN in fp32 and in both bf16 halves) by
+    another NaN (0x7FC07FC0), so data never looks like an empty slot; every other word passes."""
+    return cutlass.Int32(_asm(T.i32(), [_i32(w, loc, ip)],
+                              "{ .reg .pred p; setp.eq.s32 p, $1, -1; selp.b32 $0, 0x7FC07FC0, $1, p; }",
+                              "=r,r", loc, ip))
+
+
+@dsl_user_op
 def st_v4(addr, v, *, loc=None, ip=None):
     """16-byte store of 4 x Int32 (local or peer address)."""
     _asm(None, [_i64(addr, loc, ip)] + [_i32(x, loc, ip) for x in v],

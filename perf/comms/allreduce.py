@@ -9,7 +9,7 @@ algbw = bytes / time and busbw = algbw * 2(W-1)/W (the nccl-tests convention). P
 `torch.ops.symm_mem.one_shot_all_reduce` and `two_shot_all_reduce_` on a torch symmetric-memory
 buffer (their best case: input already symmetric), NCCL `all_reduce`. Also: peer-copy bandwidth
 (a local tensor copied into a peer's heap, over NVLink) and the fused all-reduce + add + RMSNorm
-against the same steps as separate ops at decode sizes. Multicast stays off (never created here).
+against the same steps as separate ops (the same all-reduce, torch add, torch rms_norm) at decode sizes. Multicast stays off (never created here).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-OURS = ("oneshot", "twoshot")
+OURS = ("lamport", "oneshot", "twoshot")
 PEERS = ("nccl", "torch_one_shot", "torch_two_shot")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -106,8 +106,13 @@ def _worker(rank: int, world: int, init_file: str, cfg_json: str):
     max_bytes = sizes[-1]
     algos = cfg["algos"]
     group = dist.group.WORLD
-    heap = SymmetricHeap(group, 2 * ((2 * world + 2) * max_bytes + (1 << 20)) + (2 << 20), dev, timeout_s=120)
+    from comms.allreduce import LAMPORT_MAX_BYTES
+    n_ours = sum(a in OURS for a in algos)
+    per_ar = (2 * world + 2) * max_bytes + 3 * world * min(max_bytes, LAMPORT_MAX_BYTES) + (1 << 20)
+    copy_bytes = 64 << 20  # peer-copy bandwidth region, apart from the all-reduce workspaces
+    heap = SymmetricHeap(group, n_ours * per_ar + copy_bytes + (2 << 20), dev, timeout_s=120)
     ars = {a: AllReduce(heap, a, max_bytes=max_bytes, timeout_s=10) for a in algos if a in OURS}
+    copy_off = heap.alloc(copy_bytes)
     symm = None
     if any(a.startswith("torch_") for a in algos):
         import torch.distributed._symmetric_memory as symm_mem
@@ -122,6 +127,8 @@ def _worker(rank: int, world: int, init_file: str, cfg_json: str):
         dist.all_reduce(ref)
         iters = 50 if nbytes <= (1 << 20) else (20 if nbytes <= (16 << 20) else 5)
         for algo in algos:
+            if algo == "lamport" and nbytes > ars[algo].lam_cap:
+                continue
             if algo in OURS:
                 out = torch.empty_like(x)
                 fn = (lambda ar=ars[algo], out=out: ar(x, out=out))
@@ -159,9 +166,8 @@ def _worker(rank: int, world: int, init_file: str, cfg_json: str):
             if algo in OURS:
                 ars[algo].check()
     # peer-copy bandwidth: local -> peer heap (NVLink write) and local -> local (HBM)
-    copy_bytes = min(256 << 20, heap.nbytes - (2 << 20))
     src = torch.empty(copy_bytes, dtype=torch.uint8, device=dev)
-    peer = heap.peer_buffer((rank + 1) % world, 0, (copy_bytes,), torch.uint8)
+    peer = heap.peer_buffer((rank + 1) % world, copy_off, (copy_bytes,), torch.uint8)
     local = torch.empty_like(src)
     bw = {}
     for name, dst in (("peer_write", peer), ("local_copy", local)):
@@ -170,8 +176,8 @@ def _worker(rank: int, world: int, init_file: str, cfg_json: str):
     heap.barrier()
     # fused all-reduce + residual add + RMSNorm vs separate ops at decode sizes
     fused = []
-    if "oneshot" in ars:
-        ar = ars["oneshot"]
+    for algo in [a for a in ("lamport", "oneshot") if a in ars]:
+        ar = ars[algo]
         for t_tok, h in ((1, 4096), (8, 4096), (32, 4096), (128, 4096), (32, 7168)):
             xx = torch.randn(t_tok, h, device=dev).to(dtype)
             res = torch.randn(t_tok, h, device=dev).to(dtype)
@@ -185,7 +191,7 @@ def _worker(rank: int, world: int, init_file: str, cfg_json: str):
             out_s = separate()
             torch.cuda.synchronize()
             ref_n = rmsnorm_reference(out_s[1], w, 1e-6, False)
-            row = {"tokens": t_tok, "hidden": h,
+            row = {"algo": algo, "tokens": t_tok, "hidden": h,
                    "fused_rel_err": ((out_f[0].float() - ref_n.float()).norm() / ref_n.float().norm()).item()}
             for mode in modes:
                 row[f"fused_{mode}_us"] = _max_over_ranks(
@@ -222,9 +228,10 @@ def _fmt_table(res: dict) -> str:
     for k, v in res["peer_copy"].items():
         lines.append(f"# {k}: {v['bytes']} bytes in {v['us']:.1f} us = {v['GBps']:.1f} GB/s")
     if res["add_rmsnorm"]:
-        lines.append(f"{'tokens':>7} {'hidden':>7} {'fused_graph_us':>15} {'separate_graph_us':>18} {'speedup':>8}")
+        lines.append(f"{'algo':>8} {'tokens':>7} {'hidden':>7} {'fused_graph_us':>15} {'separate_graph_us':>18} "
+                     f"{'speedup':>8}")
         for r in res["add_rmsnorm"]:
-            lines.append(f"{r['tokens']:>7} {r['hidden']:>7} {r['fused_graph_us']:>15.2f} "
+            lines.append(f"{r['algo']:>8} {r['tokens']:>7} {r['hidden']:>7} {r['fused_graph_us']:>15.2f} "
                          f"{r['separate_graph_us']:>18.2f} {r['separate_graph_us'] / r['fused_graph_us']:>8.2f}")
     return "\n".join(lines)
 

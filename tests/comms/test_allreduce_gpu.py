@@ -36,18 +36,22 @@ def _same_on_all_ranks(y):
 
 
 def _algos_body(rank, world):
-    from comms import AllReduce, SymmetricHeap
+    from comms import AllReduce, AllReduceError, SymmetricHeap
 
     dev = torch.device("cuda", rank)
-    heap = SymmetricHeap(dist.group.WORLD, 256 << 20, dev, timeout_s=60)  # 4 AllReduce x 48 MiB
+    heap = SymmetricHeap(dist.group.WORLD, 320 << 20, dev, timeout_s=60)  # 5 AllReduce x 54 MiB
     assert heap.capabilities.p2p and not heap.capabilities.multicast_enabled
     case = 0
-    for algo in ("oneshot", "twoshot", "nccl", "auto"):
+    for algo in ("lamport", "oneshot", "twoshot", "nccl", "auto"):
         ar = AllReduce(heap, algo, max_bytes=8 << 20, timeout_s=5)
         for dtype in (torch.bfloat16, torch.float32):
             for n in SIZES:
                 case += 1
                 x = _inputs(rank, n, dtype, case, dev)
+                if algo == "lamport" and n * x.element_size() > ar.lam_cap:
+                    with pytest.raises(AllReduceError, match="limit"):
+                        ar(x)
+                    continue
                 ref = _ref(world, n, dtype, case, dev)
                 y = ar(x)
                 torch.cuda.synchronize()
@@ -55,11 +59,11 @@ def _algos_body(rank, world):
                 err = _rel(y, ref)
                 assert err <= TOL[dtype], f"{algo} {dtype} n={n}: rel err {err:.3g}"
                 assert _same_on_all_ranks(y), f"{algo} {dtype} n={n}: ranks differ"
-                if algo in ("oneshot", "twoshot") and n == 4097:  # in place
+                if algo in ("lamport", "oneshot", "twoshot") and n == 4097:  # in place
                     ar(x, out=x)
                     assert torch.equal(x, y), f"{algo} in-place differs"
         # CUDA-graph replay: the epoch lives on the device, so replays keep synchronising
-        if algo in ("oneshot", "twoshot"):
+        if algo in ("lamport", "oneshot", "twoshot"):
             n = 12345
             static_x = torch.empty(n, dtype=torch.bfloat16, device=dev)
             static_x.copy_(_inputs(rank, n, torch.bfloat16, 999, dev))
@@ -68,7 +72,7 @@ def _algos_body(rank, world):
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 static_y = ar(static_x)
-            for rep in range(3):
+            for rep in range(4):  # > 3: the Lamport buffers rotate through all three
                 case += 1
                 static_x.copy_(_inputs(rank, n, torch.bfloat16, case, dev))
                 g.replay()
@@ -85,10 +89,11 @@ def _rmsnorm_body(rank, world):
     from comms.allreduce import rmsnorm_reference
 
     dev = torch.device("cuda", rank)
-    heap = SymmetricHeap(dist.group.WORLD, 64 << 20, dev, timeout_s=60)
-    ar = AllReduce(heap, "auto", max_bytes=4 << 20, timeout_s=5)
+    heap = SymmetricHeap(dist.group.WORLD, 96 << 20, dev, timeout_s=60)
     case = 0
-    for dtype in (torch.bfloat16, torch.float32):
+    for algo, dtype in [(a, d) for a in ("lamport", "oneshot", "auto") for d in (torch.bfloat16, torch.float32)]:
+        if dtype == torch.bfloat16:
+            ar = AllReduce(heap, algo, max_bytes=4 << 20, timeout_s=5)
         for t, h in ((1, 2048), (7, 4096), (33, 1000)):
             for zc in (False, True):
                 case += 1
@@ -100,8 +105,8 @@ def _rmsnorm_body(rank, world):
                 torch.cuda.synchronize()
                 ref_res = (_ref(world, t * h, dtype, case, dev).view(t, h) + res.float())
                 ref_out = rmsnorm_reference(ref_res.to(dtype), w, 1e-6, zc)
-                assert _rel(res_out, ref_res) <= TOL[dtype], (dtype, t, h, zc, "residual")
-                assert _rel(out, ref_out.float()) <= 2 * TOL[dtype], (dtype, t, h, zc, "normed")
+                assert _rel(res_out, ref_res) <= TOL[dtype], (algo, dtype, t, h, zc, "residual")
+                assert _rel(out, ref_out.float()) <= 2 * TOL[dtype], (algo, dtype, t, h, zc, "normed")
     heap.destroy()
 
 
@@ -110,15 +115,16 @@ def _timeout_body(rank, world):
     from comms.allreduce import AllReduceTimeoutError
 
     dev = torch.device("cuda", rank)
-    heap = SymmetricHeap(dist.group.WORLD, 8 << 20, dev, timeout_s=60)
-    ar = AllReduce(heap, "oneshot", max_bytes=1 << 20, timeout_s=0.2)
-    x = torch.randn(4096, device=dev)
-    if rank == 0:  # rank 1 never joins this call
-        ar(x)
-        torch.cuda.synchronize()  # returns: the kernel gave up waiting instead of hanging
-        with pytest.raises(AllReduceTimeoutError, match="rank 1"):
-            ar.check()
-    dist.barrier()
+    heap = SymmetricHeap(dist.group.WORLD, 32 << 20, dev, timeout_s=60)
+    for algo in ("oneshot", "lamport", "twoshot"):
+        ar = AllReduce(heap, algo, max_bytes=1 << 20, timeout_s=0.2)
+        x = torch.randn(4096, device=dev)
+        if rank == 0:  # rank 1 never joins this call
+            ar(x)
+            torch.cuda.synchronize()  # returns: the kernel gave up waiting instead of hanging
+            with pytest.raises(AllReduceTimeoutError, match="rank 1"):
+                ar.check()
+        dist.barrier()
     heap.destroy()
 
 
