@@ -163,6 +163,10 @@ class Front(threading.Thread):
         except ProtocolError as e:
             log.warning("front: dropped a bad message: %s", e)
             return
+        rank = getattr(msg, "rank", 0)
+        if not 0 <= rank < self.world_size:
+            log.warning("front: dropped %s from rank %d of a world of %d", msg.KIND, rank, self.world_size)
+            return
         if isinstance(msg, RankReady):
             self.ready[msg.rank], self.identity[msg.rank], self.last_seen[msg.rank] = msg, ident, now
             log.info("front: rank %d ready (%s on %s, pid %d)", msg.rank, msg.instance, msg.host, msg.pid)
