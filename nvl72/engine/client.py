@@ -210,6 +210,7 @@ class ProcessEngineClient(_StreamingClient):
             self._wait_ready(startup_timeout)
         except BaseException:
             self._kill()
+            self._close()
             raise
         self._stop = threading.Event()
         self._reader = threading.Thread(target=self._read_loop, name="nvl72-engine-reader", daemon=True)
@@ -292,6 +293,10 @@ class ProcessEngineClient(_StreamingClient):
         await asyncio.to_thread(self._reader.join, 5)
         self._dead = self._dead or "engine shut down"
         self._streams.fail_all(self._dead)
+        self._close()
+
+    def _close(self) -> None:
+        """Close the sockets and the log, remove the socket folder."""
         self._push.close()
         self._pull.close()
         self._ctx.term()

@@ -201,6 +201,9 @@ class Scheduler:
             if sched is None:
                 continue
             while not self._reserve(seq, sched, need_state=False):
+                if sched.drafts:  # speculation is optional: drop the drafts before preempting anyone
+                    sched = ScheduledSeq(seq, 1, [])
+                    continue
                 victim = self.running[-1]
                 self.preempt(victim)
                 preempted.append(victim)

@@ -106,3 +106,26 @@ async def _run_thread(client, ps):
         return [(await collect(client, AddRequest(f"p{i}", p, GREEDY)))[0] for i, p in enumerate(ps)]
     finally:
         await client.shutdown()
+
+
+@pytest.mark.mp
+def test_process_client_detects_dead_engine():
+    """A killed engine process ends in-flight streams with 'error'; later calls fail fast."""
+    async def main():
+        client = await asyncio.to_thread(start_local_engine, None, dtype="float32", device="cpu", max_model_len=4000,
+                                         max_num_seqs=2, page_size=16, num_pages=260, process=True)
+        try:
+            gen = client.generate(AddRequest("k", [5, 6, 7],
+                                             SamplingParams(max_tokens=3900, temperature=0.0, ignore_eos=True)))
+            first = await asyncio.wait_for(gen.__anext__(), 60)
+            assert first.finish_reason is None
+            client._proc.kill()
+            last = first
+            async for out in gen:
+                last = out
+            assert last.finish_reason == "error" and "exited" in last.error
+            with pytest.raises(EngineDeadError, match="exited"):
+                await collect(client, AddRequest("after", [1], GREEDY))
+        finally:
+            await asyncio.wait_for(client.shutdown(), 30)
+    asyncio.run(asyncio.wait_for(main(), 120))

@@ -5,6 +5,7 @@ import random
 import pytest
 
 from nvl72.engine.protocol import AddRequest, SamplingParams
+from nvl72.engine.spec import HistoryDrafter
 from tests.engine.tiny import drain, make_engine, prompts
 
 PAGE = 4
@@ -37,8 +38,8 @@ def reference(fam, reqs):
 
 
 @pytest.mark.parametrize("fam", ["qwen3_moe", "qwen3_next"])
-@pytest.mark.parametrize("fill", [0.7, 0.9, 0.98])
-def test_pressure(fam, fill):
+@pytest.mark.parametrize("fill,spec", [(0.7, 0), (0.9, 0), (0.98, 0), (0.9, 2)])
+def test_pressure(fam, fill, spec):
     rnd = random.Random(int(fill * 100))
     num_pages = 40
     capacity = num_pages * PAGE
@@ -54,8 +55,13 @@ def test_pressure(fam, fill):
                                                         stop_token_ids=stop)))
     assert budget < 4
     ref = reference(fam, reqs)
-    e = make_engine(fam, num_pages=num_pages, max_model_len=64, max_num_seqs=32, max_num_batched_tokens=24,
-                    num_state_slots=48)
+    drafter = None
+    if spec:  # drafts the reference continuation: verify steps need pages for k more tokens
+        full = [p + list(ref[rid][0]) for rid, p, _ in reqs]
+        drafter = HistoryDrafter(spec, lambda toks, k: next((f[len(toks):len(toks) + k] for f in full
+                                                             if f[:len(toks)] == toks), []))
+    e = make_engine(fam, drafter=drafter, num_speculative_tokens=spec, num_pages=num_pages, max_model_len=64,
+                    max_num_seqs=32, max_num_batched_tokens=24, num_state_slots=48)
     for rid, p, sp in reqs:
         e.add_request(AddRequest(rid, p, sp))
     res, aborted, forced = {}, set(), 0
@@ -88,6 +94,8 @@ def test_pressure(fam, fill):
     assert forced > 0 and e.scheduler.num_preemptions > forced, "no natural preemption happened"
     assert aborted
     assert not e.seqs
+    if spec:
+        assert e.stats()["spec_decode_num_accepted_tokens"] > 0
     e.prefix.clear()
     assert e.pages.num_free == e.pages.size
     assert e.slots is None or e.slots.num_free == e.slots.size
