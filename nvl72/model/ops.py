@@ -59,13 +59,23 @@ class SeqAttention:
 
 
 @dataclass
+class DecodeGroup:
+    """All single-token queries of a forward, attended in one padded batch (no per-sequence loop)."""
+
+    rows: torch.Tensor  # [Bd] int64 rows of q
+    pages: torch.Tensor  # [Bd, P] int64 page ids (padding points at page 0 and is masked)
+    masked: torch.Tensor  # [Bd, P * page_size] bool, True where key position > query position
+
+
+@dataclass
 class AttentionMetadata:
     """Per-forward attention indexing, built once (one host sync) and shared by every layer."""
 
     batch: ForwardBatch
     page_size: int
     slot_mapping: torch.Tensor  # [T] int64: page_id * page_size + offset of each new token
-    seqs: list[SeqAttention]  # sequences with at least one new token
+    seqs: list[SeqAttention]  # sequences with two or more new tokens (prefill chunks, verify steps)
+    decode: DecodeGroup | None  # sequences with exactly one new token
 
     @classmethod
     def build(cls, batch: ForwardBatch, page_size: int) -> "AttentionMetadata":
@@ -84,16 +94,30 @@ class AttentionMetadata:
             raise ValueError(
                 f"token {bad} at position {int(pos[bad])} has no KV page (page_table entry -1) in its sequence"
             )
-        seqs = []
+        seqs, single = [], []
         for i, n in enumerate(seq_lens):
             s, e = qsl[i], qsl[i + 1]
-            if e > s:
+            if e - s == 1:
+                single.append(i)
+            elif e > s:
                 key_pos = torch.arange(n, device=pos.device)
                 seqs.append(SeqAttention(
                     s, e, batch.page_table[i, : (n + page_size - 1) // page_size].long(),
                     key_pos[None, :] > pos[s:e, None],  # [L, n]
                 ))
-        return cls(batch=batch, page_size=page_size, slot_mapping=pages * page_size + pos % page_size, seqs=seqs)
+        decode = None
+        if single:
+            idx = torch.tensor(single, device=pos.device)
+            rows = batch.query_start_loc.long()[idx]  # [Bd]
+            width = (max(seq_lens[i] for i in single) + page_size - 1) // page_size
+            key_pos = torch.arange(width * page_size, device=pos.device)
+            decode = DecodeGroup(
+                rows=rows,
+                pages=batch.page_table[idx, :width].long().clamp(min=0),  # [Bd, P]
+                masked=key_pos[None, :] > pos[rows, None],  # [Bd, P * ps]
+            )
+        return cls(batch=batch, page_size=page_size, slot_mapping=pages * page_size + pos % page_size,
+                   seqs=seqs, decode=decode)
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -114,6 +138,16 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     num_kv_heads = kv_cache.shape[2]
     groups = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
+    d = meta.decode
+    if d is not None:
+        bd, hd = d.rows.shape[0], q.shape[2]
+        kv = kv_cache[d.pages]  # [Bd, P, 2, Hkv, ps, D]
+        kv = kv.permute(2, 0, 3, 1, 4, 5).flatten(3, 4)  # [2, Bd, Hkv, N, D]
+        qd = q[d.rows].view(bd, num_kv_heads, groups, hd)  # query head h reads kv head h // groups
+        scores = torch.matmul(qd, kv[0].transpose(-1, -2)) * scale  # [Bd, Hkv, G, N]
+        scores = scores.masked_fill(d.masked[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[d.rows] = torch.matmul(probs, kv[1]).view(bd, -1, hd)  # [Bd, Hq, D]
     for sq in meta.seqs:
         n = sq.masked.shape[1]
         kv = kv_cache[sq.pages]  # [np, 2, Hkv, ps, D]
