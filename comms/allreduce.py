@@ -6,9 +6,11 @@
 
 Algorithms (kernels in `comms.kernels.allreduce`, loaded from the `aot` bundle):
   lamport   one-shot whose data is its own flag (sentinel-filled slots, 3 rotating buffers):
-            no flags, no fences; up to 1 MiB                           (latency-bound sizes)
+            no flags, no fences; up to 4 MiB                           (latency-bound sizes)
   oneshot   push x to every peer, flag per block, each rank reduces all copies
-  twoshot   reduce-scatter + all-gather over NVLink                    (bandwidth-bound sizes)
+  twoshot   reduce-scatter + all-gather over NVLink                    (bandwidth-bound sizes);
+            when x and out both live in the heap (`symmetric_empty`), a staging-free variant:
+            owners read every rank's x and write every rank's out directly
   multimem  two-shot through NVLink SHARP (multimem.ld_reduce/st); needs a heap created with
             enable_multicast=True on a device with multicast
   nccl      torch.distributed.all_reduce on the heap's (NCCL) group
@@ -55,7 +57,7 @@ MAX_BLOCKS = 256
 MAX_WORLD = 8
 VEC_BYTES = 16
 ONESHOT_MAX_BYTES = 1 << 20
-LAMPORT_MAX_BYTES = 1 << 20   # per-slot capacity of the Lamport buffers
+LAMPORT_MAX_BYTES = 4 << 20   # per-slot capacity of the Lamport buffers
 LAMPORT_SENTINEL = -1          # int32 word of an empty Lamport slot
 DEFAULT_MAX_BYTES = 64 << 20
 
@@ -168,7 +170,12 @@ class AllReduce:
             dist.all_reduce(y, group=self.group)
             return y
         self.check()
-        return self._launch(algo, x, out if out is not None else torch.empty_like(x))
+        out = out if out is not None else torch.empty_like(x)
+        if algo == "twoshot" and self.device.type == "cuda":
+            xo, oo = self.heap.offset_of(x), self.heap.offset_of(out)
+            if xo is not None and oo is not None and (x.numel() * x.element_size()) % VEC_BYTES == 0:
+                return self._launch_symm(x, out, xo, oo)
+        return self._launch(algo, x, out)
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                     zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,6 +203,16 @@ class AllReduce:
         s = self(x)
         res = (s.float() + residual.float()).to(x.dtype)
         return rmsnorm_reference(res, weight, eps, zero_centered), res
+
+    def symmetric_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor in the symmetric heap (every rank must make the same calls in the same order,
+        so it sits at the same offset everywhere). Two-shot with x and out both such tensors
+        skips the staging copies (peers read x and write out directly)."""
+        n = 1
+        for d in (shape,) if isinstance(shape, int) else shape:
+            n *= d
+        off = self.heap.alloc(max(1, n) * torch.empty((), dtype=dtype).element_size())
+        return self.heap.buffer(off, shape, dtype)
 
     def algo_for(self, x: torch.Tensor) -> str:
         nbytes = x.numel() * x.element_size()
@@ -278,6 +295,15 @@ class AllReduce:
         self._call(self._kernel(algo, x.dtype), *args, nblocks)
         if of.data_ptr() != out.data_ptr():
             out.view(-1).copy_(of[:n])
+        return out
+
+    def _launch_symm(self, x, out, x_off, o_off):
+        nvec = x.numel() * x.element_size() // VEC_BYTES
+        chunk = -(-nvec // self.world)
+        nblocks = max(1, min(MAX_BLOCKS, -(-chunk // THREADS)))
+        self._call(self._kernel("twoshot_symm", x.dtype), x.view(-1), out.view(-1), self.heap.peer_ptrs, self.rank,
+                   self.world, x_off, o_off, self.flag_off, self.state_off, self._err.data_ptr(),
+                   int(self.timeout_s * 1e9), nblocks)
         return out
 
     def _launch_rmsnorm(self, algo, x, residual, weight, eps, zero_centered):

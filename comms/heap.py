@@ -519,6 +519,15 @@ class SymmetricHeap:
                             f"a heap of {self.nbytes} bytes (or is misaligned)")
         return base[offset:offset + n * itemsize].view(dtype).view(shape)
 
+    def offset_of(self, t: torch.Tensor) -> int | None:
+        """Byte offset of tensor `t`'s data in this rank's heap, or None if it lies outside."""
+        self._check_alive()
+        if t.device != self.device:
+            return None
+        off = t.data_ptr() - self._b.base(self.rank)
+        nbytes = t.numel() * t.element_size()
+        return off if 0 <= off and off + nbytes <= self.nbytes else None
+
     @property
     def multicast_ptr(self) -> int:
         """Address of the multicast mapping of the heap (0 when multicast is not enabled)."""

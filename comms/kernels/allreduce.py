@@ -458,6 +458,81 @@ def _make_twoshot(is_bf16: bool, multimem: bool):
     return launch
 
 
+# ------------------------------------------------------------------------------------------ in-heap two-shot
+def _make_twoshot_symm(is_bf16: bool):
+    """Two-shot for x and out that live in the heap at the same offsets on every rank (as torch's
+    two_shot_all_reduce_ on a symmetric buffer): no staging copies. A start handshake (phase-0
+    flags: each peer's x is final, its earlier kernels are done), then each owner reads its chunk
+    of every rank's x over NVLink, reduces it and writes the result into every rank's out, then a
+    done handshake (phase-1 flags) so no rank reuses x or out while a peer still touches them."""
+    epv = 8 if is_bf16 else 4
+
+    @cute.kernel
+    def kernel(x: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, rank: cutlass.Int32,
+               world: cutlass.Int32, x_off: cutlass.Int64, o_off: cutlass.Int64, flag_off: cutlass.Int64,
+               state_off: cutlass.Int64, err_addr: cutlass.Int64, timeout_ns: cutlass.Int64,
+               nvec: cutlass.Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        nb, _, _ = cute.arch.grid_dim()
+        my_base = peers[rank]
+        epoch = ptx.ld_relaxed_gpu(my_base + state_off)
+        target = epoch + 1
+        flags0 = flag_off
+        flags1 = flag_off + _i64(MAX_WORLD * MAX_BLOCKS * 4)
+        pr = _load_peers(peers, world)
+        _signal(peers, tid, rank, world, flags0 + _i64(rank * MAX_BLOCKS + bid) * 4, target)
+        _wait(my_base, tid, rank, world, flags0 + _i64(bid) * 4, target, err_addr, timeout_ns)
+        cute.arch.sync_threads()
+        chunk = (nvec + world - 1) // world
+        per = (chunk + nb - 1) // nb
+        b0 = bid * per
+        b1 = b0 + per
+        if b1 > chunk:
+            b1 = chunk
+        v = rank * chunk + b0 + tid
+        vend = rank * chunk + b1
+        if vend > nvec:
+            vend = nvec
+        acc = cute.make_rmem_tensor(cute.make_layout(UNROLL * epv), cutlass.Float32)
+        stage = cute.make_rmem_tensor(cute.make_layout(UNROLL * 4), cutlass.Int32)
+        while v < vend:
+            for e in cutlass.range_constexpr(UNROLL * epv):
+                acc[e] = cutlass.Float32(0.0)
+            for r in cutlass.range_constexpr(MAX_WORLD):
+                if r < world:
+                    for u in cutlass.range_constexpr(UNROLL):
+                        if v + u * THREADS < vend:
+                            d = ptx.ld_v4_cg(pr[r] + x_off + _i64(v + u * THREADS) * VEC_BYTES)
+                            for j in cutlass.range_constexpr(4):
+                                stage[u * 4 + j] = d[j]
+                    for u in cutlass.range_constexpr(UNROLL):
+                        if v + u * THREADS < vend:
+                            _accumulate(acc, [stage[u * 4 + j] for j in range(4)], is_bf16, u * epv)
+            for u in cutlass.range_constexpr(UNROLL):
+                if v + u * THREADS < vend:
+                    res = _pack(acc, is_bf16, u * epv)
+                    for r in cutlass.range_constexpr(MAX_WORLD):
+                        if r < world:
+                            ptx.st_v4(pr[r] + o_off + _i64(v + u * THREADS) * VEC_BYTES, res)
+            v += UNROLL * THREADS
+        cute.arch.sync_threads()
+        _signal(peers, tid, rank, world, flags1 + _i64(rank * MAX_BLOCKS + bid) * 4, target)
+        _wait(my_base, tid, rank, world, flags1 + _i64(bid) * 4, target, err_addr, timeout_ns)
+        _advance_epoch(my_base, state_off, tid, nb, target)
+
+    @cute.jit
+    def launch(x: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, rank: cutlass.Int32,
+               world: cutlass.Int32, x_off: cutlass.Int64, o_off: cutlass.Int64, flag_off: cutlass.Int64,
+               state_off: cutlass.Int64, err_addr: cutlass.Int64, timeout_ns: cutlass.Int64,
+               nblocks: cutlass.Int32, stream):
+        nvec = x.shape[0] // epv
+        kernel(x, out, peers, rank, world, x_off, o_off, flag_off, state_off, err_addr, timeout_ns, nvec).launch(
+            grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+    return launch
+
+
 # ------------------------------------------------------------------------------------------ fused RMSNorm
 @cute.jit
 def _block_sum(v, smem, tid):
@@ -626,6 +701,8 @@ def compile_for_export(arch: str) -> dict:
         common = (x, y, peers, i32, i32, i64, i64, i64, i64, i64, i64)
         out[f"allreduce_lamport_{name}"] = cute.compile(_make_lamport(dt is cutlass.BFloat16), x, y, peers, i32, i32,
                                                         i64, i64, i64, i64, i64, i32, stream, options=opts)
+        out[f"allreduce_twoshot_symm_{name}"] = cute.compile(_make_twoshot_symm(dt is cutlass.BFloat16), *common,
+                                                             i32, stream, options=opts)
         out[f"allreduce_oneshot_{name}"] = cute.compile(_make_oneshot(dt is cutlass.BFloat16), *common, i32,
                                                         stream, options=opts)
         for algo, mm in (("twoshot", False), ("multimem", True)):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 OURS = ("lamport", "oneshot", "twoshot")
+SYMM = ("twoshot_symm",)  # our two-shot with x and out in the heap (as torch's ops get)
 PEERS = ("nccl", "torch_one_shot", "torch_two_shot")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -39,8 +40,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--min-bytes", default="1K")
     parser.add_argument("--max-bytes", default="128M")
-    parser.add_argument("--algos", default=",".join(OURS + PEERS),
-                        help=f"comma-separated subset of {','.join(OURS + PEERS)}")
+    parser.add_argument("--algos", default=",".join(OURS + SYMM + PEERS),
+                        help=f"comma-separated subset of {','.join(OURS + SYMM + PEERS)}")
     parser.add_argument("--no-eager", action="store_true", help="graph replay only")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="bound on the whole run")
@@ -107,11 +108,16 @@ def _worker(rank: int, world: int, init_file: str, cfg_json: str):
     algos = cfg["algos"]
     group = dist.group.WORLD
     from comms.allreduce import LAMPORT_MAX_BYTES
-    n_ours = sum(a in OURS for a in algos)
+    n_ours = sum(a in OURS for a in algos) + ("twoshot_symm" in algos and "twoshot" not in algos)
     per_ar = (2 * world + 2) * max_bytes + 3 * world * min(max_bytes, LAMPORT_MAX_BYTES) + (1 << 20)
     copy_bytes = 64 << 20  # peer-copy bandwidth region, apart from the all-reduce workspaces
-    heap = SymmetricHeap(group, n_ours * per_ar + copy_bytes + (2 << 20), dev, timeout_s=120)
+    symm_bytes = 2 * max_bytes + (1 << 20) if "twoshot_symm" in algos else 0
+    heap = SymmetricHeap(group, n_ours * per_ar + symm_bytes + copy_bytes + (2 << 20), dev, timeout_s=120)
     ars = {a: AllReduce(heap, a, max_bytes=max_bytes, timeout_s=10) for a in algos if a in OURS}
+    if "twoshot_symm" in algos:
+        ars["twoshot_symm"] = ars.get("twoshot") or AllReduce(heap, "twoshot", max_bytes=max_bytes, timeout_s=10)
+        xs_all = ars["twoshot_symm"].symmetric_empty(max_bytes // es, dtype)
+        os_all = ars["twoshot_symm"].symmetric_empty(max_bytes // es, dtype)
     copy_off = heap.alloc(copy_bytes)
     symm = None
     if any(a.startswith("torch_") for a in algos):
@@ -135,6 +141,13 @@ def _worker(rank: int, world: int, init_file: str, cfg_json: str):
                 fn()
                 torch.cuda.synchronize()
                 got = out
+            elif algo == "twoshot_symm":
+                xs, os_ = xs_all[:n], os_all[:n]
+                xs.copy_(x)
+                fn = (lambda ar=ars[algo], xs=xs, os_=os_: ar(xs, out=os_))
+                fn()
+                torch.cuda.synchronize()
+                got = os_
             elif algo == "nccl":
                 buf = x.clone()
                 fn = (lambda buf=buf: dist.all_reduce(buf))
@@ -163,7 +176,7 @@ def _worker(rank: int, world: int, init_file: str, cfg_json: str):
                     row[f"{mode}_error"] = str(e).split("\n")[0][:200]
                     torch.cuda.synchronize()
             results.append(row)
-            if algo in OURS:
+            if algo in ars:
                 ars[algo].check()
     # peer-copy bandwidth: local -> peer heap (NVLink write) and local -> local (HBM)
     src = torch.empty(copy_bytes, dtype=torch.uint8, device=dev)
@@ -206,7 +219,7 @@ def _worker(rank: int, world: int, init_file: str, cfg_json: str):
         with open(cfg["result_file"], "w") as f:
             json.dump(out, f)
     heap.barrier()
-    for ar in ars.values():
+    for ar in set(ars.values()):
         ar.destroy()
     heap.destroy()
     dist.destroy_process_group()
@@ -241,9 +254,9 @@ def run(args) -> int:
     if nproc < 2:
         raise SystemExit(f"perf.comms allreduce: needs >= 2 GPUs, found {nproc}")
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
-    bad = [a for a in algos if a not in OURS + PEERS]
+    bad = [a for a in algos if a not in OURS + SYMM + PEERS]
     if bad:
-        raise SystemExit(f"--algos: unknown {bad}; expected a subset of {OURS + PEERS}")
+        raise SystemExit(f"--algos: unknown {bad}; expected a subset of {OURS + SYMM + PEERS}")
     tmp = tempfile.mkdtemp()
     cfg = {"dtype": args.dtype, "min_bytes": _parse_bytes(args.min_bytes), "max_bytes": _parse_bytes(args.max_bytes),
            "algos": algos, "no_eager": args.no_eager, "result_file": os.path.join(tmp, "result.json")}

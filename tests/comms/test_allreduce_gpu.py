@@ -39,7 +39,7 @@ def _algos_body(rank, world):
     from comms import AllReduce, AllReduceError, SymmetricHeap
 
     dev = torch.device("cuda", rank)
-    heap = SymmetricHeap(dist.group.WORLD, 320 << 20, dev, timeout_s=60)  # 5 AllReduce x 54 MiB
+    heap = SymmetricHeap(dist.group.WORLD, 512 << 20, dev, timeout_s=60)  # 5 AllReduce x 72 MiB + symm
     assert heap.capabilities.p2p and not heap.capabilities.multicast_enabled
     case = 0
     for algo in ("lamport", "oneshot", "twoshot", "nccl", "auto"):
@@ -62,6 +62,16 @@ def _algos_body(rank, world):
                 if algo in ("lamport", "oneshot", "twoshot") and n == 4097:  # in place
                     ar(x, out=x)
                     assert torch.equal(x, y), f"{algo} in-place differs"
+                if algo == "twoshot" and n in (1000, 65537):
+                    # x and out in the heap: the staging-free kernel (65537: odd bytes, the padded path)
+                    xs, os_ = ar.symmetric_empty(n, dtype), ar.symmetric_empty(n, dtype)
+                    xs.copy_(x)
+                    ar(xs, out=os_)
+                    torch.cuda.synchronize()
+                    assert torch.equal(os_, y), f"twoshot in-heap {dtype} n={n} differs from staged"
+                    ar(xs, out=xs)  # in place on the symmetric buffer, as torch's two_shot_all_reduce_
+                    torch.cuda.synchronize()
+                    assert torch.equal(xs, y), f"twoshot in-heap in-place {dtype} n={n}"
         # CUDA-graph replay: the epoch lives on the device, so replays keep synchronising
         if algo in ("lamport", "oneshot", "twoshot"):
             n = 12345
@@ -89,7 +99,7 @@ def _rmsnorm_body(rank, world):
     from comms.allreduce import rmsnorm_reference
 
     dev = torch.device("cuda", rank)
-    heap = SymmetricHeap(dist.group.WORLD, 96 << 20, dev, timeout_s=60)
+    heap = SymmetricHeap(dist.group.WORLD, 256 << 20, dev, timeout_s=60)  # 3 AllReduce x 48 MiB
     case = 0
     for algo, dtype in [(a, d) for a in ("lamport", "oneshot", "auto") for d in (torch.bfloat16, torch.float32)]:
         if dtype == torch.bfloat16:
@@ -115,7 +125,7 @@ def _timeout_body(rank, world):
     from comms.allreduce import AllReduceTimeoutError
 
     dev = torch.device("cuda", rank)
-    heap = SymmetricHeap(dist.group.WORLD, 32 << 20, dev, timeout_s=60)
+    heap = SymmetricHeap(dist.group.WORLD, 64 << 20, dev, timeout_s=60)  # 3 AllReduce x 12 MiB
     for algo in ("oneshot", "lamport", "twoshot"):
         ar = AllReduce(heap, algo, max_bytes=1 << 20, timeout_s=0.2)
         x = torch.randn(4096, device=dev)
@@ -128,9 +138,39 @@ def _timeout_body(rank, world):
     heap.destroy()
 
 
+def _heap_lifecycle_body(rank, world):
+    """Peer writes land in the peer's memory; create/destroy leaks neither GPU memory nor fds."""
+    import os
+
+    from comms import SymmetricHeap
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.synchronize()
+    free0 = torch.cuda.mem_get_info(dev)[0]
+    fds0 = len(os.listdir("/proc/self/fd"))
+    for i in range(4):
+        heap = SymmetricHeap(dist.group.WORLD, 256 << 20, dev, timeout_s=60)
+        off = heap.alloc(4096)
+        peer = (rank + 1) % world
+        heap.peer_buffer(peer, off, (world,), torch.int32)[rank] = 10 * i + rank + 1
+        heap.barrier()
+        got = heap.buffer(off, (world,), torch.int32).tolist()
+        assert got == [10 * i + r + 1 if (r + 1) % world == rank else 0 for r in range(world)], got
+        heap.barrier()
+        heap.destroy()
+    torch.cuda.synchronize()
+    free1 = torch.cuda.mem_get_info(dev)[0]
+    assert free1 >= free0 - (64 << 20), f"GPU memory not returned: {free0 - free1} bytes short"
+    assert len(os.listdir("/proc/self/fd")) <= fds0, "fds leaked"
+
+
 @pytest.fixture(scope="module")
 def ngpu():
     return min(torch.cuda.device_count(), 8)
+
+
+def test_heap_gpu_peer_writes_and_no_leaks(ngpu):
+    run_ranks(_heap_lifecycle_body, ngpu, backend="nccl", timeout_s=120)
 
 
 def test_allreduce_gpu_algorithms(ngpu):
