@@ -53,9 +53,8 @@ def build_batch(scheduled: list[ScheduledSeq], page_size: int, hybrid: bool, dev
                 logits_idx.append(cu[-1] + off)
                 rows.append((i, off))
         cu.append(cu[-1] + s.num_new)
-    table = torch.full((len(scheduled), max_pages), -1, dtype=torch.int32)
-    for i, s in enumerate(scheduled):
-        table[i, :len(s.seq.pages)] = torch.tensor(s.seq.pages, dtype=torch.int32)
+    table = torch.tensor([s.seq.pages + [-1] * (max_pages - len(s.seq.pages)) for s in scheduled],
+                         dtype=torch.int32)  # [B, max_pages]
     batch = ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long).to(device),
         positions=torch.tensor(pos, dtype=torch.long).to(device),

@@ -138,3 +138,22 @@ def test_logprobs_same_with_speculation(reference):
         for a, b in zip(got, want):
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
             assert [t for t, _ in a.top] == [t for t, _ in b.top] and len(a.top) == 2
+
+
+def test_ngram_proposal():
+    from nvl72.engine.spec import ngram_proposal
+    assert ngram_proposal([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]  # longest tail match (3 tokens)
+    assert ngram_proposal([5, 1, 7, 7, 1], 2) == [7, 7]  # falls back to a 1-token match
+    assert ngram_proposal([1, 2, 3], 2) == []
+
+
+def test_ngram_drafter_exact(reference):
+    """Prompt-lookup drafting on repetitive prompts: same tokens, some drafts accepted."""
+    from nvl72.engine.spec import ngram_proposal
+    fam, ps, ref = reference
+    reps = [(p[:5] * 6)[:28] for p in ps]
+    want = tokens(run_all(make_engine(fam, enable_prefix_caching=False), reps, GREEDY))
+    e = make_engine(fam, drafter=HistoryDrafter(3, ngram_proposal), num_speculative_tokens=3)
+    assert tokens(run_all(e, reps, GREEDY)) == want
+    st = e.stats()
+    assert st["spec_decode_num_draft_tokens"] > 0 and st["spec_decode_num_accepted_tokens"] > 0
