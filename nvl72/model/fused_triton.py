@@ -1,0 +1,224 @@
+"""Triton kernels of the attention path, twins of the torch references in `nvl72.model.ops`.
+
+- `qk_norm_rope`: after the q/k projections, one pass does the gate split (gated attention), the
+  per-head q/k RMSNorm and the (partial) neox RoPE, rounding where the reference rounds (bf16
+  products and sums are emulated exactly: a product of two bf16 values is exact in fp32);
+- `store_kv`: the new tokens' K/V into their HND pages; slot -1 skips a row (padded rows of a
+  CUDA-graph batch);
+- `paged_attention`: causal GQA over the pages, one program per (sequence, KV head, block of
+  query tokens) holding all the group's query heads as rows, so decode (one token) and prefill
+  chunks share the kernel; online softmax in fp32. Its launch needs no host sync (the grid's
+  query-block count comes from `max_query_len`, known on the host), so it runs inside CUDA graphs.
+
+The shared-expert gate `sigmoid(x . w) * shared` is not here: `moe` adds it in its un-permute
+kernel already.
+
+Verified in Triton's interpreter (TRITON_INTERPRET=1) against the references and compiled for
+sm_90a on CPU; GPU figures in perf/RESULTS.md.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nvl72.model.ops import AttentionMetadata
+
+
+@triton.jit
+def _round(x, DT: tl.constexpr):
+    """Round fp32 to the activation dtype and back (emulates one torch op in that dtype)."""
+    return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _norm_rope_row(src, w, cos, sin, dst, rms_eps, D: tl.constexpr, R: tl.constexpr, ZC: tl.constexpr,
+                   DT: tl.constexpr):
+    d = tl.arange(0, D)
+    x = tl.load(src + d).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 0) / D + rms_eps)
+    if ZC:
+        y = _round(x * rstd * (1.0 + tl.load(w + d).to(tl.float32)), DT)
+    else:
+        y = _round(_round(x * rstd, DT) * tl.load(w + d).to(tl.float32), DT)
+    if R > 0:
+        half: tl.constexpr = R // 2
+        rot = d < R
+        partner = tl.where(d < half, d + half, d - half)
+        xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
+        if ZC:
+            yp = _round(xp * rstd * (1.0 + tl.load(w + partner, mask=rot, other=0.0).to(tl.float32)), DT)
+        else:
+            yp = _round(_round(xp * rstd, DT) * tl.load(w + partner, mask=rot, other=0.0).to(tl.float32), DT)
+        yp = tl.where(d < half, -yp, yp)
+        c = tl.load(cos + d, mask=rot, other=1.0).to(tl.float32)
+        s = tl.load(sin + d, mask=rot, other=0.0).to(tl.float32)
+        roped = _round(_round(y * c, DT) + _round(yp * s, DT), DT)
+        y = tl.where(rot, roped, y)
+    tl.store(dst + d, y.to(dst.dtype.element_ty))
+
+
+@triton.jit
+def _qk_norm_rope_kernel(q_raw, k_raw, qw, kw, cos, sin, q_out, k_out, gate_out, rms_eps,
+                         stride_q, stride_k, stride_cs, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                         R: tl.constexpr, GATED: tl.constexpr, ZC: tl.constexpr, DT: tl.constexpr):
+    t, h = tl.program_id(0), tl.program_id(1)
+    t64 = t.to(tl.int64)
+    cs = cos + t64 * stride_cs
+    sn = sin + t64 * stride_cs
+    if h < HQ:
+        if GATED:  # q_proj emits per head [query (D) | gate (D)]
+            src = q_raw + t64 * stride_q + h * 2 * D
+            d = tl.arange(0, D)
+            tl.store(gate_out + (t64 * HQ + h) * D + d, tl.load(src + D + d))
+        else:
+            src = q_raw + t64 * stride_q + h * D
+        _norm_rope_row(src, qw, cs, sn, q_out + (t64 * HQ + h) * D, rms_eps, D, R, ZC, DT)
+    else:
+        hk = h - HQ
+        _norm_rope_row(k_raw + t64 * stride_k + hk * D, kw, cs, sn, k_out + (t64 * HKV + hk) * D, rms_eps, D, R,
+                       ZC, DT)
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def qk_norm_rope(q_raw: torch.Tensor, k_raw: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                 eps: float, zero_centered: bool, gated: bool):
+    """Gate split + q/k RMSNorm + RoPE in one pass, as `layers.Attention` does it with the references.
+
+    q_raw [T, Hq * D * (2 if gated else 1)], k_raw [T, Hkv * D], cos/sin [T, R] ->
+    (q [T, Hq, D], k [T, Hkv, D], gate [T, Hq * D] or None)."""
+    t = q_raw.shape[0]
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim={head_dim} must be a power of two for the fused kernel")
+    if q_raw.shape[1] != num_heads * head_dim * (2 if gated else 1) or k_raw.shape[1] != num_kv_heads * head_dim:
+        raise ValueError(f"q_raw {tuple(q_raw.shape)} / k_raw {tuple(k_raw.shape)} do not match "
+                         f"heads {num_heads}/{num_kv_heads} x head_dim {head_dim} (gated={gated})")
+    if q_raw.stride(1) != 1 or k_raw.stride(1) != 1 or cos.stride(1) != 1 or cos.stride() != sin.stride():
+        raise ValueError("qk_norm_rope needs row-contiguous q_raw, k_raw, cos and sin")
+    rot = cos.shape[1]
+    q = torch.empty(t, num_heads, head_dim, dtype=q_raw.dtype, device=q_raw.device)
+    k = torch.empty(t, num_kv_heads, head_dim, dtype=k_raw.dtype, device=k_raw.device)
+    gate = torch.empty(t, num_heads * head_dim, dtype=q_raw.dtype, device=q_raw.device) if gated else q
+    if t:
+        _qk_norm_rope_kernel[(t, num_heads + num_kv_heads)](
+            q_raw, k_raw, q_weight, k_weight, cos, sin, q, k, gate, eps, q_raw.stride(0), k_raw.stride(0),
+            cos.stride(0), HQ=num_heads, HKV=num_kv_heads, D=head_dim, R=rot, GATED=gated, ZC=zero_centered,
+            DT=_TL_DTYPES[q_raw.dtype])
+    return q, k, (gate if gated else None)
+
+
+@triton.jit
+def _store_kv_kernel(k, v, kv_cache, slots, stride_kt, stride_vt, stride_page, stride_kind, stride_head, stride_tok,
+                     PAGE_SIZE: tl.constexpr, D: tl.constexpr):
+    t, h = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(slots + t).to(tl.int64)
+    if slot >= 0:
+        d = tl.arange(0, D)
+        dst = kv_cache + (slot // PAGE_SIZE) * stride_page + h * stride_head + (slot % PAGE_SIZE) * stride_tok + d
+        tl.store(dst, tl.load(k + t.to(tl.int64) * stride_kt + h * D + d).to(kv_cache.dtype.element_ty))
+        tl.store(dst + stride_kind, tl.load(v + t.to(tl.int64) * stride_vt + h * D + d).to(kv_cache.dtype.element_ty))
+
+
+def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Twin of `ops.write_kv`; a slot of -1 writes nothing. kv_cache [P, 2, Hkv, ps, D]; k, v [T, Hkv, D]."""
+    t, hkv, d = k.shape
+    if k.stride(1) != d or v.stride(1) != d or k.stride(2) != 1 or v.stride(2) != 1 or kv_cache.stride(4) != 1:
+        raise ValueError("store_kv needs heads-contiguous k/v rows and a contiguous head_dim in the cache")
+    if t:
+        _store_kv_kernel[(t, hkv)](k, v, kv_cache, slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
+                                   kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+                                   PAGE_SIZE=kv_cache.shape[3], D=d)
+
+
+@triton.jit
+def _paged_attention_kernel(q, kv_cache, out, qsl, seq_lens, page_table, scale,
+                            stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_kind, stride_head,
+                            stride_tok, stride_pt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                            PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr):
+    seq, kvh, mblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(qsl + seq)
+    qlen = tl.load(qsl + seq + 1) - q_start
+    if mblk * BLOCK_M < qlen:
+        seq_len = tl.load(seq_lens + seq)
+        rows = tl.arange(0, BLOCK_M * GROUP_PAD)  # row r: query token r // GROUP_PAD, head r % GROUP_PAD
+        m = mblk * BLOCK_M + rows // GROUP_PAD
+        g = rows % GROUP_PAD
+        row_ok = (m < qlen) & (g < GROUP)
+        qpos = seq_len - qlen + m  # [R] position of each row's token
+        d = tl.arange(0, D)
+        tok = (q_start + m).to(tl.int64)
+        head = kvh * GROUP + g
+        qv = tl.load(q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None],
+                     other=0.0)  # [R, D]
+        m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_M * GROUP_PAD, D], tl.float32)
+        kv_end = tl.minimum(seq_len, seq_len - qlen + (mblk + 1) * BLOCK_M)  # keys the block's last token sees
+        pt_row = page_table + seq.to(tl.int64) * stride_pt
+        for start in range(0, kv_end, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < kv_end
+            page = tl.load(pt_row + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+            base = page * stride_page + kvh * stride_head + (n % PAGE_SIZE) * stride_tok  # [N]
+            kt = tl.load(kv_cache + base[None, :] + d[:, None], mask=n_ok[None, :], other=0.0)  # [D, N]
+            if IEEE:
+                s = tl.dot(qv, kt, input_precision="ieee")
+            else:
+                s = tl.dot(qv, kt)
+            s = s * scale  # [R, N] fp32
+            s = tl.where(n_ok[None, :] & (n[None, :] <= qpos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is visible to every row
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vt = tl.load(kv_cache + stride_kind + base[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)  # [N, D]
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m_i = m_new
+        o = acc / l_i[:, None]
+        tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out.dtype.element_ty), mask=row_ok[:, None])
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    page_table: torch.Tensor, max_query_len: int, scale: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Twin of `ops.paged_attention` from raw batch tensors (no metadata object, no host sync).
+
+    q [T, Hq, D]; kv_cache [P, 2, Hkv, ps, D]; query_start_loc [B+1]; seq_lens [B]; page_table
+    [B, max_pages] -> [T, Hq, D]. A sequence with no query tokens is skipped."""
+    t, hq, d = q.shape
+    hkv, page_size = kv_cache.shape[2], kv_cache.shape[3]
+    if hq % hkv or d & (d - 1) or d < 16:
+        raise ValueError(f"paged_attention: {hq} query heads over {hkv} KV heads, head_dim {d} "
+                         "(needs a whole group and a power-of-two head_dim >= 16)")
+    if q.stride(2) != 1 or kv_cache.stride(4) != 1:
+        raise ValueError("paged_attention needs a contiguous head_dim in q and the cache")
+    out = torch.empty_like(q) if out is None else out
+    group = hq // hkv
+    group_pad = triton.next_power_of_2(group)
+    rows = 16 if max_query_len * group_pad <= 16 else 64  # tl.dot wants >= 16 rows
+    block_m = max(rows // group_pad, 1)
+    block_n = 64 if d <= 128 else 32
+    b = seq_lens.shape[0]
+    if t and b and max_query_len > 0:
+        grid = (b, hkv, triton.cdiv(max_query_len, block_m))
+        _paged_attention_kernel[grid](
+            q, kv_cache, out, query_start_loc, seq_lens, page_table, scale, q.stride(0), q.stride(1),
+            out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+            kv_cache.stride(3), page_table.stride(0), GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m,
+            BLOCK_N=block_n, D=d, PAGE_SIZE=page_size, IEEE=q.dtype == torch.float32)
+    return out
+
+
+def paged_attention_meta(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """`ops.paged_attention`'s exact signature, for tests that swap one for the other."""
+    b = meta.batch
+    max_q = b.max_query_len if b.max_query_len is not None else max((s.end - s.start for s in meta.seqs), default=0)
+    return paged_attention(q, kv_cache, b.query_start_loc, b.seq_lens, b.page_table, max_q, scale)

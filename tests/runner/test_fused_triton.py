@@ -1,0 +1,125 @@
+"""Triton attention-path kernels vs the torch references (ops.py), on random ragged paged batches.
+
+Runs on a CUDA GPU, or on CPU in Triton's interpreter when TRITON_INTERPRET=1; skipped where
+triton is not importable (the CPU CI venv)."""
+import os
+
+import pytest
+import torch
+
+from nvl72.model import ops
+from tests.runner.paged import random_batch, rel_err
+
+ft = pytest.importorskip("nvl72.model.fused_triton", exc_type=ImportError)
+
+DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu),
+           pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                                        reason="CPU runs need TRITON_INTERPRET=1"))]
+TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+LOW = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def skip_interpreted_bf16(device, dtype):
+    """Triton's interpreter computes through numpy, which has no bf16: its bf16 tl.dot is garbage and
+    its bf16 casts truncate. fp16 covers the low-precision path there; bf16 runs on the GPU."""
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("bf16 is not emulated faithfully by Triton's interpreter")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("case", [
+    # (qlens, ctx, page_size, hq, hkv, d)
+    ([1, 1, 1], [0, 17, 40], 4, 8, 2, 16),       # decode, GQA 4
+    ([5, 1, 9, 2], [3, 30, 0, 15], 4, 4, 4, 32),  # mixed prefill/decode, MHA
+    ([20, 3], [6, 0], 16, 6, 2, 16),              # group 3 (padded to 4), several q blocks
+])
+def test_paged_attention_matches_reference(device, dtype, case):
+    skip_interpreted_bf16(device, dtype)
+    qlens, ctx, ps, hq, hkv, d = case
+    batch, kv, q, k, v = random_batch(qlens, ctx, ps, hq, hkv, d, dtype, device, seed=len(qlens) + d)
+    meta = ops.AttentionMetadata.build(batch, ps)
+    ref_kv = kv.float().clone()
+    ops.write_kv(ref_kv, k.float(), v.float(), meta.slot_mapping)
+    ref = ops.paged_attention(q.float(), ref_kv, meta, d**-0.5)
+    ft.store_kv(kv, k, v, meta.slot_mapping)
+    assert torch.equal(kv.float(), ref_kv.to(dtype).float())
+    out = ft.paged_attention(q, kv, batch.query_start_loc, batch.seq_lens, batch.page_table, max(qlens), d**-0.5)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_store_kv_skips_negative_slots(device):
+    batch, kv, q, k, v = random_batch([3], [2], 4, 2, 2, 16, torch.float32, device, seed=3)
+    before = kv.clone()
+    ft.store_kv(kv, k, v, torch.full((3,), -1, dtype=torch.long, device=device))
+    assert torch.equal(kv, before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("gated,zero_centered,rot", [(False, False, 16), (True, True, 8), (True, False, 4)])
+def test_qk_norm_rope_matches_layer_math(device, dtype, gated, zero_centered, rot):
+    """Same math as layers.Attention with the references: gate split, q/k RMSNorm, partial RoPE."""
+    skip_interpreted_bf16(device, dtype)
+    g = torch.Generator().manual_seed(rot + gated)
+    t, hq, hkv, d = 7, 4, 2, 16
+    q_raw = torch.randn(t, hq * d * (2 if gated else 1), generator=g).to(dtype)
+    k_raw = torch.randn(t, hkv * d, generator=g).to(dtype)
+    qw, kw = (torch.randn(d, generator=g).to(dtype) * 0.3 + (0 if zero_centered else 1) for _ in range(2))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    cos, sin = ops.rope_cos_sin(torch.randint(0, 500, (t,), generator=g), inv_freq, dtype)
+    if gated:
+        q_ref, gate_ref = q_raw.view(t, hq, 2 * d).chunk(2, dim=-1)
+        gate_ref = gate_ref.reshape(t, hq * d)
+    else:
+        q_ref, gate_ref = q_raw.view(t, hq, d), None
+    q_ref = ops.apply_rope(ops.rms_norm(q_ref, qw, 1e-6, zero_centered), cos, sin)
+    k_ref = ops.apply_rope(ops.rms_norm(k_raw.view(t, hkv, d), kw, 1e-6, zero_centered), cos, sin)
+    dev = [x.to(device) for x in (q_raw, k_raw, qw, kw, cos, sin)]
+    q, k, gate = ft.qk_norm_rope(*dev, hq, hkv, d, 1e-6, zero_centered, gated)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(q.cpu(), q_ref) < tol and rel_err(k.cpu(), k_ref) < tol
+    if gated:
+        assert torch.equal(gate.cpu(), gate_ref)
+    else:
+        assert gate is None
+
+
+def test_bad_shapes_name_the_value():
+    q = torch.zeros(2, 4, 24)
+    kv = torch.zeros(3, 2, 2, 4, 24)
+    with pytest.raises(ValueError, match="head_dim 24"):
+        ft.paged_attention(q, kv, torch.tensor([0, 2]), torch.tensor([2]), torch.zeros(1, 1), 2, 1.0)
+    with pytest.raises(ValueError, match="head_dim=12"):
+        ft.qk_norm_rope(torch.zeros(1, 12), torch.zeros(1, 12), torch.ones(12), torch.ones(12), torch.zeros(1, 12),
+                        torch.zeros(1, 12), 1, 1, 12, 1e-6, False, False)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreted kernels do not compile")
+@pytest.mark.parametrize("arch", [90])
+def test_kernels_compile_for_hopper(arch):
+    """The kernels lower to a cubin for sm_90a on a machine without a GPU (bf16, Qwen3-30B-A3B shape)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, 32)
+    i32, i64 = "i32", "i64"
+    attn_sig = {"q": "*bf16", "kv_cache": "*bf16", "out": "*bf16", "qsl": "*i32", "seq_lens": "*i32",
+                "page_table": "*i32", "scale": "fp32", **{n: i64 for n in (
+                    "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_page", "stride_kind", "stride_head",
+                    "stride_tok", "stride_pt")}}
+    for bm in (2, 8):
+        attn_sig.update(GROUP="constexpr", GROUP_PAD="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr",
+                        D="constexpr", PAGE_SIZE="constexpr", IEEE="constexpr")
+        src = ASTSource(ft._paged_attention_kernel, attn_sig, constexprs={
+            "GROUP": 8, "GROUP_PAD": 8, "BLOCK_M": bm, "BLOCK_N": 64, "D": 128, "PAGE_SIZE": 16, "IEEE": False})
+        assert triton.compile(src, target=target).asm["cubin"]
+    norm_sig = {"q_raw": "*bf16", "k_raw": "*bf16", "qw": "*bf16", "kw": "*bf16", "cos": "*bf16", "sin": "*bf16",
+                "q_out": "*bf16", "k_out": "*bf16", "gate_out": "*bf16", "rms_eps": "fp32", "stride_q": i32,
+                "stride_k": i32, "stride_cs": i32, **{n: "constexpr" for n in ("HQ", "HKV", "D", "R", "GATED", "ZC",
+                                                                              "DT")}}
+    src = ASTSource(ft._qk_norm_rope_kernel, norm_sig, constexprs={
+        "HQ": 32, "HKV": 4, "D": 128, "R": 128, "GATED": False, "ZC": False, "DT": ft.tl.bfloat16})
+    assert triton.compile(src, target=target).asm["cubin"]
