@@ -22,6 +22,7 @@ from nvl72.engine.spec import DraftInput, Drafter
 log = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
+CPU_KV_BYTES = 1 << 30  # default KV budget on a CPU
 
 
 class InvalidRequest(ValueError):
@@ -65,7 +66,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     page_size: int = 16
     num_pages: int | None = None  # None: from kv_cache_bytes
-    kv_cache_bytes: int | None = None  # None: 90% of free GPU memory, or enough for max_num_seqs full contexts on CPU
+    # None: 90% of free GPU memory (less the GDN slots); on CPU enough for max_num_seqs full
+    # contexts, capped at CPU_KV_BYTES.
+    kv_cache_bytes: int | None = None
     # GDN slots: per running sequence its state plus k + 1 transient rows; the rest serve as
     # prefix-cache checkpoints. None: max_num_seqs * (k + 4).
     num_state_slots: int | None = None
@@ -84,7 +87,7 @@ class LLMEngine:
                  eos_token_ids: list[int] | None = None):
         self.model = model
         self.config = config
-        self.device = next(model.parameters()).device if any(True for _ in model.parameters()) else torch.device("cpu")
+        self.device = torch.device(getattr(model, "device", None) or next(model.parameters()).device)
         spec = model.cache_spec()
         self.hybrid = bool(spec.state)
         k = config.num_speculative_tokens
@@ -132,7 +135,8 @@ class LLMEngine:
             slot_bytes = spec.state_bytes_per_slot() * (c.num_state_slots or c.max_num_seqs * (c.num_speculative_tokens + 4))
             budget = int(0.9 * free) - slot_bytes
         if budget is None:
-            return c.max_num_seqs * math.ceil((c.max_model_len + c.num_speculative_tokens) / c.page_size)
+            per_seq = math.ceil((c.max_model_len + c.num_speculative_tokens) / c.page_size)
+            return max(per_seq, min(c.max_num_seqs * per_seq, num_pages_for_budget(spec, c.page_size, CPU_KV_BYTES)))
         return num_pages_for_budget(spec, c.page_size, budget)
 
     # ---------------------------------------------------------------- requests
