@@ -262,7 +262,8 @@ class OpenAIServer:
         try:
             while True:
                 try:
-                    out = await asyncio.wait_for(it.__anext__(), self.cfg.output_timeout_s)
+                    async with asyncio.timeout(self.cfg.output_timeout_s):  # no task per output, unlike wait_for
+                        out = await it.__anext__()
                 except StopAsyncIteration:
                     raise APIError(500, f"engine stream of {p.request_id} ended without a finish reason",
                                    type="internal_server_error") from None
@@ -320,7 +321,7 @@ class OpenAIServer:
             async with aclosing(self._outputs(p, pipe)) as outs:
                 async for d, r in outs:
                     total = _add(total, d)
-                    last = self.metrics_itl(last)
+                    last = self._tick(last)
                     reason = r or reason
             return _add(total, pipe.finish()), reason
 
@@ -341,7 +342,8 @@ class OpenAIServer:
         total, reason = task.result()
         return total, reason, pipe
 
-    def metrics_itl(self, last: float | None) -> float:
+    def _tick(self, last: float | None) -> float:
+        """Observe the inter-output latency since `last`; return now."""
         now = time.monotonic()
         if last is not None:
             self.metrics.itl.observe(now - last)
@@ -409,7 +411,7 @@ class OpenAIServer:
         try:
             async with aclosing(self._outputs(p, pipe)) as outs:
                 async for d, r in outs:
-                    last = self.metrics_itl(last)
+                    last = self._tick(last)
                     if r is not None:
                         reason = r
                         break
@@ -418,7 +420,6 @@ class OpenAIServer:
             tail = pipe.finish()
             if reason is not None:
                 tail = OutputPipeline._merge(d, tail)
-                tail.logprobs = d.logprobs
             if pipe.tools is not None and pipe.tools.calls and reason == "stop":
                 reason = "tool_calls"
             yield event(fields(tail), reason, tail.logprobs)
@@ -453,7 +454,7 @@ class OpenAIServer:
             last = None
             async with aclosing(self._outputs(p, pipe)) as outs:
                 async for d, r in outs:
-                    last = self.metrics_itl(last)
+                    last = self._tick(last)
                     if r is not None:
                         tail = pipe.finish()
                         yield event(Delta(d.content + tail.content, logprobs=d.logprobs), r)
