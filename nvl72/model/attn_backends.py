@@ -1,0 +1,231 @@
+"""Attention backends: one contract, chosen once at start-up by capability and logged.
+
+  torch       the references in `nvl72.model.ops` (CPU default; the ground truth of the tests)
+  triton      our Triton kernels (`nvl72.model.fused_triton`): KV store + paged GQA attention,
+              decode and prefill in one kernel; plan and forward need no host sync, so it is the
+              backend CUDA-graph decode captures
+  flashinfer  FlashInfer's paged decode / FA3 prefill wrappers on the HND cache (sm_90 hosts where
+              `flashinfer` imports); planned once per forward on the host, shared by every layer
+
+A backend turns a `ForwardBatch` into its metadata once per forward (`plan`) and then, per layer,
+stores the new K/V and attends (`forward`). Every backend reads the same HND cache
+[num_pages, 2, kv_heads, page_size, head_dim], so they can be swapped under one engine.
+`$NVL72_ATTN_BACKEND` or an explicit name overrides the choice; a named backend that cannot run
+raises `BackendUnavailable` at selection, never in the hot path.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from nvl72.model import ops
+from nvl72.model.batch import ForwardBatch
+
+log = logging.getLogger(__name__)
+
+ENV = "NVL72_ATTN_BACKEND"
+
+
+class BackendUnavailable(RuntimeError):
+    """The named attention backend cannot run here (device, missing package)."""
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What a backend must know of the model's attention layers (all share it)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+class AttentionBackend:
+    """plan once per forward, forward once per attention layer."""
+
+    name = "base"
+    graph_safe = False  # plan() and forward() can be captured in a CUDA graph
+
+    def plan(self, batch: ForwardBatch, page_size: int):
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta,
+                scale: float) -> torch.Tensor:
+        """Store k, v [T, Hkv, D] in their pages, then attend: q [T, Hq, D] -> [T, Hq, D]."""
+        raise NotImplementedError
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+
+    def plan(self, batch: ForwardBatch, page_size: int) -> ops.AttentionMetadata:
+        return ops.AttentionMetadata.build(batch, page_size)
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        ops.write_kv(kv_cache, k, v, meta.slot_mapping)
+        return ops.paged_attention(q, kv_cache, meta, scale)
+
+
+@dataclass
+class PagedMeta:
+    """Device-side indexing of one forward (no per-sequence host objects)."""
+
+    batch: ForwardBatch
+    slot_mapping: torch.Tensor  # [T] int64, -1 where a token has no page (padded graph rows)
+    max_query_len: int
+
+
+def slot_mapping_on_device(batch: ForwardBatch, page_size: int) -> torch.Tensor:
+    """[T] int64 page * page_size + offset of each new token, computed without a host sync."""
+    t = batch.num_tokens
+    tok = torch.arange(t, device=batch.positions.device)
+    seq_of_token = torch.searchsorted(batch.query_start_loc[1:].long(), tok, right=True)  # [T]
+    seq_of_token = seq_of_token.clamp_max(max(batch.num_seqs - 1, 0))
+    pos = batch.positions.long()
+    pages = batch.page_table.long()[seq_of_token, pos // page_size]  # [T]
+    return torch.where(pages >= 0, pages * page_size + pos % page_size, torch.full_like(pages, -1))
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    graph_safe = True
+
+    def __init__(self):
+        from nvl72.model import fused_triton
+
+        self.kernels = fused_triton
+
+    def plan(self, batch: ForwardBatch, page_size: int) -> PagedMeta:
+        capturing = batch.input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
+        max_q = batch.max_query_len
+        if max_q is None:
+            if capturing:
+                raise ValueError("a captured forward needs batch.max_query_len set on the host")
+            max_q = int(batch.query_lens().max()) if batch.num_seqs else 0
+        slots = slot_mapping_on_device(batch, page_size)
+        if not capturing and bool((slots < 0).any()):  # the references' check; graphs pad on purpose
+            bad = int(torch.nonzero(slots < 0)[0, 0])
+            raise ValueError(f"token {bad} at position {int(batch.positions[bad])} has no KV page "
+                             "(page_table entry -1) in its sequence")
+        return PagedMeta(batch, slots, max_q)
+
+    def forward(self, q, k, v, kv_cache, meta: PagedMeta, scale):
+        self.kernels.store_kv(kv_cache, k, v, meta.slot_mapping)
+        b = meta.batch
+        return self.kernels.paged_attention(q, kv_cache, b.query_start_loc, b.seq_lens, b.page_table,
+                                            meta.max_query_len, scale)
+
+
+@dataclass
+class FlashInferMeta:
+    slot_mapping: torch.Tensor
+    wrapper: object  # the planned decode or prefill wrapper
+
+
+class FlashInferBackend(AttentionBackend):
+    """FlashInfer's paged wrappers (kv_layout HND). K/V are stored by our Triton kernel when triton
+    imports, else by the reference; attention by the decode wrapper for all-decode batches, the
+    (FA3 on Hopper) prefill wrapper with a bottom-right causal mask otherwise."""
+
+    name = "flashinfer"
+    WORKSPACE_BYTES = 256 << 20
+
+    def __init__(self, shape: AttentionShape, device: torch.device):
+        import flashinfer
+
+        self.shape, self.device = shape, device
+        self.workspace = torch.zeros(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, kv_layout="HND")
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="HND")
+        try:
+            from nvl72.model import fused_triton
+            self.store = fused_triton.store_kv
+        except ImportError:
+            self.store = ops.write_kv
+
+    @staticmethod
+    def page_lists(batch: ForwardBatch, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(kv_indptr [B+1], kv_indices [sum pages], last_page_len [B]) int32 on the host (one sync)."""
+        seq_lens = batch.seq_lens.cpu().long()
+        table = batch.page_table.cpu()
+        npages = (seq_lens + page_size - 1) // page_size  # [B]
+        width = torch.arange(table.shape[1])
+        indices = table[width[None, :] < npages[:, None]]  # [sum npages], row by row
+        if bool((indices < 0).any()):
+            raise ValueError("page_table has -1 inside a sequence's context (seq_lens exceed its pages)")
+        indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+        indptr[1:] = npages.cumsum(0)
+        last = (seq_lens - (npages - 1) * page_size).to(torch.int32)
+        return indptr, indices.to(torch.int32), last
+
+    def plan(self, batch: ForwardBatch, page_size: int) -> FlashInferMeta:
+        s = self.shape
+        indptr, indices, last = (x.to(self.device) for x in self.page_lists(batch, page_size))
+        qlens = batch.query_lens()
+        max_q = batch.max_query_len if batch.max_query_len is not None else int(qlens.max())
+        common = dict(q_data_type=s.dtype, kv_data_type=s.dtype, sm_scale=s.head_dim**-0.5)
+        if max_q == 1 and int(qlens.min()) == 1:
+            self.decode.plan(indptr, indices, last, s.num_heads, s.num_kv_heads, s.head_dim, page_size, **common)
+            wrapper = self.decode
+        else:
+            self.prefill.plan(batch.query_start_loc.to(torch.int32), indptr, indices, last, s.num_heads,
+                              s.num_kv_heads, s.head_dim, page_size, causal=True, **common)
+            wrapper = self.prefill
+        slots = slot_mapping_on_device(batch, page_size)
+        return FlashInferMeta(slots, wrapper)
+
+    def forward(self, q, k, v, kv_cache, meta: FlashInferMeta, scale):
+        if abs(scale - self.shape.head_dim**-0.5) > 1e-12:
+            raise ValueError(f"scale {scale} differs from the planned head_dim**-0.5")
+        self.store(kv_cache, k, v, meta.slot_mapping)
+        return meta.wrapper.run(q, kv_cache)
+
+
+NAMES = ("torch", "triton", "flashinfer")
+
+
+def available(name: str, device: torch.device) -> str | None:
+    """None when backend `name` can run on `device`, else the reason it cannot."""
+    if name not in NAMES:
+        return f"unknown attention backend {name!r}; known: {', '.join(NAMES)}"
+    if name == "torch":
+        return None
+    if importlib.util.find_spec("triton") is None and name == "triton":
+        return "the triton package is not importable"
+    if device.type != "cuda" and not (name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"):
+        return f"needs a CUDA device (got {device})"
+    if name == "flashinfer":
+        if importlib.util.find_spec("flashinfer") is None:
+            return "the flashinfer package is not importable"
+        major = torch.cuda.get_device_capability(device)[0]
+        if major != 9:
+            return f"the carried FlashInfer modules are sm_90a only (device is sm_{major}x)"
+    return None
+
+
+def default_name(device: torch.device) -> str:
+    """flashinfer where it runs, else triton on CUDA, else the torch reference."""
+    for name in ("flashinfer", "triton"):
+        if device.type == "cuda" and available(name, device) is None:
+            return name
+    return "torch"
+
+
+def select(shape: AttentionShape, device: torch.device | str, name: str | None = None) -> AttentionBackend:
+    """The backend for `device`: `name`, else $NVL72_ATTN_BACKEND, else `default_name`; logged."""
+    device = torch.device(device)
+    requested = name or os.environ.get(ENV) or None
+    chosen = requested or default_name(device)
+    reason = available(chosen, device)
+    if reason is not None:
+        raise BackendUnavailable(f"attention backend {chosen!r}: {reason}")
+    backend = {"torch": TorchBackend, "triton": TritonBackend}[chosen]() if chosen != "flashinfer" \
+        else FlashInferBackend(shape, device)
+    log.info("attention backend: %s (%s; device %s, %d/%d heads x %d, %s)", chosen,
+             "requested" if requested else "by capability", device, shape.num_heads, shape.num_kv_heads,
+             shape.head_dim, shape.dtype)
+    return backend

@@ -1,0 +1,88 @@
+"""Attention backend registry: selection by capability / name / env, and every backend that can run
+here against the torch reference on random ragged paged batches."""
+import importlib.util
+import logging
+import os
+
+import pytest
+import torch
+
+from nvl72.model import attn_backends as ab
+from nvl72.model import ops
+from tests.runner.paged import random_batch, rel_err
+
+SHAPE = ab.AttentionShape(8, 2, 16, torch.float32)
+
+
+def test_cpu_default_is_torch_and_logged(caplog, monkeypatch):
+    monkeypatch.delenv(ab.ENV, raising=False)
+    with caplog.at_level(logging.INFO, logger="nvl72.model.attn_backends"):
+        b = ab.select(SHAPE, "cpu")
+    assert b.name == "torch" and not b.graph_safe
+    assert "attention backend: torch (by capability" in caplog.text
+
+
+def test_unknown_and_unavailable_names_raise(monkeypatch):
+    with pytest.raises(ab.BackendUnavailable, match="'nope'"):
+        ab.select(SHAPE, "cpu", "nope")
+    with pytest.raises(ab.BackendUnavailable, match="flashinfer.*(CUDA|importable)"):
+        ab.select(SHAPE, "cpu", "flashinfer")
+    monkeypatch.setenv(ab.ENV, "bogus")
+    with pytest.raises(ab.BackendUnavailable, match="'bogus'"):
+        ab.select(SHAPE, "cpu")
+
+
+def test_triton_needs_the_package(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "triton" else real(n, *a))
+    assert "not importable" in ab.available("triton", torch.device("cpu"))
+    assert ab.default_name(torch.device("cpu")) == "torch"
+
+
+def test_device_slot_mapping_matches_reference_and_marks_missing_pages():
+    batch, *_ = random_batch([3, 1, 6], [5, 9, 0], 4, 4, 2, 16, torch.float32, "cpu", seed=1)
+    meta = ops.AttentionMetadata.build(batch, 4)
+    assert torch.equal(ab.slot_mapping_on_device(batch, 4), meta.slot_mapping)
+    batch.page_table[1, :] = -1  # a padded row: no pages at all
+    slots = ab.slot_mapping_on_device(batch, 4)
+    assert int(slots[3]) == -1 and bool((slots[:3] >= 0).all())
+
+
+def test_flashinfer_page_lists():
+    batch, *_ = random_batch([1, 2, 1], [4, 7, 31], 4, 4, 2, 16, torch.float32, "cpu", seed=2)
+    indptr, indices, last = ab.FlashInferBackend.page_lists(batch, 4)
+    lens = [5, 9, 32]
+    assert indptr.tolist() == [0, 2, 5, 13]
+    assert last.tolist() == [1, 1, 4]
+    for i, n in enumerate(lens):
+        assert indices[indptr[i]:indptr[i + 1]].tolist() == batch.page_table[i, : -(-n // 4)].tolist()
+
+
+def runnable(name, device):
+    return ab.available(name, torch.device(device)) is None
+
+
+BACKENDS = [("torch", "cpu"), ("triton", "cpu"), pytest.param("triton", "cuda", marks=pytest.mark.gpu),
+            pytest.param("flashinfer", "cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("name,device", BACKENDS)
+def test_backend_matches_reference(name, device, monkeypatch):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if not runnable(name, device):
+        pytest.skip(ab.available(name, torch.device(device)))
+    if name == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU runs need TRITON_INTERPRET=1")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    hq, hkv, d, ps = (32, 4, 128, 16) if device == "cuda" else (8, 2, 16, 4)
+    backend = ab.select(ab.AttentionShape(hq, hkv, d, dtype), device, name)
+    for qlens, ctx in (([1, 1, 1, 1], [0, 15, 16, 70]), ([7, 1, 33], [9, 40, 0])):  # decode, then mixed
+        batch, kv, q, k, v = random_batch(qlens, ctx, ps, hq, hkv, d, dtype, device, seed=sum(ctx))
+        ref_meta = ops.AttentionMetadata.build(batch, ps)
+        ref_kv = kv.float().clone()
+        ops.write_kv(ref_kv, k.float(), v.float(), ref_meta.slot_mapping)
+        ref = ops.paged_attention(q.float(), ref_kv, ref_meta, d**-0.5)
+        out = backend.forward(q, k, v, kv, backend.plan(batch, ps), d**-0.5)
+        assert torch.equal(kv.float(), ref_kv.to(dtype).float())
+        assert rel_err(out, ref) < (2e-5 if dtype == torch.float32 else 2e-2), (name, qlens)
