@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nvl72.cache.pool import RefPool
+from nvl72.cache.pool import OutOfCapacity, RefPool
 from nvl72.cache.prefix import PrefixCache
 from nvl72.cache.tensors import num_pages_for_budget, zero_slots
 from nvl72.engine.protocol import AddRequest, RequestOutput, SamplingParams, TokenLogprob
@@ -27,6 +27,19 @@ CPU_KV_BYTES = 1 << 30  # default KV budget on a CPU
 
 class InvalidRequest(ValueError):
     """A request the engine refuses (bad sampling value, prompt too long, duplicate id...)."""
+
+
+@dataclass
+class KVHandoff:
+    """One request's cache for a KV transfer: KV of tokens [0, num_tokens) lives in `pages` (in
+    order, every KV layer of `ModelCaches`, the MTP layer included), the GDN state after
+    num_tokens tokens in slot `state_slot` (-1 on pure-attention models)."""
+
+    request_id: str
+    pages: list[int]
+    state_slot: int
+    num_tokens: int
+    token_ids: list[int]  # prompt, plus the first token on the prefill side
 
 
 def validate_request(req: AddRequest, max_model_len: int, vocab_size: int | None) -> None:
@@ -140,7 +153,15 @@ class LLMEngine:
         return num_pages_for_budget(spec, c.page_size, budget)
 
     # ---------------------------------------------------------------- requests
-    def add_request(self, req: AddRequest) -> None:
+    def add_request(self, req: AddRequest, *, prefill_only: bool = False) -> None:
+        """Queue a request. `prefill_only`: after its first token (if it does not finish there)
+        it is parked with its cache for a transfer (`handoff`, then `release`)."""
+        seq = self._new_seq(req)
+        seq.prefill_only = prefill_only
+        self.seqs[req.request_id] = seq
+        self.scheduler.add(seq)
+
+    def _new_seq(self, req: AddRequest) -> Sequence:
         self._validate(req)
         p = req.sampling
         gen = None
@@ -149,8 +170,51 @@ class LLMEngine:
             gen = torch.Generator(device=self.device).manual_seed(seed)
         seq = Sequence(req.request_id, list(req.prompt_token_ids), len(req.prompt_token_ids), p, self._arrival, gen)
         self._arrival += 1
+        return seq
+
+    # ---------------------------------------------------------------- disaggregation hooks
+    def handoff(self, request_id: str) -> KVHandoff:
+        """Where a parked prefill-only request's cache lives (to send it to a decode rank)."""
+        seq = self._seq(request_id, Status.PARKED)
+        return KVHandoff(request_id, list(seq.pages), seq.state_slot, seq.num_computed, list(seq.all_ids))
+
+    def release(self, request_id: str) -> None:
+        """Free a parked request's cache once its transfer is done."""
+        seq = self._seq(request_id, Status.PARKED)
+        del self.seqs[request_id]
+        self.scheduler.remove(seq)
+
+    def reserve_transfer(self, req: AddRequest, num_tokens: int) -> KVHandoff:
+        """Decode side: take pages (and a GDN slot) for `num_tokens` tokens of `req` whose KV and
+        state will be written by a transfer. Raises OutOfCapacity when they are not free."""
+        if not 0 < num_tokens <= len(req.prompt_token_ids):
+            raise InvalidRequest(f"request {req.request_id!r}: num_tokens={num_tokens} not in "
+                                 f"[1, {len(req.prompt_token_ids)}]")
+        seq = self._new_seq(req)
+        if not self.scheduler.reserve(seq, num_tokens):
+            raise OutOfCapacity(f"request {req.request_id!r}: no room for {num_tokens} tokens of KV "
+                                f"({self.pages.num_free} pages free)")
+        seq.num_computed = num_tokens
         self.seqs[req.request_id] = seq
-        self.scheduler.add(seq)
+        return KVHandoff(req.request_id, list(seq.pages), seq.state_slot, num_tokens, list(seq.all_ids))
+
+    def commit_transfer(self, request_id: str, new_token_ids: list[int]) -> None:
+        """The transfer into a reserved request is complete and the prefill side produced
+        `new_token_ids` (already streamed by it): the request decodes from the next step."""
+        seq = self._seq(request_id, Status.RECEIVING)
+        seq.all_ids.extend(new_token_ids)
+        seq.num_sent = len(new_token_ids)
+        if seq.num_computed != seq.num_tokens - 1:
+            raise InvalidRequest(f"request {request_id!r}: {seq.num_computed} tokens of KV arrived for "
+                                 f"{seq.num_tokens} known tokens (need exactly one not yet computed)")
+        self.scheduler.adopt(seq)
+
+    def _seq(self, request_id: str, status: Status) -> Sequence:
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status != status:
+            raise InvalidRequest(f"request {request_id!r} is not {status.value} "
+                                 f"({'unknown' if seq is None else seq.status.value})")
+        return seq
 
     def _validate(self, req: AddRequest) -> None:
         if req.request_id in self.seqs:
@@ -228,6 +292,8 @@ class LLMEngine:
                 self.seqs.pop(seq.request_id, None)
                 self.scheduler.remove(seq)
                 accepted[i] = 0  # its pages are gone: nothing for a drafter to extend
+            elif seq.prefill_only:
+                self.scheduler.park(seq)  # its first token goes out now; decoding happens elsewhere
             else:
                 want[i] = self.drafter is not None
             outputs.append(self._output(seq))

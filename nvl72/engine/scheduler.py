@@ -119,6 +119,40 @@ class Scheduler:
             seq.state_slot = -1
         seq.drafts = []
 
+    def park(self, seq: Sequence) -> None:
+        """A running sequence stops being scheduled but keeps its pages and state (handoff)."""
+        self.running.remove(seq)
+        seq.drafts = []
+        seq.status = Status.PARKED
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Pages for `num_tokens` tokens of KV (plus the speculative lookahead) and, on hybrid
+        models, a state slot, for a sequence whose cache will be written by a transfer."""
+        pages = self._alloc_pages(self._pages_needed(seq, num_tokens))
+        if pages is None:
+            return False
+        if self.hybrid:
+            slots = self._alloc_slots(1)
+            if slots is None:
+                for p in pages:
+                    self.pages.decref(p)
+                return False
+            seq.state_slot = slots[0]
+        seq.pages = pages
+        seq.status = Status.RECEIVING
+        return True
+
+    def adopt(self, seq: Sequence) -> None:
+        """A sequence whose KV (and state) for `num_computed` tokens arrived starts decoding; its
+        full pages (and a page-aligned state) go to the prefix tree like locally computed ones."""
+        seq.status = Status.RUNNING
+        seq.admitted_once = True
+        self.running.append(seq)
+        ckpt = {}
+        if self.hybrid and seq.num_computed % self.page_size == 0:
+            ckpt = {seq.num_computed // self.page_size - 1: seq.state_slot}
+        seq.tree_cursor = self.prefix.insert(seq.all_ids, seq.pages, ckpt, num_tokens=seq.num_computed)
+
     def preempt(self, seq: Sequence) -> None:
         """Free all cache of a running sequence and queue it first for recompute."""
         self.running.remove(seq)

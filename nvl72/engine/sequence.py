@@ -13,6 +13,11 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    # Disaggregated serving: a prefill-only request holds its pages and state after its first
+    # token until the transfer is done (PARKED); a decode rank holds pages and a slot for a
+    # request whose KV and state are arriving (RECEIVING). Neither is scheduled.
+    PARKED = "parked"
+    RECEIVING = "receiving"
 
 
 @dataclass(eq=False)
@@ -38,6 +43,7 @@ class Sequence:
     num_sent: int = 0
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     admitted_once: bool = False
+    prefill_only: bool = False  # park after the first token (disaggregated prefill)
 
     @property
     def num_tokens(self) -> int:
