@@ -1,5 +1,6 @@
 """The front over the real engine (embedded tiny Qwen3.5-MoE preset, dummy weights, CPU thread
 engine), driven by the official openai client; and `nvl72 serve` as a subprocess."""
+import asyncio
 import os
 import signal
 import socket
@@ -20,9 +21,11 @@ from nvl72.server.runner import ServerThread
 MODEL = DEFAULT_MODEL_NAME
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return start_local_engine(device="cpu", max_model_len=512, max_num_seqs=8)
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def engine(request):
+    eng = start_local_engine(device=request.param, max_model_len=512, max_num_seqs=8)
+    yield eng
+    asyncio.run(eng.shutdown())
 
 
 @pytest.fixture(scope="module")
