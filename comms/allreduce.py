@@ -18,17 +18,18 @@ Algorithms (kernels in `comms.kernels.allreduce`, loaded from the `aot` bundle):
 `auto` picks once per size class from `select_algo` (the crossovers below); the choice for a
 given size is logged the first time it is made, never changed silently.
 
-Measured crossovers (2 x H200 NV18, bf16, multicast off, CUDA-graph replay, 2026-11-21; the
-full table is in perf/RESULTS.md):
-  size            oneshot  twoshot  nccl    -> auto
-  1 KiB            4.75     6.77    11.11      oneshot
-  256 KiB          6.82     8.84    49.12      oneshot
-  1 MiB           10.41    10.77    19.60      oneshot
-  2 MiB           15.33    14.76    29.67      twoshot
-  128 MiB        702.98   525.21   470.61      twoshot (nccl faster here; auto keeps twoshot up to
-                                                max_bytes, above it nccl)
-(multimem replaces twoshot where multicast is enabled; not measured on the lent hosts, which
-must not create multicast objects.)
+Measured crossovers (2 x H200 NV18, bf16, multicast off, CUDA-graph replay, us per all-reduce,
+2026-11-21; full table and command in perf/RESULTS.md):
+  size      lamport  oneshot  twoshot  nccl    torch one_shot / two_shot   -> auto
+  1 KiB       3.67     4.90     7.48   10.90      7.12 / 7.01                 lamport
+  128 KiB     5.01     6.23     8.84   13.37      8.69 / 8.07                 lamport
+  1 MiB       7.87     8.73    11.08   20.13     13.97 / 11.15                lamport
+  4 MiB      17.84    22.82    27.46   36.81     31.84 / 20.69                lamport
+  8 MiB        -      37.27    40.66   50.50     52.93 / 33.76                oneshot
+  32 MiB       -     112.52   109.32  143.72    199.12 / 117.88               twoshot
+  128 MiB      -     446.23   398.88  470.92    736.53 / 494.81               twoshot
+(lamport is capped at LAMPORT_MAX_BYTES; above max_bytes auto uses nccl; multimem would replace
+twoshot where multicast is enabled: not measured, the lent hosts must not create multicast.)
 
 Semantics: sums in fp32 in rank order, rounded once to the input dtype; every rank gets bitwise
 the same result. add_rmsnorm: `res = (sum_r x_r + residual)` rounded to the dtype, then
@@ -56,7 +57,7 @@ THREADS = 512
 MAX_BLOCKS = 256
 MAX_WORLD = 8
 VEC_BYTES = 16
-ONESHOT_MAX_BYTES = 1 << 20
+ONESHOT_MAX_BYTES = 16 << 20   # flagged one-shot above the Lamport cap, up to here
 LAMPORT_MAX_BYTES = 4 << 20   # per-slot capacity of the Lamport buffers
 LAMPORT_SENTINEL = -1          # int32 word of an empty Lamport slot
 DEFAULT_MAX_BYTES = 64 << 20
@@ -71,13 +72,15 @@ class AllReduceTimeoutError(AllReduceError):
 
 
 def select_algo(nbytes: int, world: int, *, device: str, multicast: bool, max_bytes: int) -> str:
-    """The `auto` choice for one message size (pure: tested on CPU)."""
+    """The `auto` choice for one message size (pure: tested on CPU); sizes are padded bytes."""
     if nbytes < 0 or world < 1:
         raise AllReduceError(f"select_algo(nbytes={nbytes}, world={world}): need nbytes >= 0, world >= 1")
     if device == "cpu":
         return "reference"
     if world > MAX_WORLD or nbytes > max_bytes:
         return "nccl"
+    if nbytes <= min(max_bytes, LAMPORT_MAX_BYTES):
+        return "lamport"
     if nbytes <= ONESHOT_MAX_BYTES:
         return "oneshot"
     return "multimem" if multicast else "twoshot"
@@ -222,7 +225,7 @@ class AllReduce:
                 raise AllReduceError(f"{nbytes} bytes exceed this AllReduce's limit of {limit} bytes for "
                                      f"algo={self.algo!r} (max_bytes={self.max_bytes})")
             return self.algo
-        algo = select_algo(nbytes, self.world, device=self.device.type, multicast=self.multicast,
+        algo = select_algo(self._padded_bytes(x), self.world, device=self.device.type, multicast=self.multicast,
                            max_bytes=self.max_bytes)
         key = (algo, x.dtype)
         if key not in self._chosen:

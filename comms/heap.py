@@ -505,7 +505,13 @@ class SymmetricHeap:
         self._check_alive()
         if not 0 <= rank < self.world_size:
             raise HeapError(f"rank={rank} outside world_size={self.world_size}")
-        return self._view(self._b.view(rank) if rank != self.rank else self._local, offset, shape, dtype)
+        if rank == self.rank:
+            return self._view(self._local, offset, shape, dtype)
+        base = self._b.view(rank)
+        if base.data_ptr() != self._b.base(rank):  # torch copied instead of aliasing: refuse
+            raise HeapError(f"peer_buffer(rank={rank}): this torch build copies foreign device memory "
+                            f"instead of viewing it; use heap.peer_ptrs in a kernel instead")
+        return self._view(base, offset, shape, dtype)
 
     def _view(self, base: torch.Tensor, offset: int, shape, dtype) -> torch.Tensor:
         self._check_alive()

@@ -94,7 +94,7 @@ def _worker(rank: int, world: int, init_file: str, cfg_json: str):
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120), device_id=dev)
-    from comms import AllReduce, SymmetricHeap
+    from comms import AllReduce, HeapError, SymmetricHeap
     from comms.allreduce import rmsnorm_reference
 
     dtype = DTYPES[cfg["dtype"]]
@@ -180,10 +180,13 @@ def _worker(rank: int, world: int, init_file: str, cfg_json: str):
                 ars[algo].check()
     # peer-copy bandwidth: local -> peer heap (NVLink write) and local -> local (HBM)
     src = torch.empty(copy_bytes, dtype=torch.uint8, device=dev)
-    peer = heap.peer_buffer((rank + 1) % world, copy_off, (copy_bytes,), torch.uint8)
-    local = torch.empty_like(src)
     bw = {}
-    for name, dst in (("peer_write", peer), ("local_copy", local)):
+    targets = [("local_copy", torch.empty_like(src))]
+    try:
+        targets.insert(0, ("peer_write", heap.peer_buffer((rank + 1) % world, copy_off, (copy_bytes,), torch.uint8)))
+    except HeapError as e:
+        bw["peer_write"] = {"bytes": copy_bytes, "us": float("nan"), "GBps": float("nan"), "error": str(e)}
+    for name, dst in targets:
         t = _max_over_ranks(_time(lambda dst=dst: dst.copy_(src), 10, False))
         bw[name] = {"bytes": copy_bytes, "us": t * 1e6, "GBps": copy_bytes / t / 1e9}
     heap.barrier()

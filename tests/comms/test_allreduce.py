@@ -4,20 +4,26 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from comms.allreduce import (ONESHOT_MAX_BYTES, AllReduce, AllReduceError, rmsnorm_reference, select_algo)
+from comms.allreduce import (LAMPORT_MAX_BYTES, ONESHOT_MAX_BYTES, AllReduce, AllReduceError, rmsnorm_reference,
+                             select_algo)
 from tests.comms.test_heap import run_ranks
 
 
 def test_select_algo_by_size_and_capability():
     kw = dict(device="cuda", multicast=False, max_bytes=64 << 20)
-    assert select_algo(0, 2, **kw) == "oneshot"
-    assert select_algo(ONESHOT_MAX_BYTES, 2, **kw) == "oneshot"
+    assert select_algo(0, 2, **kw) == "lamport"
+    assert select_algo(LAMPORT_MAX_BYTES, 2, **kw) == "lamport"
+    assert select_algo(LAMPORT_MAX_BYTES + 16, 2, **kw) == "oneshot"
+    assert select_algo(ONESHOT_MAX_BYTES, 8, **kw) == "oneshot"
     assert select_algo(ONESHOT_MAX_BYTES + 16, 2, **kw) == "twoshot"
     assert select_algo(64 << 20, 8, **kw) == "twoshot"
     assert select_algo((64 << 20) + 16, 2, **kw) == "nccl"
     assert select_algo(1 << 20, 9, **kw) == "nccl"
-    assert select_algo(4 << 20, 4, device="cuda", multicast=True, max_bytes=64 << 20) == "multimem"
-    assert select_algo(1 << 10, 4, device="cuda", multicast=True, max_bytes=64 << 20) == "oneshot"
+    # a small workspace caps the Lamport range too
+    assert select_algo(2 << 20, 2, device="cuda", multicast=False, max_bytes=1 << 20) == "nccl"
+    assert select_algo(1 << 20, 2, device="cuda", multicast=False, max_bytes=1 << 20) == "lamport"
+    assert select_algo(32 << 20, 4, device="cuda", multicast=True, max_bytes=64 << 20) == "multimem"
+    assert select_algo(1 << 10, 4, device="cuda", multicast=True, max_bytes=64 << 20) == "lamport"
     assert select_algo(1 << 30, 4, device="cpu", multicast=False, max_bytes=1) == "reference"
     with pytest.raises(AllReduceError, match="nbytes=-1"):
         select_algo(-1, 2, **kw)

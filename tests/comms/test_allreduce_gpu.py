@@ -151,6 +151,7 @@ def _heap_lifecycle_body(rank, world):
     for i in range(4):
         heap = SymmetricHeap(dist.group.WORLD, 256 << 20, dev, timeout_s=60)
         off = heap.alloc(4096)
+        heap.barrier()  # the contract: peers write into a region only after its zeroing
         peer = (rank + 1) % world
         heap.peer_buffer(peer, off, (world,), torch.int32)[rank] = 10 * i + rank + 1
         heap.barrier()
