@@ -3,8 +3,9 @@
 Holds the router, this rank's slice of the routed experts (fused gate/up `w13` and `w2`) and an
 optional shared expert behind a sigmoid gate (Qwen3-Next / Qwen3.5). Expert parallelism: a rank
 owns experts `[expert_offset, expert_offset + num_local_experts)`; `forward` returns only the
-contribution of those experts (plus the shared expert on rank 0 of the EP group), so the caller
-sums across ranks (all-reduce in prefill, combine in decode).
+contribution of those experts (plus the shared expert on rank 0 of the EP group, or on every rank
+with `add_shared=True` when each holds a tensor-parallel slice of it), so the caller sums across
+ranks (all-reduce in prefill, combine in decode).
 
 The pieces (`route`, `run_experts`, `shared`) are public so that a dispatch/combine path can put
 communication between routing and the expert GEMMs.
@@ -50,6 +51,7 @@ class MoE(nn.Module):
         shared_intermediate: int = 0,
         ep_rank: int = 0,
         ep_size: int = 1,
+        add_shared: bool | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         backend: str | None = None,
@@ -65,6 +67,8 @@ class MoE(nn.Module):
         self.ep_rank, self.ep_size = ep_rank, ep_size
         self.num_local_experts = num_experts // ep_size
         self.expert_offset = ep_rank * self.num_local_experts
+        # whether forward adds this rank's shared expert (default: EP rank 0 holds all of it)
+        self.add_shared = ep_rank == 0 if add_shared is None else add_shared
         kw = dict(dtype=dtype, device=device)
         self.gate = nn.Linear(hidden, num_experts, bias=False, **kw)  # router
         # [E_local, 2I, H]: rows [0, I) are gate_proj, rows [I, 2I) are up_proj
@@ -127,7 +131,7 @@ class MoE(nn.Module):
     def _shared_parts(self, x: torch.Tensor):
         """(shared_expert(x), gate logit, ready event): on a side stream on CUDA (event set), inline
         elsewhere (event None); all None when this rank adds no shared expert."""
-        if self.shared_expert is None or self.ep_rank != 0:
+        if self.shared_expert is None or not self.add_shared:
             return None, None, None
         if x.device.type != "cuda":
             return self.shared_expert(x), self.shared_expert_gate(x), None

@@ -16,6 +16,10 @@ slot and give the same result (tests/model/test_gdn_ops.py), so the choice is on
 `batch.max_query_len` is set and small, the layer needs no host copy of the batch (CUDA graphs).
 A sequence may write its own read slot; a slot one sequence writes must not be another's read slot
 in the same batch.
+
+Tensor parallelism (`ParallelLayout`): a rank holds key heads `[k0, k0 + Hk/tp)` and the value heads
+of their groups; its q | k | v conv channels (and conv state) are the three segments' slices, its
+recurrent state its own value heads; `out_proj` is row-parallel (the decoder layer all-reduces).
 """
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ from torch import nn
 from nvl72.model.batch import ForwardBatch
 from nvl72.model.gdn_ops import (causal_conv1d, chunk_gated_delta_rule, gated_rmsnorm, gdn_gating,
                                  recurrent_gated_delta_rule)
+from nvl72.model.parallel_layout import SINGLE, ParallelLayout
+from nvl72.model.weights import shard_loader
 
 _MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 log = logging.getLogger(__name__)
@@ -74,12 +80,12 @@ class GatedRMSNorm(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     """One GDN layer: projections -> causal conv (state slots) -> gated delta rule (state slots) ->
-    gated RMSNorm -> out_proj. Tensor-parallel sharding is not applied here."""
+    gated RMSNorm -> out_proj (this rank's heads under TP; see the module docstring)."""
 
     RECURRENT_MAX_TOKENS = 16  # longer sequences take the chunked rule
     CHUNK_SIZE = 64
 
-    def __init__(self, config, layer_idx: int, dtype=None, device=None):
+    def __init__(self, config, layer_idx: int, parallel: ParallelLayout = SINGLE, dtype=None, device=None):
         super().__init__()
         model_type = getattr(config, "model_type", None)
         if model_type not in _MODEL_TYPES:
@@ -88,13 +94,13 @@ class GatedDeltaNet(nn.Module):
         self.fused_qkvz = model_type == "qwen3_next"
         self.layer_idx = layer_idx
         self.hidden_size = config.hidden_size
-        self.num_k_heads = config.linear_num_key_heads
-        self.num_v_heads = config.linear_num_value_heads
+        hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+        if hv % hk:
+            raise ValueError(f"linear_num_value_heads {hv} is not a multiple of linear_num_key_heads {hk}")
+        k0, self.num_k_heads = parallel.split(hk, "linear_num_key_heads")
+        self.num_v_heads = hv // parallel.tp_size
         self.head_k_dim = config.linear_key_head_dim
         self.head_v_dim = config.linear_value_head_dim
-        if self.num_v_heads % self.num_k_heads:
-            raise ValueError(f"linear_num_value_heads {self.num_v_heads} is not a multiple of "
-                             f"linear_num_key_heads {self.num_k_heads}")
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
@@ -118,14 +124,40 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads, **kw).uniform_(0.01, 16).log())
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, **kw)
         self.out_proj = nn.Linear(self.value_dim, H, bias=False, **kw)
+        if parallel.tp_size > 1:
+            self._shard_loaders(k0, hk, hv)
+
+    def _shard_loaders(self, k0: int, hk: int, hv: int) -> None:
+        """Loaders that read this rank's rows of the full checkpoint tensors (key heads
+        `[k0, k0 + num_k_heads)` of `hk`, value heads `[v0, v0 + num_v_heads)` of `hv`)."""
+        Dk, Dv, tp_k, tp_v = self.head_k_dim, self.head_v_dim, self.key_dim, self.value_dim
+        v0 = k0 * (hv // hk)
+        kd, vd = hk * Dk, hv * Dv  # full key / value widths
+        # conv channels (and Qwen3.5's in_proj_qkv rows): q | k | v segments, each sliced
+        qkv = [(k0 * Dk, tp_k), (kd + k0 * Dk, tp_k), (2 * kd + v0 * Dv, tp_v)]
+        self.conv1d.weight.weight_loader = shard_loader(0, qkv, 2 * kd + vd)
+        per_v_head = [self.dt_bias, self.A_log]
+        if self.fused_qkvz:  # rows grouped per key head: one contiguous block per rank
+            group = 2 * Dk + 2 * (hv // hk) * Dv
+            self.in_proj_qkvz.weight.weight_loader = shard_loader(0, [(k0 * group, self.num_k_heads * group)],
+                                                                  hk * group)
+            self.in_proj_ba.weight.weight_loader = shard_loader(0, [(2 * v0, 2 * self.num_v_heads)], 2 * hv)
+        else:
+            self.in_proj_qkv.weight.weight_loader = shard_loader(0, qkv, 2 * kd + vd)
+            self.in_proj_z.weight.weight_loader = shard_loader(0, [(v0 * Dv, tp_v)], vd)
+            per_v_head += [self.in_proj_b.weight, self.in_proj_a.weight]
+        for p in per_v_head:
+            p.weight_loader = shard_loader(0, [(v0, self.num_v_heads)], hv)
+        self.out_proj.weight.weight_loader = shard_loader(1, [(v0 * Dv, tp_v)], vd)
 
     @staticmethod
-    def state_shapes(config) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Per-slot shapes: conv tail (conv_dim, K-1) and recurrent state (Hv, Dk, Dv)."""
-        conv_dim = (2 * config.linear_num_key_heads * config.linear_key_head_dim
-                    + config.linear_num_value_heads * config.linear_value_head_dim)
+    def state_shapes(config, tp_size: int = 1) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per-slot shapes on one of `tp_size` ranks: conv tail (conv_dim, K-1) and recurrent
+        state (Hv, Dk, Dv)."""
+        hk, hv = config.linear_num_key_heads // tp_size, config.linear_num_value_heads // tp_size
+        conv_dim = 2 * hk * config.linear_key_head_dim + hv * config.linear_value_head_dim
         return ((conv_dim, config.linear_conv_kernel_dim - 1),
-                (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim))
+                (hv, config.linear_key_head_dim, config.linear_value_head_dim))
 
     def _project(self, hidden: torch.Tensor):
         """Input projections -> mixed_qkv [T, conv_dim] (q | k | v, head-major), z [T, Hv, Dv],

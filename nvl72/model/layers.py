@@ -2,8 +2,9 @@
 
 Parameter names mirror the Hugging Face checkpoints (`self_attn.q_proj`, `mlp.gate`, ...) so the
 loader maps keys one to one; only routed experts differ (`mlp.w13` / `mlp.w2`, see `moe.MoE`).
-The layers contain no communication: a tensor-parallel change inserts explicit all-reduces after
-`o_proj` / the MLP and shrinks the head counts, with matching weight loaders.
+Under tensor parallelism (`ParallelLayout`) every layer holds its rank's heads / intermediate
+slice, each sharded parameter carries a loader that reads its slice from the full checkpoint
+tensor, and `DecoderLayer.forward` makes the two all-reduces of the layer explicitly.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from nvl72.config import FULL_ATTENTION, ModelConfig
 from nvl72.model import ops
 from nvl72.model.batch import ForwardBatch, ModelCaches
 from nvl72.model.gdn import GatedDeltaNet
-from nvl72.model.weights import expert_weight_loader
+from nvl72.model.parallel_layout import SINGLE, ParallelLayout
+from nvl72.model.weights import expert_weight_loader, first_rank_loader, shard_loader
 
 
 @dataclass
@@ -54,24 +56,38 @@ class Attention(nn.Module):
     """GQA with per-head q/k RMSNorm and (hybrid families) a sigmoid output gate.
 
     With the gate, `q_proj` emits per head [query (D) | gate (D)] interleaved head by head, as
-    transformers' `view(T, heads, 2D).chunk(2)` reads it."""
+    transformers' `view(T, heads, 2D).chunk(2)` reads it. Under TP this rank holds q heads
+    `[q0, q0 + num_heads)` and KV heads `[kv0, kv0 + num_kv_heads)` (see `ParallelLayout.kv_heads`);
+    `o_proj` returns the rank's partial sum."""
 
-    def __init__(self, config: ModelConfig, cache_idx: int, dtype=None, device=None):
+    def __init__(self, config: ModelConfig, cache_idx: int, parallel: ParallelLayout = SINGLE, dtype=None, device=None):
         super().__init__()
         self.cache_idx = cache_idx
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        q0, self.num_heads = parallel.split(config.num_attention_heads, "num_attention_heads")
+        kv0, self.num_kv_heads = parallel.kv_heads(config.num_key_value_heads)
         self.head_dim = config.head_dim
         self.gated = config.attn_output_gate
         self.scale = self.head_dim**-0.5
         h, d = config.hidden_size, self.head_dim
+        q_rows = d * (2 if self.gated else 1)  # q_proj rows per head
         kw = dict(bias=config.attention_bias, dtype=dtype, device=device)
-        self.q_proj = nn.Linear(h, self.num_heads * d * (2 if self.gated else 1), **kw)
+        self.q_proj = nn.Linear(h, self.num_heads * q_rows, **kw)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, **kw)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, **kw)
         self.o_proj = nn.Linear(self.num_heads * d, h, **kw)
         zc = config.zero_centered_norm
         self.q_norm = RMSNorm(d, config.rms_norm_eps, zc, dtype=dtype, device=device)
         self.k_norm = RMSNorm(d, config.rms_norm_eps, zc, dtype=dtype, device=device)
+        if parallel.tp_size > 1:
+            hq, hkv = config.num_attention_heads, config.num_key_value_heads
+            columns = [(self.q_proj, q0 * q_rows, self.num_heads * q_rows, hq * q_rows)]
+            columns += [(p, kv0 * d, self.num_kv_heads * d, hkv * d) for p in (self.k_proj, self.v_proj)]
+            for lin, start, n, full in columns:
+                for p in lin.parameters():
+                    p.weight_loader = shard_loader(0, [(start, n)], full)
+            self.o_proj.weight.weight_loader = shard_loader(1, [(q0 * d, self.num_heads * d)], hq * d)
+            if self.o_proj.bias is not None:
+                self.o_proj.bias.weight_loader = first_rank_loader(parallel.tp_rank)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
@@ -93,32 +109,58 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
-def make_mlp(config: ModelConfig, sparse: bool, ep_rank: int, ep_size: int, dtype=None, device=None) -> nn.Module:
-    """`moe.MoE` for sparse layers (routed experts carry the expert loader), else a dense SwiGLU MLP."""
+def shard_swiglu_(mlp: SharedExpert, full: int, parallel: ParallelLayout) -> None:
+    """Loaders for a SwiGLU MLP built with this rank's `full // tp_size` intermediate rows:
+    gate/up column-parallel, down row-parallel."""
+    i0, n = parallel.split(full, "intermediate size")
+    mlp.gate_proj.weight.weight_loader = shard_loader(0, [(i0, n)], full)
+    mlp.up_proj.weight.weight_loader = shard_loader(0, [(i0, n)], full)
+    mlp.down_proj.weight.weight_loader = shard_loader(1, [(i0, n)], full)
+
+
+def make_mlp(config: ModelConfig, sparse: bool, parallel: ParallelLayout = SINGLE, dtype=None,
+             device=None) -> nn.Module:
+    """`moe.MoE` for sparse layers (routed experts carry the expert loader), else a dense SwiGLU MLP.
+
+    Under TP the dense MLP and the shared expert are split over all TP ranks (each adds its part);
+    routed experts by id over the EP ranks and by intermediate over `expert_tp_size` ranks."""
+    tp = parallel.tp_size
     if not sparse:
-        return SharedExpert(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
+        _, n = parallel.split(config.intermediate_size, "intermediate_size")
+        mlp = SharedExpert(config.hidden_size, n, dtype=dtype, device=device)
+        if tp > 1:
+            shard_swiglu_(mlp, config.intermediate_size, parallel)
+        return mlp
+    full_i, shared_i = config.moe_intermediate_size, config.shared_expert_intermediate_size
+    i0, inter = parallel.split(full_i, "moe_intermediate_size", parallel.expert_tp_size, parallel.expert_tp_rank)
     mlp = MoE(
         config.hidden_size,
         config.num_experts,
         config.num_experts_per_tok,
-        config.moe_intermediate_size,
+        inter,
         norm_topk_prob=config.norm_topk_prob,
-        shared_intermediate=config.shared_expert_intermediate_size,
-        ep_rank=ep_rank,
-        ep_size=ep_size,
+        shared_intermediate=parallel.split(shared_i, "shared_expert_intermediate_size")[1] if shared_i else 0,
+        ep_rank=parallel.ep_rank,
+        ep_size=parallel.ep_size,
+        add_shared=True if tp > 1 else None,
         dtype=dtype,
         device=device,
     )
-    for p in (mlp.w13, mlp.w2):
+    for p, is_w13 in ((mlp.w13, True), (mlp.w2, False)):
         p.weight_loader = expert_weight_loader
         p.expert_offset, p.num_experts = mlp.expert_offset, mlp.num_experts
+        p.inter_offset, p.inter_full, p.is_w13 = i0, full_i, is_w13
+    if tp > 1 and mlp.shared_expert is not None:
+        shard_swiglu_(mlp.shared_expert, shared_i, parallel)
     return mlp
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: token mixer (full attention or Gated DeltaNet), then MLP/MoE.
 
-    `cache_idx` is this layer's index in `ModelCaches` (the MTP layers come after the decoder's)."""
+    `cache_idx` is this layer's index in `ModelCaches` (the MTP layers come after the decoder's).
+    Under TP both halves return partial sums; `parallel.reduce` (the TP all-reduce) completes
+    them before each residual add."""
 
     def __init__(
         self,
@@ -126,21 +168,21 @@ class DecoderLayer(nn.Module):
         cache_idx: int,
         layer_type: str,
         sparse: bool,
-        ep_rank: int = 0,
-        ep_size: int = 1,
+        parallel: ParallelLayout = SINGLE,
         dtype=None,
         device=None,
     ):
         super().__init__()
         self.cache_idx, self.layer_type = cache_idx, layer_type
+        self.parallel = parallel
         eps, zc = config.rms_norm_eps, config.zero_centered_norm
         self.input_layernorm = RMSNorm(config.hidden_size, eps, zc, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zc, dtype=dtype, device=device)
         if layer_type == FULL_ATTENTION:
-            self.self_attn = Attention(config, cache_idx, dtype=dtype, device=device)
+            self.self_attn = Attention(config, cache_idx, parallel, dtype=dtype, device=device)
         else:
-            self.linear_attn = GatedDeltaNet(config, cache_idx, dtype=dtype, device=device)
-        self.mlp = make_mlp(config, sparse, ep_rank, ep_size, dtype=dtype, device=device)
+            self.linear_attn = GatedDeltaNet(config, cache_idx, parallel, dtype=dtype, device=device)
+        self.mlp = make_mlp(config, sparse, parallel, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.input_layernorm(x)
@@ -149,5 +191,5 @@ class DecoderLayer(nn.Module):
         else:
             i = self.cache_idx
             h = self.linear_attn(h, ctx.batch, ctx.caches.conv[i], ctx.caches.recurrent[i])
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.parallel.reduce(h)  # all-reduce of the row-parallel o_proj / out_proj
+        return x + self.parallel.reduce(self.mlp(self.post_attention_layernorm(x)))  # all-reduce of the MLP / experts

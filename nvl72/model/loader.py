@@ -9,7 +9,8 @@ Checkpoint layouts handled:
 - multimodal Qwen3.5 (`model.language_model.*`; `model.visual.*` skipped), `mtp.*` for the MTP head
   (skipped when the model was built without it).
 Every model parameter must be covered exactly; anything else is a `WeightLoadError` naming the key.
-Tensors are read lazily (safetensors slices): an expert-parallel rank reads only its experts' rows.
+Tensors are read lazily (safetensors slices): an expert-parallel rank reads only its experts' rows,
+a tensor-parallel rank only its heads' / intermediate slice (each parameter's loader knows which).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import json
 import logging
 import os
 import re
+import zlib
 from collections.abc import Iterator
 
 import torch
@@ -24,6 +26,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from nvl72.config import ModelConfig
+from nvl72.model.parallel_layout import ParallelLayout
 from nvl72.model.qwen import QwenMoeForCausalLM, build_model
 from nvl72.model.weights import LazyTensor, WeightLoadError
 
@@ -46,16 +49,20 @@ def load_model(
     enable_mtp: bool | None = None,
     ep_rank: int = 0,
     ep_size: int = 1,
+    parallel: ParallelLayout | None = None,
     seed: int = 0,
 ) -> QwenMoeForCausalLM:
-    """Config from `path` (unless given), build, load. `load_format="dummy"` needs only a config."""
+    """Config from `path` (unless given), build, load. `load_format="dummy"` needs only a config.
+    Under `parallel` each rank reads only its slices of the checkpoint; dummy weights are drawn
+    per rank (they equal no other layout's)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not one of {LOAD_FORMATS}")
     if config is None:
         if path is None:
             raise ValueError("load_model needs a checkpoint path or a config")
         config = ModelConfig.from_pretrained(path)
-    model = build_model(config, dtype, device, enable_mtp=enable_mtp, ep_rank=ep_rank, ep_size=ep_size)
+    model = build_model(config, dtype, device, enable_mtp=enable_mtp, ep_rank=ep_rank, ep_size=ep_size,
+                        parallel=parallel)
     load_weights(model, path, load_format=load_format, seed=seed)
     return model
 
@@ -188,13 +195,13 @@ def init_dummy_weights(model: QwenMoeForCausalLM, seed: int = 0, std: float = 0.
     """Random weights with the real shapes (vLLM's `--load-format dummy`), seeded and small enough
     that activations and logits stay O(1): matrices ~ N(0, std); norm weights ~ 1 (zero-centred
     ones ~ 0) with a little noise; GDN decay parameters in their trained ranges
-    (A_log = log U(1, 16), dt_bias ~ 1)."""
-    gen = {}
+    (A_log = log U(1, 16), dt_bias ~ 1). Each parameter draws from its own generator seeded by
+    (seed, name), so the parameters TP ranks replicate (embedding, norms, router) agree."""
     zero_centered = model.config.zero_centered_norm
     with torch.no_grad():
         for name, p in model.named_parameters():
             dev = p.device
-            g = gen.setdefault(dev, torch.Generator(device=dev).manual_seed(seed))
+            g = torch.Generator(device=dev).manual_seed((seed << 32) + zlib.crc32(name.encode()))
             x = torch.empty(p.shape, dtype=torch.float32, device=dev)
             leaf = name.rsplit(".", 1)[-1]
             if leaf == "A_log":

@@ -19,6 +19,7 @@ from nvl72.model.batch import ForwardBatch, ModelCaches
 from nvl72.model.cache_spec import CacheSpec, KVLayerSpec, StateLayerSpec
 from nvl72.model.gdn import GatedDeltaNet
 from nvl72.model.layers import DecoderLayer, ForwardContext, RMSNorm, rope_inv_freq
+from nvl72.model.parallel_layout import SINGLE, LayoutError, ParallelLayout
 from nvl72.model.weights import attach_default_loaders
 
 log = logging.getLogger(__name__)
@@ -27,11 +28,11 @@ log = logging.getLogger(__name__)
 class QwenModel(nn.Module):
     """The decoder stack (checkpoint prefix `model.`)."""
 
-    def __init__(self, config: ModelConfig, ep_rank: int, ep_size: int, dtype=None, device=None):
+    def __init__(self, config: ModelConfig, parallel: ParallelLayout, dtype=None, device=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, t, config.is_moe_layer(i), ep_rank, ep_size, dtype=dtype, device=device)
+            DecoderLayer(config, i, t, config.is_moe_layer(i), parallel, dtype=dtype, device=device)
             for i, t in enumerate(config.layer_types)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.zero_centered_norm, dtype=dtype, device=device)
@@ -44,7 +45,7 @@ class MTPHead(nn.Module):
     h = layers[step](h)  (a full-attention MoE decoder layer with its own KV, cache index
     num_hidden_layers + step); out = norm(h). Embedding and lm_head are the main model's."""
 
-    def __init__(self, config: ModelConfig, ep_rank: int, ep_size: int, dtype=None, device=None):
+    def __init__(self, config: ModelConfig, parallel: ParallelLayout, dtype=None, device=None):
         super().__init__()
         h, eps, zc = config.hidden_size, config.rms_norm_eps, config.zero_centered_norm
         kw = dict(dtype=dtype, device=device)
@@ -52,7 +53,7 @@ class MTPHead(nn.Module):
         self.pre_fc_norm_embedding = RMSNorm(h, eps, zc, **kw)
         self.pre_fc_norm_hidden = RMSNorm(h, eps, zc, **kw)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, config.num_hidden_layers + j, FULL_ATTENTION, config.num_experts > 0, ep_rank, ep_size, **kw)
+            DecoderLayer(config, config.num_hidden_layers + j, FULL_ATTENTION, config.num_experts > 0, parallel, **kw)
             for j in range(config.mtp_num_hidden_layers)
         )
         self.norm = RMSNorm(h, eps, zc, **kw)
@@ -71,22 +72,22 @@ class QwenMoeForCausalLM(nn.Module):
         device: torch.device | str | None = None,
         *,
         enable_mtp: bool | None = None,
-        ep_rank: int = 0,
-        ep_size: int = 1,
+        parallel: ParallelLayout = SINGLE,
     ):
         super().__init__()
         if enable_mtp and not config.has_mtp:
             raise ValueError(f"enable_mtp=True but {config.model_type} config has mtp_num_hidden_layers=0")
         self.config, self.dtype = config, dtype
-        self.ep_rank, self.ep_size = ep_rank, ep_size
-        self.model = QwenModel(config, ep_rank, ep_size, dtype=dtype, device=device)
+        self.parallel = parallel
+        self.ep_rank, self.ep_size = parallel.ep_rank, parallel.ep_size
+        self.model = QwenModel(config, parallel, dtype=dtype, device=device)
         self.lm_head = (
             None
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
         )
         use_mtp = config.has_mtp if enable_mtp is None else enable_mtp
-        self.mtp = MTPHead(config, ep_rank, ep_size, dtype=dtype, device=device) if use_mtp else None
+        self.mtp = MTPHead(config, parallel, dtype=dtype, device=device) if use_mtp else None
         # fp32 RoPE table input; built at model dtype, so never `.to(dtype)` the model afterwards.
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
         attach_default_loaders(self)
@@ -143,18 +144,19 @@ class QwenMoeForCausalLM(nn.Module):
 
     # ---- caches --------------------------------------------------------------------------------
     def cache_spec(self) -> CacheSpec:
-        """Per-layer KV page and GDN state-slot shapes/dtypes the engine must allocate."""
+        """Per-layer KV page and GDN state-slot shapes/dtypes this rank's engine must allocate
+        (under TP: only this rank's KV heads and GDN heads)."""
         return self._cache_spec
 
     def _make_cache_spec(self) -> CacheSpec:
         cfg = self.config
-        kv_spec = KVLayerSpec(cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+        kv_spec = KVLayerSpec(self.parallel.kv_heads(cfg.num_key_value_heads)[1], cfg.head_dim, self.dtype)
         num_mtp = 0 if self.mtp is None else len(self.mtp.layers)
         kv = {i: kv_spec for i, t in enumerate(cfg.layer_types) if t == FULL_ATTENTION}
         kv.update({cfg.num_hidden_layers + j: kv_spec for j in range(num_mtp)})
         state = {}
         if LINEAR_ATTENTION in cfg.layer_types:
-            conv_shape, rec_shape = GatedDeltaNet.state_shapes(cfg)
+            conv_shape, rec_shape = GatedDeltaNet.state_shapes(cfg, self.parallel.tp_size)
             s = StateLayerSpec(tuple(conv_shape), self.dtype, tuple(rec_shape), torch.float32)
             state = {i: s for i, t in enumerate(cfg.layer_types) if t == LINEAR_ATTENTION}
         return CacheSpec(num_layers=cfg.num_hidden_layers + num_mtp, kv=kv, state=state)
@@ -172,14 +174,31 @@ def build_model(
     enable_mtp: bool | None = None,
     ep_rank: int = 0,
     ep_size: int = 1,
+    parallel: ParallelLayout | None = None,
 ) -> QwenMoeForCausalLM:
-    """An unloaded model (parameters uninitialised); fill it with `nvl72.model.loader.load_weights`."""
-    model = QwenMoeForCausalLM(config, dtype, device, enable_mtp=enable_mtp, ep_rank=ep_rank, ep_size=ep_size)
+    """An unloaded model (parameters uninitialised); fill it with `nvl72.model.loader.load_weights`.
+
+    `parallel` cuts it for one rank (TP/EP, see `ParallelLayout`); `ep_rank`/`ep_size` alone mean
+    experts split without TP (the caller combines)."""
+    parallel = resolve_layout(parallel, ep_rank, ep_size)
+    model = QwenMoeForCausalLM(config, dtype, device, enable_mtp=enable_mtp, parallel=parallel)
     spec = model.cache_spec()
     log.info(
-        "model %s: %d layers (%d full attention, %d GDN), MTP layers %d, %s on %s, EP %d/%d, attention: torch reference",
+        "model %s: %d layers (%d full attention, %d GDN), MTP layers %d, %s on %s, TP %d/%d (%d KV heads), "
+        "EP %d/%d, attention: torch reference",
         config.model_type, config.num_hidden_layers, config.layer_types.count(FULL_ATTENTION),
         config.layer_types.count(LINEAR_ATTENTION), spec.num_layers - config.num_hidden_layers, dtype, model.device,
-        ep_rank, ep_size,
+        parallel.tp_rank, parallel.tp_size, parallel.kv_heads(config.num_key_value_heads)[1],
+        parallel.ep_rank, parallel.ep_size,
     )
     return model.eval().requires_grad_(False)
+
+
+def resolve_layout(parallel: ParallelLayout | None, ep_rank: int, ep_size: int) -> ParallelLayout:
+    """`parallel`, or the EP-only layout of the legacy `ep_rank`/`ep_size` arguments (not both)."""
+    if parallel is None:
+        return ParallelLayout(ep_rank=ep_rank, ep_size=ep_size) if (ep_rank, ep_size) != (0, 1) else SINGLE
+    if (ep_rank, ep_size) != (0, 1):
+        raise LayoutError(f"ep_rank={ep_rank}, ep_size={ep_size} given beside parallel={parallel}: "
+                          "put them in the ParallelLayout")
+    return parallel

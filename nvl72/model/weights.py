@@ -6,6 +6,8 @@ parallel layout changes the loaders and the parameter shapes, never the loop.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -41,33 +43,94 @@ def default_weight_loader(param: torch.Tensor, loaded: Loaded) -> None:
     _copy(param.data, loaded, "")
 
 
+def shard_loader(dim: int, segments: list[tuple[int, int]], full: int) -> Callable:
+    """A loader for a tensor-parallel slice: the checkpoint tensor is `full` long along `dim`
+    (other dims as the parameter's); this rank keeps the (start, length) `segments` of it,
+    concatenated in order (one segment for a plain split; q | k | v segments for GDN's fused
+    projections and conv). Only those rows/columns are read from a lazy checkpoint tensor."""
+    segments = _merge(segments)
+
+    def load(param: torch.Tensor, loaded: Loaded) -> None:
+        want = list(param.shape)
+        want[dim] = full
+        if tuple(loaded.shape) != tuple(want):
+            raise WeightLoadError(f"checkpoint shape {tuple(loaded.shape)} != model shape {tuple(want)} "
+                                  f"(before the tensor-parallel split along dim {dim})")
+        offset = 0
+        for start, n in segments:
+            idx = (slice(None),) * dim + (slice(start, start + n),)
+            _copy(param.data.narrow(dim, offset, n), loaded[idx], f" (rows {start}:{start + n} of dim {dim})")
+            offset += n
+
+    return load
+
+
+def _merge(segments: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Adjacent segments as one read."""
+    out: list[tuple[int, int]] = []
+    for start, n in segments:
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((start, n))
+    return out
+
+
+def first_rank_loader(rank: int) -> Callable:
+    """A loader for a row-parallel layer's bias: whole on TP rank 0, zero on the others, so the
+    all-reduce adds it once."""
+
+    def load(param: torch.Tensor, loaded: Loaded) -> None:
+        if rank == 0:
+            _copy(param.data, loaded, "")
+            return
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise WeightLoadError(f"checkpoint shape {tuple(loaded.shape)} != model shape {tuple(param.shape)}")
+        with torch.no_grad():
+            param.data.zero_()
+
+    return load
+
+
 def expert_weight_loader(
     param: torch.Tensor, loaded: Loaded, *, expert_id: int | None = None, shard: str | None = None
 ) -> None:
     """Routed-expert loader for `w13` [E_local, 2I, H] (gate rows, then up rows) and `w2` [E_local, H, I].
 
-    expert_id=None: `loaded` holds all experts ([E, 2I, H] `gate_up_proj` or [E, H, I] `down_proj`,
-    the fused layout); this rank keeps `[expert_offset, expert_offset + E_local)`. Otherwise one
-    expert's `gate`/`up` ([I, H]) or `down` ([H, I]) matrix; experts of other ranks are skipped."""
+    The parameter knows its slice: experts `[expert_offset, expert_offset + E_local)` of
+    `num_experts`, intermediate rows `[inter_offset, inter_offset + I)` of `inter_full` (the
+    tensor-parallel split of each expert; all of it without one).
+    expert_id=None: `loaded` holds all experts ([E, 2I_full, H] `gate_up_proj` or [E, H, I_full]
+    `down_proj`, the fused layout). Otherwise one expert's `gate`/`up` ([I_full, H]) or `down`
+    ([H, I_full]) matrix; experts of other ranks are skipped."""
     offset, local = param.expert_offset, param.shape[0]
+    i0, full = param.inter_offset, param.inter_full
+    inter, hidden = (param.shape[1] // 2, param.shape[2]) if param.is_w13 else (param.shape[2], param.shape[1])
     if expert_id is None:
         total = param.num_experts
-        if len(loaded.shape) != 3 or loaded.shape[0] != total:
-            raise WeightLoadError(
-                f"checkpoint shape {tuple(loaded.shape)} != model shape ({total}, {', '.join(map(str, param.shape[1:]))})"
-            )
-        _copy(param.data, loaded[offset : offset + local], "")
+        want = (total, 2 * full, hidden) if param.is_w13 else (total, hidden, full)
+        if tuple(loaded.shape) != want:
+            raise WeightLoadError(f"checkpoint shape {tuple(loaded.shape)} != model shape {want}")
+        experts = slice(offset, offset + local)
+        if param.is_w13:
+            _copy(param.data[:, :inter], loaded[experts, i0 : i0 + inter], " (gate rows)")
+            _copy(param.data[:, inter:], loaded[experts, full + i0 : full + i0 + inter], " (up rows)")
+        else:
+            _copy(param.data, loaded[experts, :, i0 : i0 + inter], "")
         return
     if not offset <= expert_id < offset + local:
         return
     e = expert_id - offset
-    inter = param.shape[1] // 2
-    if shard == "gate":
-        _copy(param.data[e, :inter], loaded, f" (expert {expert_id} gate rows of w13)")
-    elif shard == "up":
-        _copy(param.data[e, inter:], loaded, f" (expert {expert_id} up rows of w13)")
+    if shard in ("gate", "up"):
+        want, rows = (full, hidden), slice(0, inter) if shard == "gate" else slice(inter, 2 * inter)
+        if tuple(loaded.shape) != want:
+            raise WeightLoadError(f"checkpoint shape {tuple(loaded.shape)} != model shape {want} (expert {expert_id} {shard})")
+        _copy(param.data[e, rows], loaded[i0 : i0 + inter], f" (expert {expert_id} {shard} rows of w13)")
     elif shard == "down":
-        _copy(param.data[e], loaded, f" (expert {expert_id} of w2)")
+        want = (hidden, full)
+        if tuple(loaded.shape) != want:
+            raise WeightLoadError(f"checkpoint shape {tuple(loaded.shape)} != model shape {want} (expert {expert_id} down)")
+        _copy(param.data[e], loaded[:, i0 : i0 + inter], f" (expert {expert_id} of w2)")
     else:
         raise WeightLoadError(f"unknown expert shard {shard!r}")
 

@@ -1,0 +1,104 @@
+"""Tensor/expert-parallel model == the single-rank model (fp32, CPU, gloo).
+
+Two worker processes (tests/dist/tp_worker.py) load tiny transformers checkpoints cut by a
+`ParallelLayout` (TP=2 with experts split by intermediate, or TP=2 with EP=2), run a prefill of a
+70-token and a 9-token sequence (GDN chunked and recurrent rules) and three decode steps through
+paged KV and GDN state slots; every step's logits must equal the single-rank model's. Cases cover
+num_key_value_heads=1 (each rank keeps the replicated KV head) and =2 (split), attention bias
+(row-parallel bias added once), the shared expert and the dense-MLP layers, and Qwen3.5's fused
+expert layout. The workers run all cases in one world, so the processes start once."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nvl72.model.loader import load_model
+from tests.dist.tp_worker import tp_script
+from tests.model.test_model_loader import _official_qwen35_layout, _state, _write
+from tests.model.tiny import rel_err, save_tiny
+
+ROOT = pathlib.Path(__file__).parents[2]
+WORLD = 2
+TOL = 1e-5
+WORKER_TIMEOUT_S = 150
+PROMPTS_SEED = 7
+
+# name -> (family, checkpoint overrides, ep_size, fused expert layout)
+CASES = {
+    "qwen3_moe-kv2-ep1": ("qwen3_moe", dict(num_key_value_heads=2), 1, False),
+    "qwen3_moe-kv1-ep2-bias": ("qwen3_moe", dict(num_key_value_heads=1, attention_bias=True), 2, False),
+    "qwen3_next-kv1-ep1": ("qwen3_next", dict(num_key_value_heads=1), 1, False),
+    "qwen3_next-kv2-ep2": ("qwen3_next", dict(num_key_value_heads=2), 2, False),
+    "qwen3_5_moe-kv1-ep2-fused": ("qwen3_5_moe", dict(num_key_value_heads=1), 2, True),
+    "qwen3_5_moe-kv2-ep1-fused": ("qwen3_5_moe", dict(num_key_value_heads=2), 1, True),
+}
+
+
+def _checkpoint(name: str, root: pathlib.Path) -> pathlib.Path:
+    family, overrides, _, fused = CASES[name]
+    path = root / name
+    save_tiny(family, path, seed=len(name), **overrides)
+    if fused:  # rewrite as the released Qwen3.5 layout (fused experts, language_model prefix)
+        cfg = json.loads((path / "config.json").read_text())
+        state = _official_qwen35_layout(_state(path), cfg["num_experts"])
+        (path / "model.safetensors").unlink()
+        _write(path, state, cfg)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{case: (single-rank logits, [logits of each TP rank])}."""
+    root = tmp_path_factory.mktemp("tp")
+    g = torch.Generator().manual_seed(PROMPTS_SEED)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (70, 9)]
+    decode = torch.randint(0, 256, (3, 2), generator=g).tolist()
+    cases = [dict(name=n, path=str(_checkpoint(n, root)), ep_size=CASES[n][2]) for n in CASES]
+    spec = root / "cases.json"
+    spec.write_text(json.dumps(dict(cases=cases, prompts=prompts, decode=decode)))
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    procs, logs = [], []
+    for r in range(WORLD):
+        log = open(root / f"rank{r}.log", "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests/dist/tp_worker.py"), str(r), str(WORLD),
+                                       str(root / "store"), str(spec), str(root)],
+                                      stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT))
+    try:
+        with torch.no_grad():  # the single-rank references, while the workers run
+            refs = {c["name"]: tp_script(load_model(c["path"], dtype=torch.float32, device="cpu"), prompts, decode)
+                    for c in cases}
+        deadline = time.monotonic() + WORKER_TIMEOUT_S
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    outputs = []
+    for r, (p, log) in enumerate(zip(procs, logs)):
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{outputs[-1][-4000:]}"
+    return {n: (refs[n], [load_file(str(root / f"{n}.rank{r}.safetensors"))["logits"] for r in range(WORLD)])
+            for n in CASES}
+
+
+@pytest.mark.mp
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp_logits_equal_single_rank(runs, case):
+    ref, ranks = runs[case]
+    assert ref.shape == (70 + 9 + 3 * 2, 256)
+    for r, got in enumerate(ranks):
+        assert got.shape == ref.shape
+        assert rel_err(got, ref) < TOL, f"{case} rank {r}: rel err {rel_err(got, ref):.2e}"
+    assert torch.equal(ranks[0], ranks[1]), "the TP ranks' logits differ"
