@@ -51,8 +51,11 @@ def test_pressure(fam, fill, spec):
             continue
         budget -= len(p)
         stop = [rnd.randrange(1, 96)] if rnd.random() < 0.3 else []
-        reqs.append((f"r{len(reqs)}", p, SamplingParams(max_tokens=rnd.randint(16, 36), temperature=0.0,
-                                                        stop_token_ids=stop)))
+        # A third sample (seeded, with penalties): recompute after preemption must not change them.
+        sampled = dict(temperature=0.8, top_p=0.9, seed=len(reqs), repetition_penalty=1.2,
+                       frequency_penalty=0.3) if len(reqs) % 3 == 2 and not spec else dict(temperature=0.0)
+        reqs.append((f"r{len(reqs)}", p, SamplingParams(max_tokens=rnd.randint(16, 36), stop_token_ids=stop,
+                                                        **sampled)))
     assert budget < 4
     ref = reference(fam, reqs)
     drafter = None
