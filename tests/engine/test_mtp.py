@@ -54,3 +54,14 @@ def test_mtp_exact_and_drafts_match_scratch(k, budget):
     model = tiny_model("qwen3_next")
     for history, drafts in drafter.log[::5]:
         assert drafts == scratch_drafts(model, history, k), history
+
+
+def test_mtp_with_prefix_cache_exact():
+    """Second turns hit the prefix cache (MTP KV of cached pages reused): output stays exact."""
+    ps = prompts(4, seed=3)
+    e = make_engine("qwen3_next", drafter=MTPDrafter(2), num_speculative_tokens=2, num_state_slots=64)
+    first = tokens(run_all(e, ps, GREEDY))
+    turn2 = [ps[i] + first[f"r{i}"] + [5, 6] for i in range(len(ps))]
+    got = run_all(e, turn2, GREEDY)
+    assert sum(v[2] for v in got.values()) > 0
+    assert tokens(got) == tokens(run_all(make_engine("qwen3_next", enable_prefix_caching=False), turn2, GREEDY))
