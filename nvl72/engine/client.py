@@ -104,7 +104,10 @@ class _StreamingClient(EngineClient):
         finally:
             self._streams.close(rid)
             if not finished and not self._dead:
-                self._submit(AbortRequest(rid))
+                try:
+                    self._submit(AbortRequest(rid))
+                except EngineDeadError:
+                    pass  # died meanwhile: nothing left to abort
 
     async def abort(self, request_id: str) -> None:
         if not self._dead:
