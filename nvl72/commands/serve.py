@@ -40,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-cache-memory", default=None,
       help="KV cache size, e.g. 4GiB or 512MiB (default: 90%% of free GPU memory; on CPU enough for max-num-seqs)")
     a("--no-prefix-caching", action="store_true", help="disable the prefix cache")
-    a("--engine-process", action="store_true",
-      help="run the engine core in a child process over ZeroMQ (default: a thread of this process)")
+    a("--engine", default="auto",
+      help="thread: the engine loop in a thread of the server process; process: its own process over ZeroMQ "
+           "(the front's Python then does not compete with it for the GIL); auto: process on GPU, thread on CPU")
     a("--seed", default="0", help="seed of requests that sample without their own seed (and of dummy weights)")
     a("--max-body-bytes", default=str(8 << 20), help="largest accepted request body (default 8 MiB)")
 
@@ -66,7 +67,7 @@ class ServeOptions:
     enable_prefix_caching: bool
     seed: int
     max_body_bytes: int
-    engine_process: bool = False
+    engine: str = "thread"  # thread | process
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Arguments of the engine builder (nvl72.engine.core.build_engine's names)."""
@@ -121,6 +122,20 @@ def _check_host(host: str) -> str:
     return host
 
 
+def _engine_mode(mode: str, device: str) -> str:
+    """Measured on one H200 (tiny preset, 64 streams x 128 tokens, client in its own process): HTTP
+    throughput 0.70 of the engine's alone with a thread engine, 0.94 with a process engine."""
+    if mode not in ("auto", "thread", "process"):
+        raise CLIError(f"--engine={mode!r} is not one of auto, thread, process")
+    if mode != "auto":
+        return mode
+    if device == "auto":
+        import torch
+
+        return "process" if torch.cuda.is_available() else "thread"
+    return "process" if device.startswith("cuda") else "thread"
+
+
 def options(args: argparse.Namespace) -> ServeOptions:
     """Check every value; a bad one raises CLIError naming it."""
     model = args.model
@@ -162,7 +177,7 @@ def options(args: argparse.Namespace) -> ServeOptions:
         page_size=_int("page-size", args.page_size, 1, 4096), num_pages=_int("num-pages", args.num_pages, 1),
         kv_cache_bytes=parse_bytes("kv-cache-memory", args.kv_cache_memory),
         enable_prefix_caching=not args.no_prefix_caching, seed=_int("seed", args.seed, 0, 2**63 - 1),
-        max_body_bytes=_int("max-body-bytes", args.max_body_bytes, 1024), engine_process=args.engine_process)
+        max_body_bytes=_int("max-body-bytes", args.max_body_bytes, 1024), engine=_engine_mode(args.engine, device))
 
 
 def load_tokenizer(model: str | None):
@@ -187,7 +202,7 @@ def start_engine(opts: ServeOptions):
     except ImportError:
         raise CLIError("no local engine in this build (nvl72.engine.client.start_local_engine is missing)") from None
     try:
-        return start_local_engine(**opts.engine_kwargs(), process=opts.engine_process)
+        return start_local_engine(**opts.engine_kwargs(), process=opts.engine == "process")
     except ValueError as e:  # ConfigError, bad sizes: the user's values
         raise CLIError(str(e)) from e
 
@@ -200,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
     tok = load_tokenizer(opts.model)
     log.info("tokenizer: %s (%d tokens), chat template: %s", tok.source, tok.vocab_size,
              "checkpoint" if tok.chat_template else "built-in Qwen3 format")
+    log.info("engine in a %s (--engine)", opts.engine)
     engine = start_engine(opts)
     app = build_app(engine, tok, ServerConfig(served_model_name=opts.served_model_name, api_key=opts.api_key,
                                               max_body_bytes=opts.max_body_bytes))

@@ -16,6 +16,7 @@ def test_defaults_bind_localhost_and_use_the_preset():
     assert (o.host, o.port, o.model, o.served_model_name, o.api_key) == ("127.0.0.1", 8000, None, DEFAULT_MODEL_NAME,
                                                                          None)
     assert o.engine_kwargs()["model"] is None and o.enable_prefix_caching
+    assert _opts("--device", "cpu").engine == "thread" and _opts("--engine", "process").engine == "process"
 
 
 def test_options_parse(tmp_path):
@@ -40,6 +41,7 @@ def test_options_parse(tmp_path):
     (["--kv-cache-memory", "4XB"], "'4XB'"),
     (["--kv-cache-memory=-1GiB"], "'-1GiB'"),
     (["--host", "bad host!"], "'bad host!'"),
+    (["--engine", "remote"], "'remote'"),
     (["--api-key", " "], "--api-key"),
     (["--served-model-name", " "], "--served-model-name"),
 ])
