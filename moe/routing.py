@@ -83,7 +83,11 @@ def permute_masked(topk_ids: torch.Tensor, num_local: int, capacity: int, expert
             raise ValueError(f"capacity={capacity} is below the busiest expert's count {worst}")
     valid = local < num_local
     row = torch.where(valid, local * capacity + rank, torch.full_like(rank, -1))
-    token_of = torch.full((num_local * capacity,), -1, dtype=torch.int64, device=topk_ids.device)
+    # Pairs held elsewhere write one spare row, cut off after: no boolean-mask indexing, hence no
+    # host sync (decode steps run inside CUDA graphs).
+    spare = num_local * capacity
+    token_of = torch.full((spare + 1,), -1, dtype=torch.int64, device=topk_ids.device)
     pair_token = torch.arange(t * k, device=topk_ids.device) // k
-    token_of[row[valid]] = pair_token[valid]
+    token_of[torch.where(valid, row, spare)] = pair_token
+    token_of = token_of[:spare]
     return Permutation("masked", row.view(t, k), token_of, counts, num_local * capacity, 1, capacity=capacity)
