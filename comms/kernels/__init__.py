@@ -4,4 +4,4 @@
 `compile_for_export(arch) -> {export name: compiled fn}` (fake tensors, no GPU needed).
 Importing this package imports no CuTeDSL (GPU hosts run from the bundle without it)."""
 
-EXPORTS = ["comms.kernels.allreduce"]
+EXPORTS = ["comms.kernels.allreduce", "comms.kernels.dispatch"]

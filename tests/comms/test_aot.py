@@ -41,8 +41,8 @@ def test_bundle_compiles_every_listed_kernel_for_both_archs(tmp_path, monkeypatc
             assert info["exports"], m
             assert _exported_symbols(str(tmp_path / arch / info["file"])) == set(info["exports"])
         ours = on_disk["modules"]["comms.kernels.allreduce"]["exports"]
-        assert {f"allreduce_{a}_{d}" for a in ("lamport", "oneshot", "twoshot", "multimem", "rmsnorm", "lamport_rmsnorm")
-                for d in ("bf16", "fp32")} == set(ours)
+        algos = ("lamport", "oneshot", "twoshot", "twoshot_symm", "multimem", "rmsnorm", "lamport_rmsnorm")
+        assert {f"allreduce_{a}_{d}" for a in algos for d in ("bf16", "fp32")} == set(ours)
     # the loader finds the bundle through the environment and hands out kernels by name
     monkeypatch.setenv(aot.ENV_BUNDLE, str(tmp_path))
     f = aot.function("comms.kernels.allreduce", "allreduce_oneshot_bf16", "sm_90a", jit=False)
