@@ -152,6 +152,24 @@ def test_logprobs(client):
     assert "".join(e.token for e in lp[:-1]) == " a b c"
 
 
+def test_streaming_logprobs_and_completion_logprobs(client):
+    chunks = list(chat(client, "say: x y", logprobs=True, top_logprobs=1, stream=True))
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert len(entries) == 3 and all(len(e.top_logprobs) == 2 for e in entries)  # " x", " y", EOS
+    r = client.completions.create(model=MODEL, prompt="say: p q", logprobs=2, max_tokens=10)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens
+    assert all(len(t) == 3 for t in lp.top_logprobs) and "".join(lp.tokens[:-1]) == " p q"
+
+
+def test_developer_role_and_max_completion_tokens(client, tok):
+    r = client.chat.completions.create(model=MODEL, max_completion_tokens=3, temperature=0, messages=[
+        {"role": "developer", "content": "be terse"}, {"role": "user", "content": "count"}])
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    prompt = tok.apply_chat_template([{"role": "system", "content": "be terse"}, {"role": "user", "content": "count"}])
+    assert r.usage.prompt_tokens == len(tok.encode(prompt))
+
+
 def _raw(server, body, path="/v1/chat/completions", headers=AUTH):
     data = body if isinstance(body, (bytes, str)) else json.dumps(body)
     return httpx.post(server.url + path, content=data, headers={**headers, "Content-Type": "application/json"},
