@@ -155,3 +155,13 @@ def test_incremental_holds_split_utf8(qwen3):
     det = IncrementalDetokenizer(qwen3)
     assert [det.add([i]) for i in ids[:-1]] == [""] * (len(ids) - 1)
     assert det.add(ids[-1:]) == "🫠"
+
+
+def test_loads_what_transformers_saves(hf_tok, tmp_path):
+    """transformers 5 writes the template to chat_template.jinja beside tokenizer_config.json."""
+    hf_tok.save_pretrained(str(tmp_path))
+    ours = Tokenizer.from_dir(tmp_path)
+    msgs = CONVERSATIONS["tools"]
+    want = hf_tok.apply_chat_template(msgs, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(msgs, tools=TOOLS) == want
+    assert ours.eos_token_ids == [hf_tok.convert_tokens_to_ids("<|im_end|>")]
