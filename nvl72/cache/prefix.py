@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from nvl72.cache.pool import RefPool
@@ -50,6 +51,8 @@ class PrefixCache:
         self.root = _Node((), -1, None)
         self._clock = itertools.count(1)
         self.num_nodes = 0
+        # Nodes holding a checkpoint, least recently used first (slot eviction scans from here).
+        self._ckpt: OrderedDict[_Node, None] = OrderedDict()
 
     def _keys(self, tokens: list[int], num_pages: int):
         p = self.page_size
@@ -69,6 +72,8 @@ class PrefixCache:
             if node is None:
                 break
             node.last_access = now
+            if node.slot >= 0:
+                self._ckpt.move_to_end(node)
             path.append(node)
         if self.hybrid:
             while path and path[-1].slot < 0:
@@ -110,6 +115,9 @@ class PrefixCache:
             if self.hybrid and slot >= 0 and child.slot < 0:
                 child.slot = slot
                 self.slots.incref(slot)
+                self._ckpt[child] = None
+            if child.slot >= 0:
+                self._ckpt.move_to_end(child)
             node = child
         return node
 
@@ -149,12 +157,17 @@ class PrefixCache:
         recent ones the shallower first (a deeper checkpoint on the same path serves longer hits)."""
         if not self.hybrid:
             return 0
-        cands = sorted((n for n in self._nodes() if n.slot >= 0 and self.slots.refcount(n.slot) == 1),
-                       key=lambda n: (n.last_access, n.depth))
-        for n in cands[:num_slots]:
+        victims = []
+        for n in self._ckpt:  # oldest first; skips the few a running sequence still reads
+            if len(victims) == num_slots:
+                break
+            if self.slots.refcount(n.slot) == 1:
+                victims.append(n)
+        for n in victims:
+            del self._ckpt[n]
             self.slots.decref(n.slot)
             n.slot = -1
-        return min(num_slots, len(cands))
+        return len(victims)
 
     def _drop(self, n: _Node) -> None:
         del n.parent.children[n.key]
@@ -162,6 +175,7 @@ class PrefixCache:
         self.pages.untag(n.page)
         self.pages.decref(n.page)
         if n.slot >= 0:
+            del self._ckpt[n]
             self.slots.decref(n.slot)
         self.num_nodes -= 1
 
@@ -174,4 +188,5 @@ class PrefixCache:
             if n.slot >= 0:
                 self.slots.decref(n.slot)
         self.root.children.clear()
+        self._ckpt.clear()
         self.num_nodes = 0

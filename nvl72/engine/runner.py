@@ -6,6 +6,7 @@ position of a decode step with drafts).
 """
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 
 import torch
@@ -53,8 +54,12 @@ def build_batch(scheduled: list[ScheduledSeq], page_size: int, hybrid: bool, dev
                 logits_idx.append(cu[-1] + off)
                 rows.append((i, off))
         cu.append(cu[-1] + s.num_new)
-    table = torch.tensor([s.seq.pages + [-1] * (max_pages - len(s.seq.pages)) for s in scheduled],
-                         dtype=torch.int32)  # [B, max_pages]
+    flat = array.array("i")  # all page ids back to back: one C-level copy into a tensor
+    for s in scheduled:
+        flat.extend(s.seq.pages)
+    npages = torch.tensor([len(s.seq.pages) for s in scheduled])
+    table = torch.full((len(scheduled), max_pages), -1, dtype=torch.int32)  # [B, max_pages]
+    table[torch.arange(max_pages)[None, :] < npages[:, None]] = torch.frombuffer(flat, dtype=torch.int32)
     batch = ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long).to(device),
         positions=torch.tensor(pos, dtype=torch.long).to(device),

@@ -181,9 +181,6 @@ class Scheduler:
         if self.slots.num_free < n:
             self.prefix.evict_slots(max(n - self.slots.num_free, self.slots.size // 16))
         if self.slots.num_free < n:
-            # A checkpoint slot can also live on a node only the tree references via its page.
-            self.prefix.evict_pages(n - self.slots.num_free)
-        if self.slots.num_free < n:
             return None
         return self.slots.alloc(n)
 

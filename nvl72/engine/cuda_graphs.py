@@ -1,0 +1,165 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch size.
+
+A decode step feeds every sequence the same number of tokens (`query_len`: 1, or 1 + k drafts
+when speculating), so its shapes depend on the batch size alone. For each captured size the model
+forward runs once under `torch.cuda.graph` over static device buffers; a step of B sequences
+replays the smallest captured size >= B with the rows past B padded as *empty* sequences
+(query_start_loc stays at T, seq_len 0, page row -1, state write slot -1): the attention kernels
+skip them, their KV and GDN writes go nowhere, their outputs are ignored.
+
+Per step the host fills pinned staging buffers and copies them with non_blocking H2D copies; the
+attention metadata of the graph path is computed inside the graph from those buffers (the backend
+must be `graph_safe`, i.e. need no host sync: the Triton backend). Nothing in a replay reads back
+to the host. Logits and sampling stay outside the graph (only the rows that sample).
+
+Capture is tried once at start-up; when it cannot be used (CPU, a backend that plans on the host,
+an op with a host sync inside the forward) the reason is logged and the engine runs eagerly.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from nvl72.model.batch import ForwardBatch, ModelCaches
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+
+
+class GraphUnavailable(RuntimeError):
+    """CUDA graphs cannot be used for this model / device / backend (the message says why)."""
+
+
+class _Buffers:
+    """One set of [max_bs]-sized batch tensors (device, or pinned host staging)."""
+
+    def __init__(self, max_bs: int, query_len: int, max_pages: int, hybrid: bool, device, pin: bool):
+        t = max_bs * query_len
+        kw = dict(device=device, pin_memory=pin)
+        self.input_ids = torch.zeros(t, dtype=torch.long, **kw)
+        self.positions = torch.zeros(t, dtype=torch.long, **kw)
+        self.query_start_loc = torch.zeros(max_bs + 1, dtype=torch.int32, **kw)
+        self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, **kw)
+        self.page_table = torch.full((max_bs, max_pages), -1, dtype=torch.int32, **kw)
+        self.state_read_slots = torch.zeros(max_bs, dtype=torch.long, **kw) if hybrid else None
+        self.state_write_slots = torch.full((t,), -1, dtype=torch.long, **kw) if hybrid else None
+
+    def names(self) -> list[str]:
+        return [n for n in ("input_ids", "positions", "query_start_loc", "seq_lens", "page_table",
+                            "state_read_slots", "state_write_slots") if getattr(self, n) is not None]
+
+    def view(self, bs: int, query_len: int) -> ForwardBatch:
+        t = bs * query_len
+        return ForwardBatch(
+            input_ids=self.input_ids[:t], positions=self.positions[:t], query_start_loc=self.query_start_loc[:bs + 1],
+            seq_lens=self.seq_lens[:bs], page_table=self.page_table[:bs],
+            state_read_slots=None if self.state_read_slots is None else self.state_read_slots[:bs],
+            state_write_slots=None if self.state_write_slots is None else self.state_write_slots[:t],
+            max_query_len=query_len)
+
+
+class DecodeGraphs:
+    """CUDA graphs of `model.forward` for decode batches of `batch_sizes` sequences x `query_len` tokens."""
+
+    def __init__(self, model, caches: ModelCaches, page_size: int, max_model_len: int,
+                 batch_sizes=DEFAULT_BATCH_SIZES, query_len: int = 1, hybrid: bool = False):
+        device = model.device
+        if device.type != "cuda":
+            raise GraphUnavailable(f"CUDA graphs need a CUDA device (model on {device})")
+        backend = getattr(model, "attn_backend", None)
+        if backend is None or not backend.graph_safe:
+            raise GraphUnavailable(f"attention backend {getattr(backend, 'name', 'torch')!r} plans on the host "
+                                   "(graph-safe: triton)")
+        if not batch_sizes or min(batch_sizes) < 1 or query_len < 1:
+            raise ValueError(f"batch_sizes={batch_sizes} and query_len={query_len} must be >= 1")
+        self.model, self.caches, self.query_len = model, caches, query_len
+        self.batch_sizes = sorted(set(int(b) for b in batch_sizes))
+        self.max_pages = math.ceil((max_model_len + query_len) / page_size) + 1
+        max_bs = self.batch_sizes[-1]
+        self.dev = _Buffers(max_bs, query_len, self.max_pages, hybrid, device, pin=False)
+        self.host = _Buffers(max_bs, query_len, self.max_pages, hybrid, "cpu", pin=True)
+        self.copied = torch.cuda.Event()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.replays = 0
+        self._capture_all()
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = None
+        for bs in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its memory pool
+            batch = self.dev.view(bs, self.query_len)  # every row empty: nothing is written anywhere
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm-up: lazy inits, autotuning and allocations outside the capture
+                    self.model(batch, self.caches, check=False)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[bs] = self.model(batch, self.caches, check=False)
+            except RuntimeError as e:
+                raise GraphUnavailable(f"capturing batch size {bs} failed: {str(e).splitlines()[0]}") from e
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        log.info("CUDA graphs: decode captured for batch sizes %s x %d token(s), %d pages per sequence",
+                 self.batch_sizes, self.query_len, self.max_pages)
+
+    def fits(self, num_seqs: int, num_tokens: int, max_pages: int) -> bool:
+        """Whether a step of `num_seqs` sequences x query_len tokens can replay a graph."""
+        return (0 < num_seqs <= self.batch_sizes[-1] and num_tokens == num_seqs * self.query_len
+                and max_pages <= self.max_pages)
+
+    def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, ForwardBatch]:
+        """Replay for a host-side (CPU) batch; returns (hidden [T, H], the batch on the device).
+
+        The returned tensors are views of static buffers: valid until the next `run`."""
+        b, t = batch.num_seqs, batch.num_tokens
+        if not self.fits(b, t, batch.page_table.shape[1]):
+            raise ValueError(f"batch of {b} sequences / {t} tokens / {batch.page_table.shape[1]} pages does not fit "
+                             f"the graphs (sizes {self.batch_sizes} x {self.query_len}, {self.max_pages} pages)")
+        bs = next(s for s in self.batch_sizes if s >= b)
+        tt = bs * self.query_len
+        h, w = self.host, batch.page_table.shape[1]
+        self.copied.synchronize()  # the previous step's copies have left the staging buffers
+        h.input_ids[:t] = batch.input_ids
+        h.input_ids[t:tt] = 0
+        h.positions[:t] = batch.positions
+        h.positions[t:tt] = 0
+        h.query_start_loc[:b + 1] = batch.query_start_loc
+        h.query_start_loc[b + 1:bs + 1] = t
+        h.seq_lens[:b] = batch.seq_lens
+        h.seq_lens[b:bs] = 0
+        h.page_table[:b, :w] = batch.page_table
+        h.page_table[:b, w:] = -1
+        h.page_table[b:bs] = -1
+        if h.state_read_slots is not None:
+            h.state_read_slots[:b] = batch.state_read_slots
+            h.state_read_slots[b:bs] = 0
+            h.state_write_slots[:t] = batch.state_write_slots
+            h.state_write_slots[t:tt] = -1
+        for name in h.names():
+            n = {"query_start_loc": bs + 1, "input_ids": tt, "positions": tt, "state_write_slots": tt}.get(name, bs)
+            getattr(self.dev, name)[:n].copy_(getattr(h, name)[:n], non_blocking=True)
+        self.copied.record()
+        self.graphs[bs].replay()
+        self.replays += 1
+        view = self.dev.view(b, self.query_len)
+        view.logits_indices = None if batch.logits_indices is None else batch.logits_indices.to(
+            view.input_ids.device, non_blocking=True)
+        return self.outputs[bs][:t], view
+
+
+def build_decode_graphs(model, caches: ModelCaches, page_size: int, max_model_len: int, batch_sizes,
+                        query_len: int = 1, hybrid: bool = False) -> DecodeGraphs | None:
+    """`DecodeGraphs`, or None with the reason logged once (the engine then runs eagerly)."""
+    try:
+        return DecodeGraphs(model, caches, page_size, max_model_len, batch_sizes, query_len, hybrid)
+    except GraphUnavailable as e:
+        log.warning("CUDA graphs off: %s", e)
+        return None
