@@ -25,8 +25,8 @@ import torch
 
 from nvl72.engine.core import EngineCore, build_engine
 from nvl72.engine.engine import InvalidRequest, LLMEngine, validate_request
-from nvl72.engine.protocol import (AbortRequest, AddRequest, EngineClient, LoadReport, Message, RequestOutput,
-                                   Shutdown)
+from nvl72.engine.protocol import (AbortRequest, AddRequest, EngineClient, LoadReport, Message, ProtocolError,
+                                   RequestOutput, Shutdown)
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +246,11 @@ class ProcessEngineClient(_StreamingClient):
     def _read_loop(self) -> None:
         while not self._stop.is_set():
             if self._pull.poll(100):
-                msg = self._decode(self._pull.recv())
+                try:
+                    msg = self._decode(self._pull.recv())
+                except ProtocolError as e:
+                    log.error("dropping undecodable message from the engine: %s", e)
+                    continue
                 if isinstance(msg, RequestOutput):
                     self._streams.deliver(msg)
                 elif isinstance(msg, LoadReport):
