@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from nvl72.config import ModelConfig
 from nvl72.model.parallel_layout import ParallelLayout
 from nvl72.model.qwen import QwenMoeForCausalLM, build_model
-from nvl72.model.weights import LazyTensor, WeightLoadError
+from nvl72.model.weights import LazyTensor, WeightLoadError, default_weight_loader
 
 log = logging.getLogger(__name__)
 
@@ -196,12 +196,15 @@ def init_dummy_weights(model: QwenMoeForCausalLM, seed: int = 0, std: float = 0.
     that activations and logits stay O(1): matrices ~ N(0, std); norm weights ~ 1 (zero-centred
     ones ~ 0) with a little noise; GDN decay parameters in their trained ranges
     (A_log = log U(1, 16), dt_bias ~ 1). Each parameter draws from its own generator seeded by
-    (seed, name), so the parameters TP ranks replicate (embedding, norms, router) agree."""
+    (seed, name), plus the rank's TP/EP place for the sliced ones: the parameters the ranks
+    replicate (embedding, norms, router) agree, the slices differ."""
     zero_centered = model.config.zero_centered_norm
+    place = f"@tp{model.parallel.tp_rank}/ep{model.parallel.ep_rank}"
     with torch.no_grad():
         for name, p in model.named_parameters():
             dev = p.device
-            g = torch.Generator(device=dev).manual_seed((seed << 32) + zlib.crc32(name.encode()))
+            key = name if p.weight_loader is default_weight_loader else name + place
+            g = torch.Generator(device=dev).manual_seed((seed << 32) + zlib.crc32(key.encode()))
             x = torch.empty(p.shape, dtype=torch.float32, device=dev)
             leaf = name.rsplit(".", 1)[-1]
             if leaf == "A_log":
