@@ -15,7 +15,7 @@ from nvl72.cache.prefix import PrefixCache
 from nvl72.cache.tensors import num_pages_for_budget, zero_slots
 from nvl72.engine.protocol import AddRequest, RequestOutput, SamplingParams, TokenLogprob
 from nvl72.engine.runner import ModelRunner
-from nvl72.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from nvl72.engine.scheduler import Scheduler, SchedulerConfig
 from nvl72.engine.sequence import Sequence, Status
 from nvl72.engine.spec import DraftInput, Drafter
 

@@ -23,7 +23,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from nvl72.cache.pool import OutOfCapacity, RefPool
+from nvl72.cache.pool import RefPool
 from nvl72.cache.prefix import PrefixCache
 from nvl72.engine.sequence import Sequence, Status
 
