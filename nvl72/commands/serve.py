@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-cache-memory", default=None,
       help="KV cache size, e.g. 4GiB or 512MiB (default: 90%% of free GPU memory; on CPU enough for max-num-seqs)")
     a("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    a("--data-parallel-size", default="1",
+      help="engines behind this front, one per GPU (cuda:0..N-1), requests routed to the least loaded")
     a("--engine", default="auto",
       help="thread: the engine loop in a thread of the server process; process: its own process over ZeroMQ "
            "(the front's Python then does not compete with it for the GIL); auto: process on GPU, thread on CPU")
@@ -68,6 +70,13 @@ class ServeOptions:
     seed: int
     max_body_bytes: int
     engine: str = "thread"  # thread | process
+    data_parallel_size: int = 1
+
+    def engine_devices(self) -> list[str]:
+        """One device per data-parallel engine."""
+        if self.data_parallel_size == 1 or self.device == "cpu":
+            return [self.device] * self.data_parallel_size
+        return [f"cuda:{i}" for i in range(self.data_parallel_size)]
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Arguments of the engine builder (nvl72.engine.core.build_engine's names)."""
@@ -151,13 +160,17 @@ def options(args: argparse.Namespace) -> ServeOptions:
     device = args.device
     if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
         raise CLIError(f"--device={device!r} is not one of auto, cpu, cuda, cuda:N")
-    if device.startswith("cuda"):
+    dp = _int("data-parallel-size", args.data_parallel_size, 1, 1024)
+    if device.startswith("cuda:") and dp > 1:
+        raise CLIError(f"--device={device!r} names one GPU but --data-parallel-size={dp} needs {dp}")
+    if device.startswith("cuda") or (device == "auto" and dp > 1):
         import torch
 
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        idx = int(device[5:]) if ":" in device else 0
-        if idx >= n:
-            raise CLIError(f"--device={device!r} but this machine has {n} CUDA device(s)")
+        need = int(device[5:]) + 1 if ":" in device else dp
+        if need > n:
+            raise CLIError(f"--device={device!r} with --data-parallel-size={dp} needs {need} CUDA device(s), "
+                           f"this machine has {n}")
     if args.api_key is not None and not args.api_key.strip():
         raise CLIError("--api-key is empty")
     name = args.served_model_name
@@ -177,7 +190,8 @@ def options(args: argparse.Namespace) -> ServeOptions:
         page_size=_int("page-size", args.page_size, 1, 4096), num_pages=_int("num-pages", args.num_pages, 1),
         kv_cache_bytes=parse_bytes("kv-cache-memory", args.kv_cache_memory),
         enable_prefix_caching=not args.no_prefix_caching, seed=_int("seed", args.seed, 0, 2**63 - 1),
-        max_body_bytes=_int("max-body-bytes", args.max_body_bytes, 1024), engine=_engine_mode(args.engine, device))
+        max_body_bytes=_int("max-body-bytes", args.max_body_bytes, 1024), engine=_engine_mode(args.engine, device),
+        data_parallel_size=dp)
 
 
 def load_tokenizer(model: str | None):
@@ -196,15 +210,19 @@ def load_tokenizer(model: str | None):
 
 
 def start_engine(opts: ServeOptions):
-    """An EngineClient for this process (the engine team's local engine)."""
+    """The EngineClient the front talks to: one local engine, or a least-loaded router over one
+    engine per device when --data-parallel-size > 1."""
+    from nvl72.engine.client import start_local_engine
+    from nvl72.server.router import LeastLoadedRouter
+
+    engines = []
     try:
-        from nvl72.engine.client import start_local_engine
-    except ImportError:
-        raise CLIError("no local engine in this build (nvl72.engine.client.start_local_engine is missing)") from None
-    try:
-        return start_local_engine(**opts.engine_kwargs(), process=opts.engine == "process")
+        for dev in opts.engine_devices():
+            engines.append(start_local_engine(**{**opts.engine_kwargs(), "device": dev},
+                                              process=opts.engine == "process"))
     except ValueError as e:  # ConfigError, bad sizes: the user's values
         raise CLIError(str(e)) from e
+    return engines[0] if len(engines) == 1 else LeastLoadedRouter(engines)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -215,7 +233,8 @@ def run(args: argparse.Namespace) -> int:
     tok = load_tokenizer(opts.model)
     log.info("tokenizer: %s (%d tokens), chat template: %s", tok.source, tok.vocab_size,
              "checkpoint" if tok.chat_template else "built-in Qwen3 format")
-    log.info("engine in a %s (--engine)", opts.engine)
+    log.info("%d engine(s) on %s, each in a %s (--engine)", opts.data_parallel_size, ", ".join(opts.engine_devices()),
+             opts.engine)
     engine = start_engine(opts)
     app = build_app(engine, tok, ServerConfig(served_model_name=opts.served_model_name, api_key=opts.api_key,
                                               max_body_bytes=opts.max_body_bytes))

@@ -17,6 +17,7 @@ def test_defaults_bind_localhost_and_use_the_preset():
                                                                          None)
     assert o.engine_kwargs()["model"] is None and o.enable_prefix_caching
     assert _opts("--device", "cpu").engine == "thread" and _opts("--engine", "process").engine == "process"
+    assert _opts("--device", "cpu", "--data-parallel-size", "2").engine_devices() == ["cpu", "cpu"]
 
 
 def test_options_parse(tmp_path):
@@ -42,6 +43,9 @@ def test_options_parse(tmp_path):
     (["--kv-cache-memory=-1GiB"], "'-1GiB'"),
     (["--host", "bad host!"], "'bad host!'"),
     (["--engine", "remote"], "'remote'"),
+    (["--data-parallel-size", "0"], "--data-parallel-size=0"),
+    (["--device", "cuda:0", "--data-parallel-size", "2"], "--data-parallel-size=2"),
+    (["--device", "cuda", "--data-parallel-size", "64"], "--data-parallel-size=64"),
     (["--api-key", " "], "--api-key"),
     (["--served-model-name", " "], "--served-model-name"),
 ])
