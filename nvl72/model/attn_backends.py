@@ -43,12 +43,26 @@ class AttentionShape:
     head_dim: int
     dtype: torch.dtype
 
+    @classmethod
+    def of(cls, model) -> "AttentionShape":
+        c = model.config
+        return cls(c.num_attention_heads, c.num_key_value_heads, c.head_dim, model.dtype)
+
 
 class AttentionBackend:
     """plan once per forward, forward once per attention layer."""
 
     name = "base"
     graph_safe = False  # plan() and forward() can be captured in a CUDA graph
+    fused_qk_norm_rope = False  # layers call qk_norm_rope() instead of the reference norm + RoPE
+
+    def qk_norm_rope(self, q_raw, k_raw, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, head_dim, eps,
+                     zero_centered, gated):
+        """`fused_triton.qk_norm_rope`'s contract: (q [T, Hq, D], k [T, Hkv, D], gate [T, Hq*D] | None)."""
+        from nvl72.model import fused_triton
+
+        return fused_triton.qk_norm_rope(q_raw, k_raw, q_weight, k_weight, cos, sin, num_heads, num_kv_heads,
+                                         head_dim, eps, zero_centered, gated)
 
     def plan(self, batch: ForwardBatch, page_size: int):
         raise NotImplementedError
@@ -93,6 +107,7 @@ def slot_mapping_on_device(batch: ForwardBatch, page_size: int) -> torch.Tensor:
 class TritonBackend(AttentionBackend):
     name = "triton"
     graph_safe = True
+    fused_qk_norm_rope = True
 
     def __init__(self):
         from nvl72.model import fused_triton
@@ -144,6 +159,7 @@ class FlashInferBackend(AttentionBackend):
         try:
             from nvl72.model import fused_triton
             self.store = fused_triton.store_kv
+            self.fused_qk_norm_rope = True
         except ImportError:
             self.store = ops.write_kv
 

@@ -32,8 +32,8 @@ def _round(x, DT: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_row(src, w, cos, sin, dst, rms_eps, D: tl.constexpr, R: tl.constexpr, ZC: tl.constexpr,
-                   DT: tl.constexpr):
+def _norm_rope_row(src, w, cos, sin, dst, rms_eps, D: tl.constexpr, R: tl.constexpr, ZC: tl.constexpr):
+    DT = dst.dtype.element_ty
     d = tl.arange(0, D)
     x = tl.load(src + d).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, 0) / D + rms_eps)
@@ -42,15 +42,14 @@ def _norm_rope_row(src, w, cos, sin, dst, rms_eps, D: tl.constexpr, R: tl.conste
     else:
         y = _round(_round(x * rstd, DT) * tl.load(w + d).to(tl.float32), DT)
     if R > 0:
-        half: tl.constexpr = R // 2
         rot = d < R
-        partner = tl.where(d < half, d + half, d - half)
+        partner = tl.where(d < R // 2, d + R // 2, d - R // 2)
         xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
         if ZC:
             yp = _round(xp * rstd * (1.0 + tl.load(w + partner, mask=rot, other=0.0).to(tl.float32)), DT)
         else:
             yp = _round(_round(xp * rstd, DT) * tl.load(w + partner, mask=rot, other=0.0).to(tl.float32), DT)
-        yp = tl.where(d < half, -yp, yp)
+        yp = tl.where(d < R // 2, -yp, yp)
         c = tl.load(cos + d, mask=rot, other=1.0).to(tl.float32)
         s = tl.load(sin + d, mask=rot, other=0.0).to(tl.float32)
         roped = _round(_round(y * c, DT) + _round(yp * s, DT), DT)
@@ -61,7 +60,7 @@ def _norm_rope_row(src, w, cos, sin, dst, rms_eps, D: tl.constexpr, R: tl.conste
 @triton.jit
 def _qk_norm_rope_kernel(q_raw, k_raw, qw, kw, cos, sin, q_out, k_out, gate_out, rms_eps,
                          stride_q, stride_k, stride_cs, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                         R: tl.constexpr, GATED: tl.constexpr, ZC: tl.constexpr, DT: tl.constexpr):
+                         R: tl.constexpr, GATED: tl.constexpr, ZC: tl.constexpr):
     t, h = tl.program_id(0), tl.program_id(1)
     t64 = t.to(tl.int64)
     cs = cos + t64 * stride_cs
@@ -73,14 +72,10 @@ def _qk_norm_rope_kernel(q_raw, k_raw, qw, kw, cos, sin, q_out, k_out, gate_out,
             tl.store(gate_out + (t64 * HQ + h) * D + d, tl.load(src + D + d))
         else:
             src = q_raw + t64 * stride_q + h * D
-        _norm_rope_row(src, qw, cs, sn, q_out + (t64 * HQ + h) * D, rms_eps, D, R, ZC, DT)
+        _norm_rope_row(src, qw, cs, sn, q_out + (t64 * HQ + h) * D, rms_eps, D, R, ZC)
     else:
         hk = h - HQ
-        _norm_rope_row(k_raw + t64 * stride_k + hk * D, kw, cs, sn, k_out + (t64 * HKV + hk) * D, rms_eps, D, R,
-                       ZC, DT)
-
-
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+        _norm_rope_row(k_raw + t64 * stride_k + hk * D, kw, cs, sn, k_out + (t64 * HKV + hk) * D, rms_eps, D, R, ZC)
 
 
 def qk_norm_rope(q_raw: torch.Tensor, k_raw: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
@@ -105,8 +100,7 @@ def qk_norm_rope(q_raw: torch.Tensor, k_raw: torch.Tensor, q_weight: torch.Tenso
     if t:
         _qk_norm_rope_kernel[(t, num_heads + num_kv_heads)](
             q_raw, k_raw, q_weight, k_weight, cos, sin, q, k, gate, eps, q_raw.stride(0), k_raw.stride(0),
-            cos.stride(0), HQ=num_heads, HKV=num_kv_heads, D=head_dim, R=rot, GATED=gated, ZC=zero_centered,
-            DT=_TL_DTYPES[q_raw.dtype])
+            cos.stride(0), HQ=num_heads, HKV=num_kv_heads, D=head_dim, R=rot, GATED=gated, ZC=zero_centered)
     return q, k, (gate if gated else None)
 
 

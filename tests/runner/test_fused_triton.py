@@ -118,8 +118,7 @@ def test_kernels_compile_for_hopper(arch):
         assert triton.compile(src, target=target).asm["cubin"]
     norm_sig = {"q_raw": "*bf16", "k_raw": "*bf16", "qw": "*bf16", "kw": "*bf16", "cos": "*bf16", "sin": "*bf16",
                 "q_out": "*bf16", "k_out": "*bf16", "gate_out": "*bf16", "rms_eps": "fp32", "stride_q": i32,
-                "stride_k": i32, "stride_cs": i32, **{n: "constexpr" for n in ("HQ", "HKV", "D", "R", "GATED", "ZC",
-                                                                              "DT")}}
+                "stride_k": i32, "stride_cs": i32, **{n: "constexpr" for n in ("HQ", "HKV", "D", "R", "GATED", "ZC")}}
     src = ASTSource(ft._qk_norm_rope_kernel, norm_sig, constexprs={
-        "HQ": 32, "HKV": 4, "D": 128, "R": 128, "GATED": False, "ZC": False, "DT": ft.tl.bfloat16})
+        "HQ": 32, "HKV": 4, "D": 128, "R": 128, "GATED": False, "ZC": False})
     assert triton.compile(src, target=target).asm["cubin"]
