@@ -90,7 +90,7 @@ class OutputPipeline:
         if self._reasoning is not None:
             r, c = self._reasoning.finish()
             d.reasoning += r
-            d = self._merge(d, self._tools(c))
+            d = _add(d, self._tools(c))
         if self.tools is not None:
             c, calls = self.tools.finish()
             d.content += c
@@ -110,10 +110,6 @@ class OutputPipeline:
             return Delta(content=text)
         c, calls = self.tools.feed(text)
         return Delta(content=c, tool_calls=calls)
-
-    @staticmethod
-    def _merge(a: Delta, b: Delta) -> Delta:
-        return Delta(a.content + b.content, a.reasoning + b.reasoning, a.tool_calls + b.tool_calls, a.logprobs)
 
 
 @dataclass
@@ -419,7 +415,7 @@ class OpenAIServer:
                         yield event(fields(d), None, d.logprobs)
             tail = pipe.finish()
             if reason is not None:
-                tail = OutputPipeline._merge(d, tail)
+                tail = _add(d, tail)
             if pipe.tools is not None and pipe.tools.calls and reason == "stop":
                 reason = "tool_calls"
             yield event(fields(tail), reason, tail.logprobs)
