@@ -10,9 +10,6 @@ from nvl72.engine.engine import EngineConfig, LLMEngine
 from nvl72.engine.protocol import AddRequest, SamplingParams
 from nvl72.model.loader import build_model, init_dummy_weights
 
-# Tiny ops on a shared 2-core machine: OpenMP spin-waiting between 2 threads makes them ~40x slower.
-torch.set_num_threads(1)
-
 VOCAB = 96
 _BASE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, rms_norm_eps=1e-6,
