@@ -41,11 +41,12 @@ CASES = {
 }
 
 
-def _checkpoint(name: str, root: pathlib.Path) -> pathlib.Path:
-    family, overrides, _, fused = CASES[name]
+def write_checkpoint(root: pathlib.Path, name: str, family: str, overrides: dict, fused: bool) -> pathlib.Path:
+    """A tiny transformers checkpoint at root/name (the released Qwen3.5 layout when `fused`:
+    fused experts, `language_model` prefix)."""
     path = root / name
     save_tiny(family, path, seed=len(name), **overrides)
-    if fused:  # rewrite as the released Qwen3.5 layout (fused experts, language_model prefix)
+    if fused:
         cfg = json.loads((path / "config.json").read_text())
         state = _official_qwen35_layout(_state(path), cfg["num_experts"])
         (path / "model.safetensors").unlink()
@@ -60,7 +61,8 @@ def runs(tmp_path_factory):
     g = torch.Generator().manual_seed(PROMPTS_SEED)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENS]
     decode = torch.randint(0, 256, (3, 2), generator=g).tolist()
-    cases = [dict(name=n, path=str(_checkpoint(n, root)), ep_size=CASES[n][2]) for n in CASES]
+    cases = [dict(name=n, path=str(write_checkpoint(root, n, f, o, fused)), ep_size=ep)
+             for n, (f, o, ep, fused) in CASES.items()]
     spec = root / "cases.json"
     spec.write_text(json.dumps(dict(cases=cases, prompts=prompts, decode=decode)))
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
@@ -69,8 +71,8 @@ def runs(tmp_path_factory):
     for r in range(WORLD):
         log = open(root / f"rank{r}.log", "w+")
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests/dist/tp_worker.py"), str(r), str(WORLD),
-                                       str(root / "store"), str(spec), str(root)],
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests/dist/tp_worker.py"), str(spec), str(root),
+                                       str(r), str(WORLD), str(root / "store")],
                                       stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT))
     try:
         with torch.no_grad():  # the single-rank references, while the workers run
