@@ -1,6 +1,6 @@
 """Tensor/expert-parallel model on two GPUs (NCCL, torchrun) == the single-GPU model: fp32 logits
 within GPU reordering error, and bf16 logits no further from the fp32 ones than the single-GPU bf16
-model is. Every expert is routed (top-k = E) so that a bf16 routing flip cannot dominate."""
+model is (MTP drafts included for the hybrid models). Every expert is routed (top-k = E) so that a bf16 routing flip cannot dominate."""
 import json
 import os
 import pathlib
@@ -31,7 +31,7 @@ def test_tp2_on_two_gpus_equals_one_gpu(tmp_path):
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (70, 9)]
     decode = torch.randint(0, 256, (3, 2), generator=g).tolist()
-    paths = {n: write_checkpoint(tmp_path, n, f, {**o, "num_experts_per_tok": 8}, fused)
+    paths = {n: write_checkpoint(tmp_path, n, f, {**o, "num_experts_per_tok": 8}, fused, mtp=f != "qwen3_moe")
              for n, (f, o, _, fused) in CASES.items()}
     cases = [dict(name=f"{n}.{dt}", path=str(paths[n]), ep_size=CASES[n][2], dtype=dt, moe_backend=be)
              for n in CASES for dt, be in BACKEND.items()]

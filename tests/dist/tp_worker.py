@@ -6,12 +6,13 @@ tests/dist/test_tp_gpu.py).
 
 Joins the world, then for every case loads the checkpoint cut by
 `ParallelLayout.from_group(world, ep_size=case["ep_size"])`, runs the script of `tp_script`
-(prefill of two sequences, then decode steps) and writes the logits of every step to
+(prefill of two sequences, MTP drafts, then decode steps) and writes the logits of every step to
 OUT_DIR/<case>.rank<R>.safetensors (raw tensors, no pickle). A case may name its dtype and its
 MoE backend ($NVL72_MOE_BACKEND). Last, on CPU, the TP all-reduce's bound: rank 0 reduces while
 the others arrive LATE_S late, and must get CollectiveTimeout (prints TIMEOUT_OK)."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -32,10 +33,17 @@ LATE_S = 3.0
 
 
 def tp_script(model, prompts: list[list[int]], decode: list[list[int]]) -> torch.Tensor:
-    """Prefill every prompt in one batch, then one decode token per sequence per step; returns
-    the logits of all steps, concatenated [T_total, V]."""
+    """Prefill every prompt in one batch (and, with an MTP head, a draft at every prompt position
+    from the token after it), then one decode token per sequence per step; returns the logits of
+    all of it, concatenated [T_total, V]."""
     run = PagedRunner(model, seed=3)
-    out = run.step(list(enumerate(prompts)))
+    batch = run.batch(list(enumerate(prompts)))
+    hidden = model(batch, run.caches)  # [T, H]
+    out = [model.compute_logits(hidden).cpu()]
+    if model.mtp is not None:
+        nxt = [t for i, p in enumerate(prompts) for t in p[1:] + [decode[0][i]]]
+        mtp_batch = dataclasses.replace(batch, input_ids=torch.tensor(nxt, device=model.device))
+        out.append(model.compute_logits(model.forward_mtp(mtp_batch, run.caches, hidden)).cpu())
     for toks in decode:
         out += run.step([(i, [t]) for i, t in enumerate(toks)])
     return torch.cat(out)
