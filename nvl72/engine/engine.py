@@ -320,7 +320,11 @@ class LLMEngine:
         lps = None
         if seq.params.logprobs is not None:
             lps, seq.pending_logprobs = seq.pending_logprobs, []
-        return RequestOutput(seq.request_id, new, seq.finish_reason, seq.num_prompt, seq.num_cached_tokens, lps)
+        queue_time = None
+        if seq.queue_time is not None and not seq.queue_time_sent:
+            queue_time, seq.queue_time_sent = seq.queue_time, True
+        return RequestOutput(seq.request_id, new, seq.finish_reason, seq.num_prompt, seq.num_cached_tokens, lps,
+                             queue_time=queue_time)
 
     # ---------------------------------------------------------------- gauges
     def stats(self) -> dict[str, float]:

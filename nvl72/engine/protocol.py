@@ -78,6 +78,9 @@ class RequestOutput(Message):
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    # Seconds the request waited in the engine's queue before its first scheduling; sent once,
+    # on the first output after admission (None on every other output).
+    queue_time: float | None = None
 
 
 @dataclass

@@ -20,6 +20,7 @@ The scheduler knows nothing of attention math: it hands `ScheduledSeq`s to the r
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -270,6 +271,7 @@ class Scheduler:
             self.running.append(seq)
             if not seq.admitted_once:
                 seq.admitted_once = True
+                seq.queue_time = time.monotonic() - seq.arrival_time
                 seq.num_cached_tokens = match.num_tokens
                 self.prefix_queries += seq.num_prompt
                 self.prefix_hits += match.num_tokens

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +45,9 @@ class Sequence:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     admitted_once: bool = False
     prefill_only: bool = False  # park after the first token (disaggregated prefill)
+    arrival_time: float = field(default_factory=time.monotonic)
+    queue_time: float | None = None  # arrival -> first scheduling, set once by the scheduler
+    queue_time_sent: bool = False
 
     @property
     def num_tokens(self) -> int:

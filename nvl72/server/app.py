@@ -68,6 +68,7 @@ class OutputPipeline:
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
         self.first_output_time: float | None = None
+        self.queue_time: float | None = None
         self.last_output_time: float | None = None
 
     @property
@@ -81,6 +82,8 @@ class OutputPipeline:
         self.last_output_time = now
         self.num_output_tokens += len(out.new_token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.queue_time is not None:
+            self.queue_time = out.queue_time
         d = self._route(self._stops.feed(self._detok.add(out.new_token_ids)))
         d.logprobs = out.logprobs or []
         return d
@@ -302,6 +305,8 @@ class OpenAIServer:
         m.prefix_queries.inc(len(p.prompt_ids))
         m.prefix_hits.inc(pipe.num_cached_tokens)
         m.e2e.observe(now - p.arrival)
+        if pipe.queue_time is not None:
+            m.queue_time.observe(pipe.queue_time)
         if pipe.first_output_time is not None:
             m.ttft.observe(pipe.first_output_time - p.arrival)
             if pipe.num_output_tokens > 1:

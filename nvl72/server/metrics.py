@@ -78,6 +78,8 @@ class Metrics:
         self.itl = hist("inter_token_latency_seconds", "time between successive outputs of a request", _ITL_BUCKETS)
         self.tpot = hist("time_per_output_token_seconds", "(e2e - ttft) / (output tokens - 1) per request",
                          _ITL_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds", "engine arrival to first scheduling",
+                               _LATENCY_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "request arrival to last output", _LATENCY_BUCKETS)
         self.prompt_tokens = count("prompt_tokens", "prompt tokens of finished or aborted requests")
         self.generation_tokens = count("generation_tokens", "generated tokens")

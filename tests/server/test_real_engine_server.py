@@ -3,6 +3,7 @@ engine), driven by the official openai client; and `nvl72 serve` as a subprocess
 import asyncio
 import os
 import signal
+import re
 import socket
 import subprocess
 import sys
@@ -94,6 +95,8 @@ def test_bad_input_and_disconnect(server, client, engine):
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     metrics = httpx.get(server.url + "/metrics", timeout=10).text
     assert "nvl72:kv_cache_usage_perc{" in metrics and "nvl72:num_requests_running{" in metrics
+    queued = re.search(r'^nvl72:request_queue_time_seconds_count\{[^}]*\} (\S+)$', metrics, re.M)
+    assert queued and float(queued.group(1)) >= 1, "queue time of finished requests must be observed"
 
 
 def _free_port() -> int:
