@@ -2,8 +2,8 @@
 engine), driven by the official openai client; and `nvl72 serve` as a subprocess."""
 import asyncio
 import os
-import signal
 import re
+import signal
 import socket
 import subprocess
 import sys
