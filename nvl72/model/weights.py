@@ -122,14 +122,16 @@ def expert_weight_loader(
         return
     e = expert_id - offset
     if shard in ("gate", "up"):
-        want, rows = (full, hidden), slice(0, inter) if shard == "gate" else slice(inter, 2 * inter)
+        want, rows = (full, hidden), (slice(0, inter) if shard == "gate" else slice(inter, 2 * inter))
         if tuple(loaded.shape) != want:
-            raise WeightLoadError(f"checkpoint shape {tuple(loaded.shape)} != model shape {want} (expert {expert_id} {shard})")
+            raise WeightLoadError(f"checkpoint shape {tuple(loaded.shape)} != model shape {want} "
+                                  f"(expert {expert_id} {shard})")
         _copy(param.data[e, rows], loaded[i0 : i0 + inter], f" (expert {expert_id} {shard} rows of w13)")
     elif shard == "down":
         want = (hidden, full)
         if tuple(loaded.shape) != want:
-            raise WeightLoadError(f"checkpoint shape {tuple(loaded.shape)} != model shape {want} (expert {expert_id} down)")
+            raise WeightLoadError(f"checkpoint shape {tuple(loaded.shape)} != model shape {want} "
+                                  f"(expert {expert_id} down)")
         _copy(param.data[e], loaded[:, i0 : i0 + inter], f" (expert {expert_id} of w2)")
     else:
         raise WeightLoadError(f"unknown expert shard {shard!r}")

@@ -1,6 +1,7 @@
 """Tensor/expert-parallel model on two GPUs (NCCL, torchrun) == the single-GPU model: fp32 logits
 within GPU reordering error, and bf16 logits no further from the fp32 ones than the single-GPU bf16
-model is (MTP drafts included for the hybrid models). Every expert is routed (top-k = E) so that a bf16 routing flip cannot dominate."""
+model is (MTP drafts included for the hybrid models). Every expert is routed (top-k = E) so that a
+bf16 routing flip cannot dominate."""
 import json
 import os
 import pathlib
@@ -48,7 +49,8 @@ def test_tp2_on_two_gpus_equals_one_gpu(tmp_path):
         for dt, be in BACKEND.items():
             os.environ["NVL72_MOE_BACKEND"] = be
             with torch.no_grad():
-                single[dt] = tp_script(load_model(paths[n], dtype=getattr(torch, dt), device="cuda"), prompts, decode).cpu()
+                model = load_model(paths[n], dtype=getattr(torch, dt), device="cuda")
+                single[dt] = tp_script(model, prompts, decode)
         tp = {dt: [load_file(str(tmp_path / f"{n}.{dt}.rank{r}.safetensors"))["logits"] for r in range(2)]
               for dt in BACKEND}
         assert torch.equal(tp["float32"][0], tp["float32"][1]) and torch.equal(tp["bfloat16"][0], tp["bfloat16"][1])

@@ -46,7 +46,13 @@ def test_rank_reads_exactly_what_it_keeps(ckpts, monkeypatch, name, ep_size):
     slices only), half-ish of what the single-rank model reads."""
     read = []
     get = weights.LazyTensor.__getitem__
-    monkeypatch.setattr(weights.LazyTensor, "__getitem__", lambda self, idx: read.append(get(self, idx).numel()) or get(self, idx))
+
+    def counted(self, idx):
+        t = get(self, idx)
+        read.append(t.numel())
+        return t
+
+    monkeypatch.setattr(weights.LazyTensor, "__getitem__", counted)
     full = load_model(ckpts[name], dtype=torch.float32, device="cpu")
     full_read, read[:] = sum(read), []
     for rank in range(2):

@@ -6,8 +6,9 @@ Two worker processes (tests/dist/tp_worker.py) load tiny transformers checkpoint
 paged KV and GDN state slots; every step's logits must equal the single-rank model's. Cases cover
 num_key_value_heads=1 (each rank keeps the replicated KV head) and =2 (split), attention bias
 (row-parallel bias added once), the shared expert and the dense-MLP layers, Qwen3.5's fused
-expert layout, and the MTP head (drafts at every prompt position). The workers run all cases in one world, so the processes start once; they end with
-a TP all-reduce that one rank joins late, which must raise CollectiveTimeout on the other."""
+expert layout, and the MTP head (drafts at every prompt position). The workers run all cases in
+one world, so the processes start once; they end with a TP all-reduce that one rank joins late,
+which must raise CollectiveTimeout on the other."""
 import json
 import os
 import pathlib
