@@ -3,9 +3,10 @@
 A decode step feeds every sequence the same number of tokens (`query_len`: 1, or 1 + k drafts
 when speculating), so its shapes depend on the batch size alone. For each captured size the model
 forward runs once under `torch.cuda.graph` over static device buffers; a step of B sequences
-replays the smallest captured size >= B with the rows past B padded as *empty* sequences
-(query_start_loc stays at T, seq_len 0, page row -1, state write slot -1): the attention kernels
-skip them, their KV and GDN writes go nowhere, their outputs are ignored.
+replays the smallest captured size >= B with the rows past B padded as dummy sequences of
+`query_len` tokens at positions 0.. whose KV lives in one scratch page and whose GDN state is read
+from one scratch slot and never written (the engine reserves both), so every kernel sees a
+well-formed batch; their outputs are ignored.
 
 Per step the host fills pinned staging buffers and copies them with non_blocking H2D copies; the
 attention metadata of the graph path is computed inside the graph from those buffers (the backend
@@ -61,11 +62,50 @@ class _Buffers:
             max_query_len=query_len)
 
 
+class Staging:
+    """Host-side batch of a replay: the step's rows, then dummy rows up to the graph's size."""
+
+    TOKEN_BUFFERS = ("input_ids", "positions", "state_write_slots")
+
+    def __init__(self, max_bs: int, query_len: int, max_pages: int, hybrid: bool, scratch_page: int,
+                 scratch_slot: int, pin: bool):
+        self.query_len = query_len
+        self.host = _Buffers(max_bs, query_len, max_pages, hybrid, "cpu", pin=pin)
+        self.pad = _Buffers(max_bs, query_len, max_pages, hybrid, "cpu", pin=False)  # every row a dummy
+        self.pad.positions.copy_(torch.arange(query_len).repeat(max_bs))
+        self.pad.query_start_loc.copy_(torch.arange(max_bs + 1) * query_len)
+        self.pad.seq_lens.fill_(query_len)
+        self.pad.page_table[:, 0] = scratch_page
+        if hybrid:
+            self.pad.state_read_slots.fill_(scratch_slot)
+
+    def lengths(self, name: str, b: int, bs: int) -> tuple[int, int]:
+        """(rows of buffer `name` the step fills, rows a graph of size bs reads)."""
+        q = self.query_len
+        if name in self.TOKEN_BUFFERS:
+            return b * q, bs * q
+        return (b + 1, bs + 1) if name == "query_start_loc" else (b, bs)
+
+    def fill(self, batch: ForwardBatch, bs: int) -> None:
+        """Copy the host batch of b <= bs sequences (query_len tokens each) in; rows b.. are dummies."""
+        h, b, w = self.host, batch.num_seqs, batch.page_table.shape[1]
+        h.page_table[:b, w:] = -1
+        for name in h.names():
+            n, m = self.lengths(name, b, bs)
+            dst, src = getattr(h, name), getattr(batch, name)
+            if name == "page_table":
+                dst[:b, :w] = src
+            else:
+                dst[:n] = src
+            dst[n:m] = getattr(self.pad, name)[n:m]
+
+
 class DecodeGraphs:
     """CUDA graphs of `model.forward` for decode batches of `batch_sizes` sequences x `query_len` tokens."""
 
     def __init__(self, model, caches: ModelCaches, page_size: int, max_model_len: int,
-                 batch_sizes=DEFAULT_BATCH_SIZES, query_len: int = 1, hybrid: bool = False):
+                 batch_sizes=DEFAULT_BATCH_SIZES, query_len: int = 1, hybrid: bool = False, *,
+                 scratch_page: int, scratch_slot: int = 0):
         device = model.device
         if device.type != "cuda":
             raise GraphUnavailable(f"CUDA graphs need a CUDA device (model on {device})")
@@ -73,14 +113,17 @@ class DecodeGraphs:
         if backend is None or not backend.graph_safe:
             raise GraphUnavailable(f"attention backend {getattr(backend, 'name', 'torch')!r} plans on the host "
                                    "(graph-safe: triton)")
-        if not batch_sizes or min(batch_sizes) < 1 or query_len < 1:
-            raise ValueError(f"batch_sizes={batch_sizes} and query_len={query_len} must be >= 1")
+        if not batch_sizes or min(batch_sizes) < 1 or not 1 <= query_len <= page_size:
+            raise ValueError(f"batch_sizes={batch_sizes} must be >= 1 and query_len={query_len} in [1, "
+                             f"page_size={page_size}]")
         self.model, self.caches, self.query_len = model, caches, query_len
         self.batch_sizes = sorted(set(int(b) for b in batch_sizes))
         self.max_pages = math.ceil((max_model_len + query_len) / page_size) + 1
         max_bs = self.batch_sizes[-1]
         self.dev = _Buffers(max_bs, query_len, self.max_pages, hybrid, device, pin=False)
-        self.host = _Buffers(max_bs, query_len, self.max_pages, hybrid, "cpu", pin=True)
+        self.staging = Staging(max_bs, query_len, self.max_pages, hybrid, scratch_page, scratch_slot, pin=True)
+        for name in self.dev.names():  # the capture runs on dummy rows only
+            getattr(self.dev, name).copy_(getattr(self.staging.pad, name))
         self.copied = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -91,7 +134,7 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         pool = None
         for bs in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its memory pool
-            batch = self.dev.view(bs, self.query_len)  # every row empty: nothing is written anywhere
+            batch = self.dev.view(bs, self.query_len)  # every row a dummy sequence on the scratch page
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -124,28 +167,12 @@ class DecodeGraphs:
             raise ValueError(f"batch of {b} sequences / {t} tokens / {batch.page_table.shape[1]} pages does not fit "
                              f"the graphs (sizes {self.batch_sizes} x {self.query_len}, {self.max_pages} pages)")
         bs = next(s for s in self.batch_sizes if s >= b)
-        tt = bs * self.query_len
-        h, w = self.host, batch.page_table.shape[1]
+        st = self.staging
         self.copied.synchronize()  # the previous step's copies have left the staging buffers
-        h.input_ids[:t] = batch.input_ids
-        h.input_ids[t:tt] = 0
-        h.positions[:t] = batch.positions
-        h.positions[t:tt] = 0
-        h.query_start_loc[:b + 1] = batch.query_start_loc
-        h.query_start_loc[b + 1:bs + 1] = t
-        h.seq_lens[:b] = batch.seq_lens
-        h.seq_lens[b:bs] = 0
-        h.page_table[:b, :w] = batch.page_table
-        h.page_table[:b, w:] = -1
-        h.page_table[b:bs] = -1
-        if h.state_read_slots is not None:
-            h.state_read_slots[:b] = batch.state_read_slots
-            h.state_read_slots[b:bs] = 0
-            h.state_write_slots[:t] = batch.state_write_slots
-            h.state_write_slots[t:tt] = -1
-        for name in h.names():
-            n = {"query_start_loc": bs + 1, "input_ids": tt, "positions": tt, "state_write_slots": tt}.get(name, bs)
-            getattr(self.dev, name)[:n].copy_(getattr(h, name)[:n], non_blocking=True)
+        st.fill(batch, bs)
+        for name in st.host.names():
+            m = st.lengths(name, b, bs)[1]
+            getattr(self.dev, name)[:m].copy_(getattr(st.host, name)[:m], non_blocking=True)
         self.copied.record()
         self.graphs[bs].replay()
         self.replays += 1
@@ -156,10 +183,12 @@ class DecodeGraphs:
 
 
 def build_decode_graphs(model, caches: ModelCaches, page_size: int, max_model_len: int, batch_sizes,
-                        query_len: int = 1, hybrid: bool = False) -> DecodeGraphs | None:
+                        query_len: int = 1, hybrid: bool = False, *, scratch_page: int,
+                        scratch_slot: int = 0) -> DecodeGraphs | None:
     """`DecodeGraphs`, or None with the reason logged once (the engine then runs eagerly)."""
     try:
-        return DecodeGraphs(model, caches, page_size, max_model_len, batch_sizes, query_len, hybrid)
+        return DecodeGraphs(model, caches, page_size, max_model_len, batch_sizes, query_len, hybrid,
+                            scratch_page=scratch_page, scratch_slot=scratch_slot)
     except GraphUnavailable as e:
         log.warning("CUDA graphs off: %s", e)
         return None

@@ -4,8 +4,11 @@
   triton      our Triton kernels (`nvl72.model.fused_triton`): KV store + paged GQA attention,
               decode and prefill in one kernel; plan and forward need no host sync, so it is the
               backend CUDA-graph decode captures
-  flashinfer  FlashInfer's paged decode / FA3 prefill wrappers on the HND cache (sm_90 hosts where
-              `flashinfer` imports); planned once per forward on the host, shared by every layer
+  flashinfer  FlashInfer's paged decode wrapper on the HND cache (sm_90 hosts where `flashinfer`
+              imports), planned once per forward on the host and shared by every layer; batches
+              with prefill rows go to the Triton kernel (FlashInfer's FA3 prefill module is not
+              carried: its ahead-of-time build took over 15 minutes here), or to FlashInfer's
+              prefill wrapper where triton is missing
 
 A backend turns a `ForwardBatch` into its metadata once per forward (`plan`) and then, per layer,
 stores the new K/V and attends (`forward`). Every backend reads the same HND cache
@@ -142,9 +145,9 @@ class FlashInferMeta:
 
 
 class FlashInferBackend(AttentionBackend):
-    """FlashInfer's paged wrappers (kv_layout HND). K/V are stored by our Triton kernel when triton
-    imports, else by the reference; attention by the decode wrapper for all-decode batches, the
-    (FA3 on Hopper) prefill wrapper with a bottom-right causal mask otherwise."""
+    """FlashInfer's paged wrappers (kv_layout HND) for all-decode batches. K/V are stored by our
+    Triton kernel and other batches attended by it when triton imports; without triton, the
+    reference store and FlashInfer's prefill wrapper (bottom-right causal mask)."""
 
     name = "flashinfer"
     WORKSPACE_BYTES = 256 << 20
@@ -156,12 +159,9 @@ class FlashInferBackend(AttentionBackend):
         self.workspace = torch.zeros(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, kv_layout="HND")
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="HND")
-        try:
-            from nvl72.model import fused_triton
-            self.store = fused_triton.store_kv
-            self.fused_qk_norm_rope = True
-        except ImportError:
-            self.store = ops.write_kv
+        self.triton = TritonBackend() if importlib.util.find_spec("triton") is not None else None
+        self.fused_qk_norm_rope = self.triton is not None
+        self.store = ops.write_kv if self.triton is None else self.triton.kernels.store_kv
 
     @staticmethod
     def page_lists(batch: ForwardBatch, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -178,13 +178,16 @@ class FlashInferBackend(AttentionBackend):
         last = (seq_lens - (npages - 1) * page_size).to(torch.int32)
         return indptr, indices.to(torch.int32), last
 
-    def plan(self, batch: ForwardBatch, page_size: int) -> FlashInferMeta:
+    def plan(self, batch: ForwardBatch, page_size: int) -> FlashInferMeta | PagedMeta:
         s = self.shape
-        indptr, indices, last = (x.to(self.device) for x in self.page_lists(batch, page_size))
         qlens = batch.query_lens()
         max_q = batch.max_query_len if batch.max_query_len is not None else int(qlens.max())
+        decode = max_q == 1 and int(qlens.min()) == 1
+        if not decode and self.triton is not None:
+            return self.triton.plan(batch, page_size)
+        indptr, indices, last = (x.to(self.device) for x in self.page_lists(batch, page_size))
         common = dict(q_data_type=s.dtype, kv_data_type=s.dtype, sm_scale=s.head_dim**-0.5)
-        if max_q == 1 and int(qlens.min()) == 1:
+        if decode:
             self.decode.plan(indptr, indices, last, s.num_heads, s.num_kv_heads, s.head_dim, page_size, **common)
             wrapper = self.decode
         else:
@@ -194,7 +197,9 @@ class FlashInferBackend(AttentionBackend):
         slots = slot_mapping_on_device(batch, page_size)
         return FlashInferMeta(slots, wrapper)
 
-    def forward(self, q, k, v, kv_cache, meta: FlashInferMeta, scale):
+    def forward(self, q, k, v, kv_cache, meta: FlashInferMeta | PagedMeta, scale):
+        if isinstance(meta, PagedMeta):
+            return self.triton.forward(q, k, v, kv_cache, meta, scale)
         if abs(scale - self.shape.head_dim**-0.5) > 1e-12:
             raise ValueError(f"scale {scale} differs from the planned head_dim**-0.5")
         self.store(kv_cache, k, v, meta.slot_mapping)
@@ -224,8 +229,8 @@ def available(name: str, device: torch.device) -> str | None:
 
 
 def default_name(device: torch.device) -> str:
-    """flashinfer where it runs, else triton on CUDA, else the torch reference."""
-    for name in ("flashinfer", "triton"):
+    """triton on CUDA (graph-safe, decode and prefill), else flashinfer, else the torch reference."""
+    for name in ("triton", "flashinfer"):
         if device.type == "cuda" and available(name, device) is None:
             return name
     return "torch"
