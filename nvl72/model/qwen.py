@@ -79,7 +79,6 @@ class QwenMoeForCausalLM(nn.Module):
             raise ValueError(f"enable_mtp=True but {config.model_type} config has mtp_num_hidden_layers=0")
         self.config, self.dtype = config, dtype
         self.parallel = parallel
-        self.ep_rank, self.ep_size = parallel.ep_rank, parallel.ep_size
         self.model = QwenModel(config, parallel, dtype=dtype, device=device)
         self.lm_head = (
             None
