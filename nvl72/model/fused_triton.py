@@ -22,8 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from nvl72.model.ops import AttentionMetadata
-
 
 @triton.jit
 def _round(x, DT: tl.constexpr):
@@ -210,9 +208,3 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             BLOCK_N=block_n, D=d, PAGE_SIZE=page_size, IEEE=q.dtype == torch.float32)
     return out
 
-
-def paged_attention_meta(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """`ops.paged_attention`'s exact signature, for tests that swap one for the other."""
-    b = meta.batch
-    max_q = b.max_query_len if b.max_query_len is not None else max((s.end - s.start for s in meta.seqs), default=0)
-    return paged_attention(q, kv_cache, b.query_start_loc, b.seq_lens, b.page_table, max_q, scale)

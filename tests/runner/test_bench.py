@@ -82,7 +82,8 @@ def server():
 
     eng = start_local_engine(device="cpu", max_model_len=512, max_num_seqs=8)
     try:
-        with ServerThread(build_app(eng, load_tokenizer(None), ServerConfig(served_model_name=DEFAULT_MODEL_NAME))) as s:
+        app = build_app(eng, load_tokenizer(None), ServerConfig(served_model_name=DEFAULT_MODEL_NAME))
+        with ServerThread(app) as s:
             yield s
     finally:
         asyncio.run(eng.shutdown())
