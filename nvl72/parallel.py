@@ -178,6 +178,9 @@ class ProcessGroups:
     role: RankRole
     control: dist.ProcessGroup  # gloo over the world
     instance: dist.ProcessGroup | None  # all ranks of my instance (device backend)
+    # The world again, for KV transfers only: NCCL runs a group's point-to-point ops in issue order
+    # with its collectives, so transfers on the instance's group would stall its MoE collectives.
+    transfer: dist.ProcessGroup | None
     tp: dist.ProcessGroup | None
     ep: dist.ProcessGroup | None
     dp: dist.ProcessGroup | None
@@ -216,13 +219,14 @@ def build_groups(plan: Plan, control: dist.ProcessGroup, timeout: float, backend
     instance = _subgroups(lists["instance"], rank, timeout, backend)
     tp_group = _subgroups(lists["decode_tp"], rank, timeout, backend)
     dp_group = _subgroups(lists["decode_dp"], rank, timeout, backend)
+    transfer = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=timeout), backend=backend)
     if role.role == "prefill":
-        groups = ProcessGroups(role, control, instance, tp=instance, ep=instance, dp=None)
+        groups = ProcessGroups(role, control, instance, transfer, tp=instance, ep=instance, dp=None)
     elif role.role == "decode":
-        groups = ProcessGroups(role, control, instance, tp=tp_group, ep=instance,
+        groups = ProcessGroups(role, control, instance, transfer, tp=tp_group, ep=instance,
                                dp=instance if role.tp_size == 1 else dp_group)
     else:
-        groups = ProcessGroups(role, control, None, None, None, None)
+        groups = ProcessGroups(role, control, None, transfer, None, None, None)
     log.info("rank %d: %s tp %d/%d dp %d/%d ep %d/%d", rank, role.name, role.tp_rank, role.tp_size, role.dp_rank,
              role.dp_size, role.ep_rank, role.ep_size)
     return groups

@@ -339,14 +339,20 @@ def _fabric_cluster(index: int) -> str | None:
         import pynvml
     except ImportError:
         return None
+    import ctypes
+
     try:
         pynvml.nvmlInit()
-        info = pynvml.nvmlDeviceGetGpuFabricInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
-    except (pynvml.NVMLError, AttributeError):  # no NVML, or a driver without fabric info
+        info = pynvml.c_nvmlGpuFabricInfo_t()
+        pynvml.nvmlDeviceGetGpuFabricInfo(pynvml.nvmlDeviceGetHandleByIndex(index), ctypes.byref(info))
+    except (pynvml.NVMLError, AttributeError) as e:  # no fabric (HGX, PCIe) or an older NVML
+        log.info("GPU %d: no NVLink fabric cluster from NVML (%s)", index, e)
         return None
     if info.state != getattr(pynvml, "NVML_GPU_FABRIC_STATE_COMPLETED", 3) or info.status != 0:
         return None
-    return "fabric-" + bytes(info.clusterUuid).hex()[:16]
+    # The UUID is raw bytes (NULs included), which ctypes' char-array access would cut short.
+    raw = ctypes.string_at(ctypes.addressof(info) + type(info).clusterUuid.offset, 16)
+    return f"fabric-{raw.hex()}-{info.cliqueId}"  # cluster + clique: one NVLink partition
 
 
 def local_fabric(device: str, local_rank: int, hostname: str) -> tuple[str, bool, bool]:

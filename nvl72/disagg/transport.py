@@ -10,6 +10,10 @@ Both sides derive the same parts from the plan and their caches' shapes, so noth
 travels. Tags keep requests and parts apart on gloo; NCCL matches in posting order, which both sides
 share.
 
+Use a group of its own for transfers (`ProcessGroups.transfer`): NCCL runs a group's point-to-point
+ops in issue order together with its collectives, so receives posted on a model group would hold
+back its collectives. On one group, requests also complete in the order their receives were posted.
+
 The receiver's completion rule (DESIGN.md): a request may decode only once every part from every
 source and the first token have arrived (`TransferReceipt.complete`).
 """
@@ -106,11 +110,18 @@ def _device(caches: Caches) -> torch.device:
 
 
 def _wait(work, deadline: float, what: str) -> None:
+    """Block until `work` completed, by the deadline. NCCL's wait() only orders the current stream
+    after the transfer, so the host also polls is_completed(): a sender that returns must be done
+    (it may free its buffers or tear the group down)."""
     left = max(deadline - time.monotonic(), 0.001)
     try:
         work.wait(timeout=datetime.timedelta(seconds=left))
     except RuntimeError as e:
         raise TransferTimeout(f"{what}: not completed within the transfer timeout ({e})") from e
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise TransferTimeout(f"{what}: not completed within the transfer timeout")
+        time.sleep(0.0002)
 
 
 @dataclass
