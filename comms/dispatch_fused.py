@@ -8,8 +8,8 @@ can be captured in a CUDA graph; results live in the pre-allocated buffers and s
 the next `dispatch`. Errors (a peer past `timeout_s`, expert capacity overflow) are recorded by
 the kernels in the error word; `check()` synchronises and raises them.
 
-Kernels come from the ahead-of-time bundle when the process has one (`cutedsl_carry`, the carry
-folder of /work/shared/gpu/README.md), else they are compiled here with CuTeDSL for this GPU.
+Kernels come from the ahead-of-time bundle (`aot.function`, `nvl72 kernels build`); without one,
+aot JIT-compiles them with CuTeDSL as its logged development path.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import aot
 from comms.dispatch import CapacityError, DispatchError, DispatchRecv, DispatchTimeoutError
 
 log = logging.getLogger(__name__)
@@ -45,25 +46,6 @@ def heap_bytes(world: int, num_experts: int, top_k: int, hidden: int, max_tokens
     sizes = (rows * hidden * 2, rows * top_k * 4, rows * top_k * 4, rows * top_k * 4, rows * 4, world * 4,
              world * L * 4, world * 4, rows * hidden * 2, world * 4, 16)
     return sum(-(-s // 256) * 256 for s in sizes)
-
-
-def load_kernels(top_k: int):
-    """The tvm-ffi module (or a dict) holding dispatch_k{top_k} / combine_k{top_k}."""
-    try:
-        import cutedsl_carry  # the ahead-of-time carry folder, on hosts without CuTeDSL
-    except ImportError:
-        from comms.kernels import dispatch as kernels
-
-        major, minor = torch.cuda.get_device_capability()
-        arch = f"sm_{major}{minor}a"
-        log.info("dispatch kernels: compiling top_k=%d for %s with CuTeDSL", top_k, arch)
-        return kernels.compile_for_export(arch, topks=(top_k,))
-    log.info("dispatch kernels: loading the ahead-of-time bundle (dispatch.so)")
-    return cutedsl_carry.load("dispatch")
-
-
-def _fn(mod, name):
-    return mod[name] if isinstance(mod, dict) else getattr(mod, name)
 
 
 class FusedDispatch:
@@ -105,9 +87,9 @@ class FusedDispatch:
         self.row_pos = torch.zeros(rows * K, dtype=torch.int32, **kw)
         self.err = torch.zeros(1, dtype=torch.int32).pin_memory()  # written by the kernels (UVA)
         self.recv_x = self.out_x.view(L, cfg.cap, H) if cfg.layout == "masked" else self.out_x
-        mod = load_kernels(K)
-        self._dispatch = _fn(mod, f"dispatch_k{K}")
-        self._combine = _fn(mod, f"combine_k{K}")
+        # From the ahead-of-time bundle (NVL72_KERNEL_BUNDLE); JIT only as aot's logged development path.
+        self._dispatch = aot.function("comms.kernels.dispatch", f"dispatch_k{K}")
+        self._combine = aot.function("comms.kernels.dispatch", f"combine_k{K}")
         o = self.off
         self._dargs = (heap.peer_ptrs, cfg.rank, R, L, M, cfg.cap, int(cfg.layout == "contiguous"), o["rx"],
                        o["rid"], o["rw"], o["rslot"], o["rstamp"], o["rntok"], o["recnt"], o["dcnt"], o["state"],

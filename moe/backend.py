@@ -49,24 +49,16 @@ SM90_MODULE = "moe.kernels.sm90_grouped_gemm"
 
 
 def load_sm90_module():
-    """The compiled CuTeDSL grouped-GEMM module, from (in order) the aot bundle, a carry folder on
-    PYTHONPATH (`cutedsl_carry`, /work/shared/gpu), or an in-process JIT compile; the source is logged."""
+    """The compiled CuTeDSL grouped-GEMM module: from the aot bundle (`nvl72 kernels build`), else
+    JIT-compiled in-process (development path); the source is logged."""
     import aot
 
-    if hasattr(aot, "load"):
-        try:
-            mod = aot.load(SM90_MODULE, "sm_90a")
-            log.info("moe: %s from the aot bundle", SM90_MODULE)
-            return mod
-        except (aot.BundleError, OSError) as e:
-            log.info("moe: no aot bundle for %s (%s)", SM90_MODULE, e)
     try:
-        import cutedsl_carry
-    except ImportError:
-        cutedsl_carry = None
-    if cutedsl_carry is not None:
-        log.info("moe: %s from the carry folder %s", SM90_MODULE, os.path.dirname(cutedsl_carry.__file__))
-        return cutedsl_carry.load(SM90_MODULE.rsplit(".", 1)[1])
+        mod = aot.load(SM90_MODULE, "sm_90a")
+        log.info("moe: %s from the aot bundle", SM90_MODULE)
+        return mod
+    except (aot.BundleError, OSError) as e:
+        log.info("moe: no aot bundle for %s (%s)", SM90_MODULE, e)
     try:
         from moe.kernels import sm90_grouped_gemm
     except ImportError as e:
