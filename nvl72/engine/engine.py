@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from nvl72.engine.runner import ModelRunner
 from nvl72.engine.scheduler import Scheduler, SchedulerConfig
 from nvl72.engine.sequence import Sequence, Status
 from nvl72.engine.spec import DraftInput, Drafter
+from nvl72.model import attn_backends
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,14 @@ def validate_request(req: AddRequest, max_model_len: int, vocab_size: int | None
             raise InvalidRequest(f"request {rid!r}: {name}={value!r} is out of range")
 
 
+def graph_sizes_from_env() -> tuple[int, ...]:
+    text = os.environ.get("NVL72_CUDA_GRAPHS", "")
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"NVL72_CUDA_GRAPHS={text!r} is not a comma-separated list of batch sizes") from None
+
+
 @dataclass
 class EngineConfig:
     max_model_len: int = 4096
@@ -89,6 +99,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0  # seeds the generators of requests that sample without their own seed
+    # Attention backend (nvl72.model.attn_backends): None = $NVL72_ATTN_BACKEND, else "torch" (the
+    # references); "auto" = by capability (triton, flashinfer, torch).
+    attention_backend: str | None = None
+    # Decode batch sizes captured in CUDA graphs (needs a graph-safe backend: triton); () =
+    # $NVL72_CUDA_GRAPHS (e.g. "1,2,4,8,16,32,64"), else eager.
+    cuda_graph_batch_sizes: tuple[int, ...] = ()
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
@@ -125,7 +141,25 @@ class LLMEngine:
                                   enabled=config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(), self.pages, config.page_size, self.prefix, self.slots,
                                    zero_slot=lambda s: zero_slots(self.caches, [s]))
+        if hasattr(model, "attn_backend"):
+            name = config.attention_backend or os.environ.get(attn_backends.ENV) or "torch"
+            model.attn_backend = attn_backends.select(attn_backends.AttentionShape.of(model), self.device,
+                                                      None if name == "auto" else name)
         self.runner = ModelRunner(model, self.caches, config.page_size, self.hybrid, self.device)
+        sizes = config.cuda_graph_batch_sizes or graph_sizes_from_env()
+        if sizes:
+            from nvl72.engine.cuda_graphs import build_decode_graphs
+
+            # One KV page and one GDN slot for the padded rows of graph replays, held for good.
+            scratch_page = self.pages.alloc(1)[0]
+            scratch_slot = self.slots.alloc(1)[0] if self.hybrid else 0
+            self.runner.graphs = build_decode_graphs(model, self.caches, config.page_size, config.max_model_len,
+                                                     sizes, 1 + k, self.hybrid,
+                                                     scratch_page=scratch_page, scratch_slot=scratch_slot)
+            if self.runner.graphs is None:
+                self.pages.decref(scratch_page)
+                if self.hybrid:
+                    self.slots.decref(scratch_slot)
         self.drafter = drafter
         if drafter is not None:
             drafter.bind(model, self.caches, config.page_size, self.device)

@@ -70,6 +70,7 @@ def build_batch(scheduled: list[ScheduledSeq], page_size: int, hybrid: bool, dev
         if hybrid else None,
         state_write_slots=torch.tensor(write, dtype=torch.long).to(device) if hybrid else None,
         logits_indices=torch.tensor(logits_idx, dtype=torch.long).to(device),
+        max_query_len=max((s.num_new for s in scheduled), default=0),
     )
     return batch, rows
 
@@ -82,11 +83,21 @@ class ModelRunner:
         self.hybrid = hybrid
         self.device = torch.device(device)
         self.sampler = Sampler()
+        self.graphs = None  # nvl72.engine.cuda_graphs.DecodeGraphs when the engine captured them
+
+    def _graph_fits(self, scheduled: list[ScheduledSeq]) -> bool:
+        g = self.graphs
+        return (g is not None and all(s.num_new == g.query_len for s in scheduled)
+                and g.fits(len(scheduled), len(scheduled) * g.query_len, max(len(s.seq.pages) for s in scheduled)))
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> StepResult:
-        batch, rows = build_batch(scheduled, self.page_size, self.hybrid, self.device)
-        hidden = self.model(batch, self.caches)
+        if self._graph_fits(scheduled):  # decode step: replay, inputs through pinned staging buffers
+            cpu_batch, rows = build_batch(scheduled, self.page_size, self.hybrid, "cpu")
+            hidden, batch = self.graphs.run(cpu_batch)
+        else:
+            batch, rows = build_batch(scheduled, self.page_size, self.hybrid, self.device)
+            hidden = self.model(batch, self.caches)
         if not rows:
             return StepResult(hidden, batch, rows, None)
         logits = self.model.compute_logits(hidden[batch.logits_indices])

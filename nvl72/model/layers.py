@@ -31,6 +31,8 @@ class ForwardContext:
     attn: ops.AttentionMetadata | None  # None when the model has no attention layer in this pass
     cos: torch.Tensor | None  # [T, rotary_dim]
     sin: torch.Tensor | None
+    # nvl72.model.attn_backends.AttentionBackend that planned `attn`; None: the ops references.
+    backend: object | None = None
 
 
 class RMSNorm(nn.Module):
@@ -91,19 +93,29 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        q = self.q_proj(x)
-        gate = None
-        if self.gated:
-            q, gate = q.view(t, self.num_heads, 2 * d).chunk(2, dim=-1)  # [T, Hq, D] each
-            gate = gate.reshape(t, self.num_heads * d)
+        backend = ctx.backend
+        if backend is not None and backend.fused_qk_norm_rope:  # one kernel: gate split, q/k norm, RoPE
+            q, k, gate = backend.qk_norm_rope(self.q_proj(x), self.k_proj(x), self.q_norm.weight, self.k_norm.weight,
+                                              ctx.cos, ctx.sin, self.num_heads, self.num_kv_heads, d,
+                                              self.q_norm.eps, self.q_norm.zero_centered, self.gated)
         else:
-            q = q.view(t, self.num_heads, d)
-        q = ops.apply_rope(self.q_norm(q), ctx.cos, ctx.sin)  # [T, Hq, D]
-        k = ops.apply_rope(self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, d)), ctx.cos, ctx.sin)
+            q = self.q_proj(x)
+            gate = None
+            if self.gated:
+                q, gate = q.view(t, self.num_heads, 2 * d).chunk(2, dim=-1)  # [T, Hq, D] each
+                gate = gate.reshape(t, self.num_heads * d)
+            else:
+                q = q.view(t, self.num_heads, d)
+            q = ops.apply_rope(self.q_norm(q), ctx.cos, ctx.sin)  # [T, Hq, D]
+            k = ops.apply_rope(self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, d)), ctx.cos, ctx.sin)
         v = self.v_proj(x).view(t, self.num_kv_heads, d)  # [T, Hkv, D]
         kv_cache = ctx.caches.kv[self.cache_idx]
-        ops.write_kv(kv_cache, k, v, ctx.attn.slot_mapping)
-        out = ops.paged_attention(q, kv_cache, ctx.attn, self.scale).reshape(t, self.num_heads * d)  # [T, Hq*D]
+        if backend is None:
+            ops.write_kv(kv_cache, k, v, ctx.attn.slot_mapping)
+            out = ops.paged_attention(q, kv_cache, ctx.attn, self.scale)
+        else:
+            out = backend.forward(q, k, v, kv_cache, ctx.attn, self.scale)
+        out = out.reshape(t, self.num_heads * d)  # [T, Hq*D]
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)

@@ -87,6 +87,8 @@ class QwenMoeForCausalLM(nn.Module):
         )
         use_mtp = config.has_mtp if enable_mtp is None else enable_mtp
         self.mtp = MTPHead(config, parallel, dtype=dtype, device=device) if use_mtp else None
+        # nvl72.model.attn_backends backend, chosen by the engine at start-up; None: the ops references.
+        self.attn_backend = None
         # fp32 RoPE table input; built at model dtype, so never `.to(dtype)` the model afterwards.
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
         attach_default_loaders(self)
@@ -100,13 +102,19 @@ class QwenMoeForCausalLM(nn.Module):
     def _context(self, batch: ForwardBatch, caches: ModelCaches, with_attention: bool) -> ForwardContext:
         if not with_attention:
             return ForwardContext(batch, caches, None, None, None)
-        meta = ops.AttentionMetadata.build(batch, caches.page_size)
+        backend = self.attn_backend
+        if backend is None:
+            meta = ops.AttentionMetadata.build(batch, caches.page_size)
+        else:
+            meta = backend.plan(batch, caches.page_size)
         cos, sin = ops.rope_cos_sin(batch.positions, self.inv_freq, self.dtype)
-        return ForwardContext(batch, caches, meta, cos, sin)
+        return ForwardContext(batch, caches, meta, cos, sin, backend)
 
-    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        """Run the flattened batch; returns final-norm hidden states [T, H]."""
-        self._check(batch, caches)
+    def forward(self, batch: ForwardBatch, caches: ModelCaches, check: bool = True) -> torch.Tensor:
+        """Run the flattened batch; returns final-norm hidden states [T, H]. `check=False` skips the
+        input checks, which read device values back (CUDA-graph capture cannot)."""
+        if check:
+            self._check(batch, caches)
         ctx = self._context(batch, caches, FULL_ATTENTION in self.config.layer_types)
         x = self.model.embed_tokens(batch.input_ids)  # [T, H]
         for layer in self.model.layers:

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The model runner's GPU check, one call on the GPU host (repository root, $OUT set):
 #   bash tests/runner/gpu_run.sh
-# Carries: .gpucarry-runner (a copy of the moe carry: the sm90 FP8 grouped-GEMM module + CuTeDSL
-# runtime) and .ficarry-runner (FlashInfer 0.7.2.post1, prebuilt dec128 + fa3_128 modules).
+# Carries: .gpucarry-runner (`nvl72 kernels build --out .gpucarry-runner --module
+# moe.kernels.sm90_grouped_gemm`: the FP8 expert GEMMs + CuTeDSL runtime) and .ficarry-runner
+# (FlashInfer 0.7.2.post1 with the prebuilt dec128 decode module; FA3 prefill not carried).
 # 1) the @gpu tests of tests/runner (backends vs the torch reference, graphs on vs off);
 # 2) perf.serve on a Qwen3-30B-A3B-shaped dummy model. Logs under $OUT; the table comes last.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/runner-out}
 mkdir -p "$OUT"
-source .gpucarry-runner/setup_device.sh || exit 1
+source .gpucarry-runner/sm_90a/setup_device.sh || exit 1
 if [ -d .ficarry-runner ]; then
   source .ficarry-runner/fi_setup.sh .ficarry-runner || echo "FLASHINFER SETUP FAILED"
   export FLASHINFER_DISABLE_JIT=1  # only the prebuilt modules; anything else fails instead of compiling

@@ -1,0 +1,185 @@
+"""Serving figures of one GPU engine beside its memory-bandwidth bound (run on the GPU host).
+
+    python -m perf.serve --layers 8 --json perf/out/serve.json
+
+Builds a Qwen3-30B-A3B-shaped model with dummy weights (`--layers` of its 48 decoder layers, so it
+loads and captures in seconds; the bound below is for the same layer count), drives the engine
+directly (no HTTP: `nvl72 bench` is the client for a running server) and reports
+  - decode output tokens/s at batch 1 and 64 (ignore_eos, greedy): triton attention with CUDA
+    graphs, triton eager, and FlashInfer decode eager where it imports;
+  - TTFT of one 1K and one 8K prompt on an idle engine (one prefill forward + first sample);
+  - the decode floor: bytes one decode step must read (active weights: attention, router, the
+    experts the batch touches in expectation under uniform routing, lm_head, plus KV) divided by
+    the HBM copy bandwidth measured in the same run.
+Prints a table last; `--json` keeps everything.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from nvl72.config import ModelConfig
+from nvl72.engine.engine import EngineConfig, LLMEngine
+from nvl72.engine.protocol import AddRequest, SamplingParams
+from nvl72.model import attn_backends
+from nvl72.model.loader import load_model
+
+QWEN3_30B_A3B = dict(
+    model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+    intermediate_size=6144, norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    max_position_embeddings=40960, tie_word_embeddings=False, eos_token_id=[151645],
+)
+
+
+def hbm_copy_bandwidth(nbytes: int = 4 << 30, iters: int = 20) -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(iters):
+        b.copy_(a)
+    e.record()
+    torch.cuda.synchronize()
+    bw = 2 * nbytes * iters / (s.elapsed_time(e) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return bw
+
+
+def decode_step_bytes(model, cfg: ModelConfig, batch: int, context: int) -> dict[str, float]:
+    """Bytes one decode step of `batch` sequences at `context` tokens must read from HBM."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    act = model.dtype.itemsize
+    layer0 = model.model.layers[0].mlp
+    w = layer0._weights
+    expert_bytes = (w.w13.numel() * w.w13.element_size() + w.w2.numel() * w.w2.element_size()
+                    + sum(t.numel() * t.element_size() for t in (w.w13_scale, w.w2_scale) if t is not None)
+                    ) / cfg.num_experts
+    touched = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** batch)
+    attn = (h * cfg.num_attention_heads * d * 2 + h * cfg.num_key_value_heads * d * 2) * act
+    router = h * cfg.num_experts * act
+    kv = batch * context * cfg.num_key_value_heads * d * 2 * act
+    per_layer = attn + router + touched * expert_bytes
+    total = cfg.num_hidden_layers * per_layer + cfg.vocab_size * h * act + cfg.num_hidden_layers * kv
+    return {"total": total, "per_layer_weights": per_layer, "experts_touched": touched, "kv_per_layer": kv}
+
+
+def _drain(engine: LLMEngine, on_token=None) -> None:
+    while engine.has_unfinished():
+        outs = engine.step()
+        if on_token is not None:
+            on_token(outs)
+
+
+def decode_rate(engine: LLMEngine, batch: int, prompt_len: int, out_len: int, seed: int) -> dict[str, float]:
+    """Output tokens/s of `batch` sequences decoding together, counted after every first token."""
+    g = torch.Generator().manual_seed(seed)
+    sp = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        prompt = torch.randint(1000, 30000, (prompt_len,), generator=g).tolist()
+        engine.add_request(AddRequest(f"d{seed}-{i}", prompt, sp))
+    started: set[str] = set()
+    mark = {}
+
+    def on_token(outs):
+        for o in outs:
+            if o.new_token_ids:
+                started.add(o.request_id)
+        if "t0" not in mark and len(started) == batch:
+            torch.cuda.synchronize()
+            mark["t0"], mark["steps0"] = time.perf_counter(), engine.counters["num_steps"]
+
+    _drain(engine, on_token)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - mark["t0"]
+    steps = engine.counters["num_steps"] - mark["steps0"]
+    tokens = batch * (out_len - 1)
+    return {"tok_s": tokens / dt, "step_ms": dt / max(steps, 1) * 1e3, "steps": steps}
+
+
+def ttft(engine: LLMEngine, prompt_len: int, seed: int) -> float:
+    g = torch.Generator().manual_seed(seed)
+    engine.add_request(AddRequest(f"t{seed}", torch.randint(1000, 30000, (prompt_len,), generator=g).tolist(),
+                                  SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    _drain(engine)
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers of the 48 (the bound uses the same count)")
+    ap.add_argument("--attention", default="triton", help="attention backend for the graphs / eager runs")
+    ap.add_argument("--graph-batch-sizes", default="1,2,4,8,16,32,64")
+    ap.add_argument("--decode-out", type=int, default=64, help="output tokens per decode request")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    bw = hbm_copy_bandwidth()
+    cfg = ModelConfig.from_dict(dict(QWEN3_30B_A3B, num_hidden_layers=args.layers))
+    t = time.perf_counter()
+    model = load_model(None, config=cfg, dtype=torch.bfloat16, device="cuda", load_format="dummy")
+    load_s = time.perf_counter() - t
+    sizes = tuple(int(x) for x in args.graph_batch_sizes.split(","))
+    ecfg = EngineConfig(max_model_len=8192 + 256, max_num_seqs=64, max_num_batched_tokens=8192, page_size=16,
+                        kv_cache_bytes=8 << 30, enable_prefix_caching=False, attention_backend=args.attention,
+                        cuda_graph_batch_sizes=sizes)
+    t = time.perf_counter()
+    engine = LLMEngine(model, ecfg, eos_token_ids=[])
+    capture_s = time.perf_counter() - t
+    graphs = engine.runner.graphs
+    moe_backend = model.model.layers[0].mlp._ready().name
+    res: dict = {"gpu": torch.cuda.get_device_name(), "layers": args.layers, "hbm_copy_GBps": bw / 1e9,
+                 "attention": engine.model.attn_backend.name, "moe_backend": moe_backend,
+                 "graphs": graphs is not None, "load_s": load_s, "engine_init_s": capture_s, "rows": []}
+    decode_rate(engine, 4, 64, 8, seed=99)  # warm-up: kernels compiled / autotuned for these shapes
+    for n in (1024, 8192):
+        ttft(engine, n, seed=n + 1)  # warm-up of the prefill shapes
+    triton = engine.model.attn_backend
+    modes = [(f"{triton.name}+graphs", triton, graphs)] if graphs is not None else []
+    modes.append((triton.name, triton, None))
+    if attn_backends.available("flashinfer", model.device) is None:
+        fi = attn_backends.select(attn_backends.AttentionShape.of(model), model.device, "flashinfer")
+        engine.model.attn_backend = fi
+        decode_rate(engine, 4, 64, 8, seed=98)  # warm-up of the FlashInfer decode module
+        modes.append(("flashinfer", fi, None))
+    for mode, backend, g in modes:
+        engine.model.attn_backend, engine.runner.graphs = backend, g
+        for b in (1, 64):
+            r = decode_rate(engine, b, 128, args.decode_out, seed=b)
+            bound = decode_step_bytes(model, cfg, b, 128 + args.decode_out // 2)
+            floor_step = bound["total"] / bw
+            res["rows"].append({"what": f"decode b={b}", "mode": mode, "tok_s": r["tok_s"], "step_ms": r["step_ms"],
+                                "bound_step_ms": floor_step * 1e3, "bound_tok_s": b / floor_step,
+                                "experts_touched": bound["experts_touched"]})
+    engine.model.attn_backend, engine.runner.graphs = triton, graphs
+    for n in (1024, 8192):
+        s = ttft(engine, n, seed=n)
+        res["rows"].append({"what": f"TTFT {n // 1024}K", "mode": triton.name, "ms": s * 1e3})
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    print(f"\nSERVE {res['gpu']}: Qwen3-30B-A3B shape, {args.layers}/48 layers, {model.dtype}, attention {res['attention']}, "
+          f"MoE {moe_backend}, HBM copy {bw / 1e9:.0f} GB/s, graphs {'on' if graphs else 'off'}")
+    print(f"{'what':<14} {'mode':<14} {'tok/s':>9} {'step ms':>8} {'bound ms':>9} {'% of bound':>10} {'TTFT ms':>8}")
+    for r in res["rows"]:
+        if "tok_s" in r:
+            print(f"{r['what']:<14} {r['mode']:<14} {r['tok_s']:>9.1f} {r['step_ms']:>8.3f} {r['bound_step_ms']:>9.3f} "
+                  f"{100 * r['bound_step_ms'] / r['step_ms']:>9.1f}% {'':>8}")
+        else:
+            print(f"{r['what']:<14} {r['mode']:<14} {'':>9} {'':>8} {'':>9} {'':>10} {r['ms']:>8.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,186 @@
+"""The engine with the attention backends and CUDA-graph decode: greedy tokens identical to the
+torch-reference engine, graphs on vs off. GPU tests need CUDA; the triton backend also runs on
+CPU in Triton's interpreter (TRITON_INTERPRET=1); the CPU-only parts check the start-up choices."""
+import logging
+import os
+
+import pytest
+import torch
+
+from nvl72.config import ModelConfig
+from nvl72.engine.cuda_graphs import DecodeGraphs, GraphUnavailable, Staging, build_decode_graphs
+from nvl72.engine.engine import EngineConfig, LLMEngine
+from nvl72.engine.protocol import AddRequest, SamplingParams
+from nvl72.model import attn_backends
+from nvl72.model.loader import build_model, init_dummy_weights
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+_BASE = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
+             rms_norm_eps=1e-6, max_position_embeddings=512, eos_token_id=[0])
+CONFIGS = {
+    # Dense MLPs everywhere: graph capture here tests the runner, not the MoE backends' host syncs.
+    "qwen3_moe": dict(_BASE, model_type="qwen3_moe", mlp_only_layers=[0, 1]),
+    "qwen3_next": dict(_BASE, model_type="qwen3_next", num_hidden_layers=4, mlp_only_layers=[0, 1, 2, 3],
+                       shared_expert_intermediate_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                       linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                       full_attention_interval=2, mtp_num_hidden_layers=0, partial_rotary_factor=0.25),
+    "qwen3_moe_sparse": dict(_BASE, model_type="qwen3_moe"),
+    # FP8 expert path (sm90): N and K multiples of 128.
+    "qwen3_moe_fp8": dict(_BASE, model_type="qwen3_moe", hidden_size=256, moe_intermediate_size=128, num_experts=8,
+                          head_dim=64),
+}
+
+
+def tiny(name: str, device, dtype=torch.float32):
+    model = build_model(ModelConfig.from_dict(CONFIGS[name]), dtype, "cpu")
+    init_dummy_weights(model, seed=3, std=0.3)
+    return model.to(device)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 96, (int(m),), generator=g).tolist() for m in torch.randint(3, 40, (n,), generator=g)]
+
+
+def greedy(model, attention: str, graphs=(), **kw) -> tuple[dict[str, list[int]], LLMEngine]:
+    cfg = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, page_size=16, num_pages=80,
+               attention_backend=attention, cuda_graph_batch_sizes=graphs)
+    cfg.update(kw)
+    engine = LLMEngine(model, EngineConfig(**cfg), eos_token_ids=[])
+    for i, p in enumerate(prompts(7, seed=5)):
+        engine.add_request(AddRequest(f"r{i}", p, GREEDY))
+    out: dict[str, list[int]] = {}
+    for _ in range(500):
+        if not engine.has_unfinished():
+            break
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert all(len(v) == GREEDY.max_tokens for v in out.values()) and len(out) == 7
+    return out, engine
+
+
+def test_cpu_engine_default_is_torch_backend_and_logged(caplog, monkeypatch):
+    monkeypatch.delenv(attn_backends.ENV, raising=False)
+    with caplog.at_level(logging.INFO):
+        _, engine = greedy(tiny("qwen3_moe", "cpu"), None)
+    assert engine.model.attn_backend.name == "torch" and engine.runner.graphs is None
+    assert "attention backend: torch" in caplog.text
+
+
+def test_graphs_refused_on_cpu_with_reason(caplog):
+    model = tiny("qwen3_moe", "cpu")
+    caches = model.allocate_caches(8, 16)
+    with caplog.at_level(logging.WARNING):
+        assert build_decode_graphs(model, caches, 16, 64, (1, 2), scratch_page=0) is None
+    assert "CUDA graphs off: CUDA graphs need a CUDA device" in caplog.text
+    with pytest.raises(GraphUnavailable, match="cpu"):
+        DecodeGraphs(model, caches, 16, 64, (1,), scratch_page=0)
+
+
+class EagerReplay:
+    """DecodeGraphs' host path (staging, dummy padding rows) with the replay run eagerly on the CPU:
+    the padded batch must give the real rows exactly what the unpadded one gives."""
+
+    fits = DecodeGraphs.fits
+
+    def __init__(self, engine: LLMEngine, sizes: tuple[int, ...]):
+        self.model, self.caches = engine.model, engine.caches
+        self.batch_sizes, self.query_len, self.max_pages, self.replays = sorted(sizes), 1, 16, 0
+        slot = engine.slots.alloc(1)[0] if engine.hybrid else 0
+        self.staging = Staging(max(sizes), 1, self.max_pages, engine.hybrid, engine.pages.alloc(1)[0], slot,
+                               pin=False)
+
+    def run(self, batch):
+        b, t = batch.num_seqs, batch.num_tokens
+        bs = next(s for s in self.batch_sizes if s >= b)
+        self.staging.fill(batch, bs)
+        hidden = self.model(self.staging.host.view(bs, 1), self.caches, check=False)
+        self.replays += 1
+        view = self.staging.host.view(b, 1)
+        view.logits_indices = batch.logits_indices
+        return hidden[:t], view
+
+
+INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU runs of triton need TRITON_INTERPRET=1")
+
+
+@pytest.mark.parametrize("attention", ["torch", pytest.param("triton", marks=INTERPRETED)])
+@pytest.mark.parametrize("name", ["qwen3_moe_sparse", "qwen3_next"])
+def test_padded_replay_rows_match_eager_cpu(name, attention):
+    model = tiny(name, "cpu")
+    ref, _ = greedy(model, "torch")
+    cfg = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, page_size=16, num_pages=80,
+               attention_backend=attention)
+    engine = LLMEngine(model, EngineConfig(**cfg), eos_token_ids=[])
+    engine.runner.graphs = replay = EagerReplay(engine, (2, 4, 8))
+    for i, p in enumerate(prompts(7, seed=5)):
+        engine.add_request(AddRequest(f"r{i}", p, GREEDY))
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert replay.replays > 0 and out == ref
+
+
+@INTERPRETED
+def test_triton_engine_matches_reference_interpreted():
+    pytest.importorskip("triton")
+    model = tiny("qwen3_next", "cpu")
+    ref, _ = greedy(model, "torch")
+    got, engine = greedy(model, "triton")
+    assert engine.model.attn_backend.name == "triton" and got == ref
+
+
+@pytest.fixture
+def reference_moe(monkeypatch):
+    monkeypatch.setenv("NVL72_MOE_BACKEND", "reference")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_next", "qwen3_moe_sparse"])
+def test_triton_engine_matches_reference_gpu(name, reference_moe):
+    model = tiny(name, "cuda")
+    ref, _ = greedy(model, "torch")
+    got, engine = greedy(model, "triton")
+    assert engine.model.attn_backend.name == "triton" and got == ref
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_next"])
+def test_graphs_on_equal_graphs_off(name, reference_moe):
+    model = tiny(name, "cuda")
+    ref, _ = greedy(model, "torch")
+    eager, _ = greedy(model, "triton")
+    got, engine = greedy(model, "triton", graphs=(1, 2, 4, 8))
+    assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
+    assert got == eager == ref
+
+
+@pytest.mark.gpu
+def test_graphs_with_sm90_fp8_moe(monkeypatch):
+    """The real decode path: FP8 expert kernels inside the captured graph (bf16)."""
+    from moe import backend as moe_backends
+
+    monkeypatch.setenv("NVL72_MOE_BACKEND", "sm90-fp8")
+    try:
+        moe_backends.select("cuda")
+    except moe_backends.BackendUnavailable as e:
+        pytest.skip(f"sm90-fp8 MoE backend unavailable here: {e}")
+    model = tiny("qwen3_moe_fp8", "cuda", torch.bfloat16)
+    eager, _ = greedy(model, "triton")
+    got, engine = greedy(model, "triton", graphs=(1, 2, 4, 8))
+    assert engine.runner.graphs is not None, "capture failed (see the 'CUDA graphs off' log line)"
+    assert engine.runner.graphs.replays > 0 and got == eager
+
+
+def test_graph_sizes_from_env(monkeypatch, caplog):
+    monkeypatch.setenv("NVL72_CUDA_GRAPHS", "1,x")
+    with pytest.raises(ValueError, match="NVL72_CUDA_GRAPHS='1,x'"):
+        greedy(tiny("qwen3_moe", "cpu"), "torch")
+    monkeypatch.setenv("NVL72_CUDA_GRAPHS", "1,2")
+    with caplog.at_level(logging.WARNING):
+        _, engine = greedy(tiny("qwen3_moe", "cpu"), "torch")
+    assert engine.runner.graphs is None and "CUDA graphs off" in caplog.text
+    assert engine.pages.num_used == engine.prefix.num_evictable_pages()  # the scratch page went back
