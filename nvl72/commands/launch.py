@@ -8,8 +8,11 @@ collects each rank's readiness, heartbeats and goodbyes over ZeroMQ (ROUTER <- D
 msgpack messages with a version field) and tells every rank to shut down on an operator's
 `shutdown` message, a signal, `--run-seconds`, or a rank that stops heartbeating.
 
-Role bodies (prefill engine, decode engine, HTTP front) come from the engine and server packages;
-until they land, every role is `idle_role`: report ready (with a check that its groups carry an
+With `--engine-args` (build_engine keywords as JSON; `{}` is the embedded default model) the ranks
+serve disaggregated (`nvl72.disagg.serving`): prefill ranks prefill and ship KV to decode ranks,
+decode ranks decode, and the front rank also runs the OpenAI HTTP front (`--http-port`) over them.
+Decode ranks are expendable: one that stops heartbeating fails only its own requests. Without
+`--engine-args` every role is `idle_role`: report ready (with a check that its groups carry an
 all-reduce), heartbeat, exit cleanly when told.
 """
 from __future__ import annotations
@@ -136,6 +139,8 @@ class Front(threading.Thread):
         self.identity: dict[int, bytes] = {}
         self.last_seen: dict[int, float] = {}
         self.bye: set[int] = set()
+        self.expendable: set[int] = set()  # ranks whose loss is tolerated (serving decode ranks)
+        self.lost: set[int] = set()
         self.exit_code = 0
         self._stop_reason: str | None = None
         self._lock = threading.Lock()
@@ -201,7 +206,12 @@ class Front(threading.Thread):
             if all_ready_at is None and now - start > self.ready_timeout:
                 missing = sorted(set(range(self.world_size)) - set(self.ready))
                 self.stop(f"ranks {missing} not ready within {self.ready_timeout:g} s", failed=True)
-            late = [r for r, t in self.last_seen.items() if r not in self.bye and now - t > self.hb_timeout]
+            late = [r for r, t in self.last_seen.items()
+                    if r not in self.bye and r not in self.lost and now - t > self.hb_timeout]
+            for r in [r for r in late if r in self.expendable]:
+                log.error("front: rank %d missed heartbeats for %g s; serving on without it", r, self.hb_timeout)
+                self.lost.add(r)
+                late.remove(r)
             if late and self._stop_reason is None:
                 self.stop(f"ranks {late} missed heartbeats for {self.hb_timeout:g} s", failed=True)
             if all_ready_at is not None and self.run_seconds is not None and now - all_ready_at >= self.run_seconds:
@@ -209,7 +219,7 @@ class Front(threading.Thread):
             if self._stop_reason is None:
                 continue
             shutdown_started = shutdown_started or now
-            if self.bye >= set(self.identity):  # every rank that came up has left
+            if self.bye | self.lost >= set(self.identity):  # every rank that came up has left (or was lost)
                 break
             if now - shutdown_started > self.shutdown_timeout:
                 log.error("front: ranks %s did not say goodbye within %g s", sorted(set(self.identity) - self.bye),
@@ -218,7 +228,7 @@ class Front(threading.Thread):
                 break
             if last_sent is None or now - last_sent > 0.5:  # resend until every rank said goodbye
                 for r, ident in self.identity.items():
-                    if r not in self.bye:
+                    if r not in self.bye and r not in self.lost:
                         self.sock.send_multipart([ident, encode(Shutdown(self._stop_reason))])
                 last_sent = now
         self.sock.close()
@@ -246,15 +256,16 @@ class RankAgent:
     def send(self, msg) -> None:
         self.sock.send(encode(msg))
 
-    def beat(self, stats: dict[str, float] | None = None) -> None:
-        """Send a heartbeat when one is due, read the front's messages for up to one heartbeat."""
+    def beat(self, stats: dict[str, float] | None = None, poll_s: float | None = None) -> None:
+        """Send a heartbeat when one is due, read the front's messages for up to `poll_s` seconds
+        (default one heartbeat; a serving loop passes 0)."""
         import zmq
 
         now = time.monotonic()
         if now - self._last_beat >= self.heartbeat_s:
             self.send(LoadReport(self.rank, 0, 0, 0.0, time.time(), stats or {}))
             self._last_beat = now
-        if self.sock.poll(int(self.heartbeat_s * 1000), zmq.POLLIN):
+        if self.sock.poll(int((self.heartbeat_s if poll_s is None else poll_s) * 1000), zmq.POLLIN):
             msg = decode(self.sock.recv())
             if isinstance(msg, Shutdown):
                 self.stop_reason = msg.reason
@@ -279,6 +290,8 @@ class RoleContext:
     device: str
     timeout: float
     stop: threading.Event
+    args: argparse.Namespace | None = None
+    data_address: str = ""  # the front's data-plane socket (serving)
 
 
 def _group_sums(ctx: RoleContext) -> dict[str, int]:
@@ -299,18 +312,79 @@ def _group_sums(ctx: RoleContext) -> dict[str, int]:
     return out
 
 
-def idle_role(ctx: RoleContext) -> int:
-    """The role body until the engine/server land: join, report ready, heartbeat, stop when told."""
+def report_ready(ctx: RoleContext) -> None:
     r = ctx.groups.role
     host = os.environ.get("PMI_HOSTNAME") or os.uname().nodename
     ctx.agent.send(RankReady(r.rank, r.role, r.name, host, os.getpid(), ctx.device, [r.tp_rank, r.tp_size],
                              [r.dp_rank, r.dp_size], [r.ep_rank, r.ep_size], _group_sums(ctx)))
+
+
+def idle_role(ctx: RoleContext) -> int:
+    """Join, report ready, heartbeat, stop when told (control plane only, or a spare rank)."""
+    report_ready(ctx)
     while ctx.agent.stop_reason is None and not ctx.stop.is_set():
         ctx.agent.beat()
     return 0
 
 
+def _serving_options(ctx: RoleContext):
+    from nvl72.disagg.serving import ServingOptions
+
+    return ServingOptions(json.loads(ctx.args.engine_args), ctx.args.transfer_timeout)
+
+
+def prefill_role(ctx: RoleContext) -> int:
+    from nvl72.disagg.serving import prefill_role as body
+
+    return body(ctx, _serving_options(ctx), lambda: report_ready(ctx))
+
+
+def decode_role(ctx: RoleContext) -> int:
+    from nvl72.disagg.serving import decode_role as body
+
+    return body(ctx, _serving_options(ctx), lambda: report_ready(ctx))
+
+
 ROLES: dict[str, Callable[[RoleContext], int]] = {"prefill": idle_role, "decode": idle_role, "spare": idle_role}
+SERVING_ROLES: dict[str, Callable[[RoleContext], int]] = {"prefill": prefill_role, "decode": decode_role,
+                                                          "spare": idle_role}
+
+
+class HTTPFront(threading.Thread):
+    """The front rank's HTTP server over a `DisaggClient`: starts once every engine rank reported."""
+
+    def __init__(self, plan: Plan, hub, args: argparse.Namespace):
+        super().__init__(name="nvl72-http-front", daemon=True)
+        from nvl72.disagg.serving import DisaggClient
+
+        ranks = {role: [r for i in plan.of_role(role) for r in i.ranks[:1]] for role in ("prefill", "decode")}
+        self.client = DisaggClient(hub, ranks["prefill"], ranks["decode"], batch_threshold=args.decode_batch_threshold,
+                                   lost_timeout=args.rank_lost_timeout)
+        self.args, self.server = args, None
+
+    def run(self) -> None:
+        from nvl72.commands.serve import load_tokenizer
+        from nvl72.server.app import ServerConfig, build_app
+        from nvl72.server.runner import ServerThread
+
+        a = self.args
+        try:
+            self.client.wait_ready(a.ready_timeout)
+            model = json.loads(a.engine_args).get("model")
+            app = build_app(self.client, load_tokenizer(model), ServerConfig(served_model_name=a.served_model_name))
+            self.server = ServerThread(app, host=a.http_host, port=a.http_port, log_level="warning").start()
+        except Exception:
+            log.exception("front: the HTTP front did not start")
+            return
+        log.info("front: HTTP on %s (model %s)", self.server.url, a.served_model_name)
+
+    def stop(self) -> None:
+        import asyncio
+
+        self.join(self.args.ready_timeout)
+        if self.server is not None:
+            self.server.stop()
+        asyncio.run(self.client.shutdown())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,6 +405,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds for all ranks to leave")
     parser.add_argument("--run-seconds", type=float, help="shut down this long after all ranks are ready")
     parser.add_argument("--ready-file", help="the front writes the ranks' readiness here as JSON")
+    parser.add_argument("--engine-args", help="serve: build_engine keywords as JSON on every prefill/decode rank "
+                                              "('{}': the embedded default model); without it roles idle")
+    parser.add_argument("--http-host", default="0.0.0.0", help="serve: HTTP address of the front")
+    parser.add_argument("--http-port", type=int, default=8000, help="serve: HTTP port of the front (0: any)")
+    parser.add_argument("--served-model-name", default="nvl72", help="serve: the model name clients use")
+    parser.add_argument("--transfer-timeout", type=float, default=60.0, help="serve: seconds for one KV transfer")
+    parser.add_argument("--rank-lost-timeout", type=float, default=5.0,
+                        help="serve: a decode rank without a load report this long is dead (default 5)")
 
 
 def _fabric_cluster(index: int) -> str | None:
@@ -409,12 +491,26 @@ def run(args: argparse.Namespace) -> int:
     except (TopologyError, PlanError, ParallelError, OSError) as e:
         raise CLIError(str(e)) from None
 
+    serving = args.engine_args is not None
+    if serving:
+        try:
+            if not isinstance(json.loads(args.engine_args), dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            raise CLIError(f"--engine-args {args.engine_args!r}: {e}") from None
     stop = threading.Event()
-    front = None
+    front = hub = http = None
     if env.rank == plan.front_rank:
         log.info("plan for %s:\n%s", plan.model, "\n".join([plan.rack.describe(), *plan.layout()]))
         front = Front(env.world_size, args.front_host or host_address(), args.front_port, args.heartbeat_timeout,
                       args.ready_timeout, args.shutdown_timeout, args.run_seconds, args.ready_file)
+        if serving:
+            from nvl72.disagg.serving import FrontHub
+
+            front.expendable = {r for i in plan.of_role("decode") for r in i.ranks}
+            hub = FrontHub(args.front_host or host_address())
+            http = HTTPFront(plan, hub, args)
+            http.start()
         front.start()
         log.info("front control plane on %s", front.address)
 
@@ -427,8 +523,11 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, on_signal)
     address = broadcast_string(front.address if front else None, plan.front_rank, control, args.timeout)
     agent = RankAgent(env.rank, address, args.heartbeat, args.heartbeat_timeout)
-    ctx = RoleContext(plan, groups, agent, device, args.timeout, stop)
-    code = ROLES[groups.role.role](ctx)
+    data = broadcast_string(hub.address if hub else "", plan.front_rank, control, args.timeout) if serving else ""
+    ctx = RoleContext(plan, groups, agent, device, args.timeout, stop, args, data)
+    code = (SERVING_ROLES if serving else ROLES)[groups.role.role](ctx)
+    if http is not None:
+        http.stop()
     log.info("rank %d: %s leaving (%s)", env.rank, groups.role.name, agent.stop_reason or "signal")
     agent.close()
     if front is not None:

@@ -1,0 +1,517 @@
+"""Disaggregated serving: prefill and decode role bodies, and the front's `EngineClient` over them.
+
+Data plane (beside the launcher's control plane): the front rank binds a ZeroMQ ROUTER, every
+prefill/decode rank connects a DEALER (identity `data<rank>`); msgpack messages with a version field,
+the engine protocol's (`AddRequest` inside, `RequestOutput`, `LoadReport`, `AbortRequest`) plus the
+kinds below. One request's path:
+
+  front   --PrefillRequest(request, seq, decode rank)-->  prefill rank
+  prefill: prefills (prefill-only: the engine parks it after its first token), starts the
+           transfer (`nvl72.disagg.transport.Sender`: KV pages, GDN state, first token) to the
+           decode rank over the `transfer` group, and tells the front:
+  prefill --Handoff(first output, seq)-->                 front  (streams the first token)
+  front   --ExpectTransfer(request, seq, prefill rank)--> decode rank
+  decode:  reserves pages/slot, receives (`Receiver`, completion rule), commits, decodes;
+  decode  --RequestOutput ...-->                          front  (streams the rest)
+Decode ranks send a `LoadReport` every report interval; one silent for `lost_timeout` is dead: its
+requests end with `EngineDeadError` (HTTP 503) and new requests go to the others. The front picks
+the decode rank with the fewest requests in flight under its batch threshold.
+
+Prefill instances are TP1 here (one rank each); wider prefill instances are refused at start-up.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import ClassVar
+
+import msgpack
+
+from nvl72.engine import protocol
+from nvl72.engine.client import EngineDeadError
+from nvl72.engine.engine import InvalidRequest, validate_request
+from nvl72.engine.protocol import (AbortRequest, AddRequest, EngineClient, LoadReport, Message, ProtocolError,
+                                   RequestOutput)
+
+log = logging.getLogger("nvl72.disagg")
+
+
+class ServingError(RuntimeError):
+    """A deployment the disaggregated roles cannot serve (prefill TP > 1, no decode rank ...)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Data-plane messages (nested engine messages travel in their own protocol encoding)
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class PrefillRequest(Message):
+    KIND: ClassVar[str] = "disagg_prefill"
+    request: AddRequest
+    seq: int
+    decode_rank: int
+
+
+@dataclass
+class Handoff(Message):
+    KIND: ClassVar[str] = "disagg_handoff"
+    output: RequestOutput  # the first token (finish_reason None: the request continues on decode)
+    seq: int
+    num_tokens: int  # tokens of KV being transferred
+
+
+@dataclass
+class ExpectTransfer(Message):
+    KIND: ClassVar[str] = "disagg_expect"
+    request: AddRequest
+    seq: int
+    prefill_rank: int
+    num_tokens: int
+
+
+_NESTED = {"request", "output"}
+_KINDS = {c.KIND: c for c in (PrefillRequest, Handoff, ExpectTransfer)}
+
+
+def encode(msg: Message) -> bytes:
+    if msg.KIND not in _KINDS:
+        return protocol.encode(msg)
+    body = {k: (protocol.encode(v) if k in _NESTED else v) for k, v in vars(msg).items()}
+    return msgpack.packb({"v": protocol.PROTOCOL_VERSION, "kind": msg.KIND, "body": body}, use_bin_type=True)
+
+
+def decode(data: bytes) -> Message:
+    try:
+        raw = msgpack.unpackb(data, raw=False)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise ProtocolError(f"undecodable data-plane message: {e}") from e
+    if not (isinstance(raw, dict) and raw.get("kind") in _KINDS):
+        return protocol.decode(data)
+    if raw.get("v") != protocol.PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {raw.get('v')!r}")
+    try:
+        body = {k: (protocol.decode(v) if k in _NESTED else v) for k, v in raw["body"].items()}
+        return _KINDS[raw["kind"]](**body)
+    except (TypeError, KeyError, AttributeError) as e:
+        raise ProtocolError(f"bad fields for {raw['kind']!r}: {e}") from e
+
+
+def _identity(rank: int) -> bytes:
+    return f"data{rank}".encode()
+
+
+class FrontHub:
+    """The front rank's ROUTER socket, bound before the roles start (its address is broadcast)."""
+
+    def __init__(self, host: str):
+        import zmq
+
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://*")
+        self.address = f"tcp://{host}:{port}"
+
+
+class _RankLink:
+    """A role's DEALER to the front's hub."""
+
+    def __init__(self, rank: int, address: str):
+        import zmq
+
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, _identity(rank))
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.SNDTIMEO, 10_000)
+        self.sock.connect(address)
+
+    def send(self, msg: Message) -> None:
+        self.sock.send(encode(msg))
+
+    def recv_all(self, timeout_ms: int) -> list[Message]:
+        import zmq
+
+        out = []
+        if self.sock.poll(timeout_ms, zmq.POLLIN):
+            while True:
+                try:
+                    raw = self.sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    out.append(decode(raw))
+                except ProtocolError as e:
+                    log.error("dropping a bad data-plane message: %s", e)
+        return out
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Role bodies
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class ServingOptions:
+    engine_args: dict
+    transfer_timeout: float = 60.0
+    report_interval: float = 0.2
+
+
+def _engine(opts: ServingOptions):
+    from nvl72.engine.core import EngineCore, build_engine
+
+    return EngineCore(build_engine(**opts.engine_args))
+
+
+def _transfer_plan(engine, h):
+    """One request's plan over its first ceil(num_tokens / page_size) pages. Each side fills in only
+    its own page/slot indices; the other side's are never read (same copies, same order)."""
+    from nvl72.disagg.plan import CacheLayout, build_transfer_plan
+
+    n = math.ceil(h.num_tokens / engine.config.page_size)
+    layout = CacheLayout.from_config(engine.model.config)
+    slot = h.state_slot if engine.hybrid else None
+    return build_transfer_plan(layout, 1, 1, h.pages[:n], h.pages[:n], slot, slot)
+
+
+def _layer_groups(engine):
+    from nvl72.disagg.transport import layer_groups
+
+    c = engine.caches
+    return layer_groups(max(len(c.kv), len(c.conv), len(c.recurrent)), 4)
+
+
+def prefill_role(ctx, opts: ServingOptions, ready) -> int:
+    """A TP1 prefill instance: prefill-only requests, then the transfer to the front's chosen decode
+    rank, then release once the transfer completed (or failed)."""
+    from nvl72.disagg.transport import Sender, caches_of
+    from nvl72.engine.sequence import Status
+
+    r = ctx.groups.role
+    if r.tp_size != 1:
+        raise ServingError(f"prefill instance {r.name} has TP {r.tp_size}; disaggregated serving supports TP1 prefill")
+    core = _engine(opts)
+    eng = core.engine
+    link = _RankLink(r.rank, ctx.data_address)
+    caches, groups = caches_of(eng.caches), _layer_groups(eng)
+    meta: dict[str, PrefillRequest] = {}
+    done: queue.Queue = queue.Queue()
+
+    def finish(rid: str, sender: Sender) -> None:
+        try:
+            sender.wait(opts.transfer_timeout)
+            done.put((rid, None))
+        except Exception as e:  # a dead decode rank, a timeout: the request is released either way
+            done.put((rid, e))
+
+    ready()
+    last = 0.0
+    while ctx.agent.stop_reason is None and not ctx.stop.is_set():
+        ctx.agent.beat(poll_s=0.0)
+        for msg in link.recv_all(0 if core.busy else 2):
+            if isinstance(msg, PrefillRequest):
+                try:
+                    eng.add_request(msg.request, prefill_only=True)
+                except InvalidRequest as e:
+                    link.send(RequestOutput(msg.request.request_id, [], "error", error=str(e)))
+                    continue
+                meta[msg.request.request_id] = msg
+            elif isinstance(msg, AbortRequest):
+                seq = eng.seqs.get(msg.request_id)
+                if seq is not None and seq.status != Status.PARKED:  # a parked one is released after its transfer
+                    meta.pop(msg.request_id)
+                    out = eng.abort_request(msg.request_id)
+                    if out is not None:
+                        link.send(out)
+        for o in core.step():
+            m = meta.get(o.request_id)
+            if m is None or o.finish_reason is not None:
+                meta.pop(o.request_id, None)
+                link.send(o)
+                continue
+            h = eng.handoff(o.request_id)
+            try:
+                sender = Sender(m.seq, _transfer_plan(eng, h), 0, [r.rank], [m.decode_rank], caches, groups,
+                                ctx.groups.transfer)
+                sender.send_all()
+                sender.send_first_token(o.new_token_ids[0])
+            except Exception as e:  # the decode rank is gone (gloo refuses the send)
+                log.error("prefill rank %d: transfer of %s to rank %d failed: %s", r.rank, o.request_id,
+                          m.decode_rank, e)
+                meta.pop(o.request_id)
+                eng.release(o.request_id)
+                link.send(RequestOutput(o.request_id, [], "error", error=f"KV transfer failed: {e}"))
+                continue
+            link.send(Handoff(o, m.seq, h.num_tokens))
+            threading.Thread(target=finish, args=(o.request_id, sender), daemon=True,
+                             name=f"kv-send-{m.seq}").start()
+        while not done.empty():
+            rid, err = done.get()
+            meta.pop(rid, None)
+            if err is not None:
+                log.error("prefill rank %d: transfer of %s did not complete: %s", r.rank, rid, err)
+            eng.release(rid)
+        now = time.monotonic()
+        if now - last >= opts.report_interval:
+            rep = core.load_report()
+            rep.rank = r.rank
+            link.send(rep)
+            last = now
+    core.close()
+    link.close()
+    return 0
+
+
+def decode_role(ctx, opts: ServingOptions, ready) -> int:
+    """A decode rank: reserve, receive, commit, decode; stream outputs and load reports to the front."""
+    from nvl72.cache.pool import OutOfCapacity
+    from nvl72.disagg.plan import TransferPlanError
+    from nvl72.disagg.transport import Receiver, TransferError, caches_of
+
+    r = ctx.groups.role
+    if r.tp_size != 1:
+        raise ServingError(f"decode instance {r.name} has TP {r.tp_size}; disaggregated serving supports TP1 decode")
+    core = _engine(opts)
+    eng = core.engine
+    link = _RankLink(r.rank, ctx.data_address)
+    caches, groups = caches_of(eng.caches), _layer_groups(eng)
+    receiving: dict[str, Receiver] = {}
+    ready()
+    last = 0.0
+    while ctx.agent.stop_reason is None and not ctx.stop.is_set():
+        ctx.agent.beat(poll_s=0.0)
+        for msg in link.recv_all(0 if core.busy else (1 if receiving else 5)):
+            if isinstance(msg, ExpectTransfer):
+                rid = msg.request.request_id
+                try:
+                    h = eng.reserve_transfer(msg.request, msg.num_tokens)
+                except (OutOfCapacity, InvalidRequest) as e:
+                    link.send(RequestOutput(rid, [], "error", error=str(e)))
+                    continue
+                try:
+                    receiving[rid] = Receiver(msg.seq, _transfer_plan(eng, h), 0, [msg.prefill_rank], [r.rank],
+                                              caches, groups, opts.transfer_timeout, ctx.groups.transfer)
+                except (TransferPlanError, RuntimeError) as e:
+                    eng.abort_request(rid)
+                    link.send(RequestOutput(rid, [], "error", error=f"KV transfer failed: {e}"))
+            elif isinstance(msg, AbortRequest):
+                receiving.pop(msg.request_id, None)  # late parts land in its buffers, then time out
+                out = eng.abort_request(msg.request_id)
+                if out is not None:
+                    link.send(out)
+        for rid, rcv in list(receiving.items()):
+            try:
+                if not rcv.poll():
+                    continue
+                eng.commit_transfer(rid, [rcv.receipt.require_complete()])
+            except (TransferError, InvalidRequest) as e:
+                log.error("decode rank %d: transfer of %s failed: %s", r.rank, rid, e)
+                eng.abort_request(rid)
+                link.send(RequestOutput(rid, [], "error", error=f"KV transfer failed: {e}"))
+            del receiving[rid]
+        for o in core.step():
+            link.send(o)
+        now = time.monotonic()
+        if now - last >= opts.report_interval:
+            rep = core.load_report()
+            rep.rank = r.rank
+            link.send(rep)
+            last = now
+    for o in core.close():
+        link.send(o)
+    link.close()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Front: an EngineClient over the prefill and decode ranks
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class _Flight:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    request: AddRequest
+    seq: int
+    prefill_rank: int
+    decode_rank: int
+
+
+_SUMMED = ("running", "waiting", "kv_pages_total", "kv_pages_used", "state_slots_used", "prefix_cache_queries",
+           "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "spec_decode_num_drafts",
+           "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+
+
+class DisaggClient(EngineClient):
+    """Routes each request to a prefill rank, then to the live decode rank with the fewest requests
+    in flight (under `batch_threshold`); streams its tokens back. One I/O thread owns the socket."""
+
+    def __init__(self, hub: FrontHub, prefill_ranks: list[int], decode_ranks: list[int], *, batch_threshold: int = 128,
+                 lost_timeout: float = 5.0, output_timeout: float = 600.0):
+        if not prefill_ranks or not decode_ranks:
+            raise ServingError(f"need prefill and decode ranks, got prefill {prefill_ranks}, decode {decode_ranks}")
+        if batch_threshold < 1:
+            raise ServingError(f"batch_threshold={batch_threshold} must be >= 1")
+        self.hub, self.prefill_ranks, self.decode_ranks = hub, list(prefill_ranks), list(decode_ranks)
+        self.batch_threshold, self.lost_timeout, self.output_timeout = batch_threshold, lost_timeout, output_timeout
+        self.max_model_len = 0
+        self.vocab_size: int | None = None
+        self.dead: dict[int, str] = {}
+        self.inflight = {r: 0 for r in self.prefill_ranks + self.decode_ranks}
+        self._reports: dict[int, LoadReport] = {}
+        self._last_seen: dict[int, float] = {}
+        self._flights: dict[str, _Flight] = {}
+        self._lock = threading.Lock()
+        self._outbox: queue.Queue = queue.Queue()
+        self._seq = itertools.count(1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._io, name="nvl72-disagg-front", daemon=True)
+        self._thread.start()
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until every prefill and decode rank reported once (the engines are built)."""
+        deadline = time.monotonic() + timeout
+        want = set(self.prefill_ranks + self.decode_ranks)
+        while not want <= set(self._reports):
+            if time.monotonic() > deadline:
+                raise ServingError(f"ranks {sorted(want - set(self._reports))} sent no load report within {timeout:g} s")
+            time.sleep(0.02)
+        first = self._reports[self.decode_ranks[0]].stats
+        self.max_model_len = min(int(self._reports[r].stats["max_model_len"]) for r in want)
+        self.vocab_size = int(first["vocab_size"]) or None
+
+    # ---- I/O thread
+    def _send(self, rank: int, msg: Message) -> None:
+        self._outbox.put((rank, msg))
+
+    def _io(self) -> None:
+        import zmq
+
+        sock = self.hub.sock
+        while not self._stop.is_set():
+            if sock.poll(2, zmq.POLLIN):
+                while True:
+                    try:
+                        ident, raw = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._on_message(int(ident.decode()[4:]), decode(raw))
+                    except (ProtocolError, ValueError) as e:
+                        log.error("front: dropped a bad data-plane message from %r: %s", ident, e)
+            while True:
+                try:
+                    rank, msg = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                sock.send_multipart([_identity(rank), encode(msg)])
+            self._check_lost()
+        sock.close()
+
+    def _on_message(self, rank: int, msg: Message) -> None:
+        if isinstance(msg, LoadReport):
+            self._reports[rank] = msg
+            self._last_seen[rank] = time.monotonic()
+        elif isinstance(msg, Handoff):
+            with self._lock:
+                f = self._flights.get(msg.output.request_id)
+            if f is None:
+                return  # aborted meanwhile: the decode rank never reserves; the sender times out
+            self._deliver(f, msg.output)
+            self._send(f.decode_rank, ExpectTransfer(f.request, f.seq, rank, msg.num_tokens))
+        elif isinstance(msg, RequestOutput):
+            with self._lock:
+                f = self._flights.get(msg.request_id)
+            if f is not None:
+                self._deliver(f, msg)
+
+    @staticmethod
+    def _deliver(f: _Flight, item) -> None:
+        try:
+            f.loop.call_soon_threadsafe(f.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed
+            pass
+
+    def _check_lost(self) -> None:
+        now = time.monotonic()
+        for rank in self.decode_ranks + self.prefill_ranks:
+            seen = self._last_seen.get(rank)
+            if rank in self.dead or seen is None or now - seen <= self.lost_timeout:
+                continue
+            why = f"rank {rank} lost (no load report for {self.lost_timeout:g} s)"
+            log.error("front: %s; failing its requests, routing around it", why)
+            self.dead[rank] = why
+            with self._lock:
+                lost = [f for f in self._flights.values() if rank in (f.decode_rank, f.prefill_rank)]
+            for f in lost:
+                self._deliver(f, EngineDeadError(why))
+
+    # ---- EngineClient
+    def _pick(self, ranks: list[int], limit: int | None) -> int:
+        live = [r for r in ranks if r not in self.dead]
+        if not live:
+            raise EngineDeadError(f"no live rank among {ranks}: " + "; ".join(self.dead[r] for r in ranks))
+        r = min(live, key=lambda k: (self.inflight[k], k))
+        if limit is not None and self.inflight[r] >= limit:
+            raise EngineDeadError(f"every live decode rank holds {limit} requests (the batch threshold)")
+        return r
+
+    async def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
+        validate_request(request, self.max_model_len, self.vocab_size)
+        rid = request.request_id
+        with self._lock:
+            if rid in self._flights:
+                raise InvalidRequest(f"duplicate request_id {rid!r}")
+            p, d = self._pick(self.prefill_ranks, None), self._pick(self.decode_ranks, self.batch_threshold)
+            f = _Flight(asyncio.get_running_loop(), asyncio.Queue(), request, next(self._seq), p, d)
+            self._flights[rid] = f
+            self.inflight[p] += 1
+            self.inflight[d] += 1
+        finished = False
+        try:
+            self._send(p, PrefillRequest(request, f.seq, d))
+            while True:
+                try:
+                    item = await asyncio.wait_for(f.queue.get(), timeout=self.output_timeout)
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"request {rid!r}: no output within {self.output_timeout} s") from None
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._flights.pop(rid, None)
+                self.inflight[p] -= 1
+                self.inflight[d] -= 1
+            if not finished:
+                for rank in (p, d):
+                    self._send(rank, AbortRequest(rid))
+
+    async def abort(self, request_id: str) -> None:
+        with self._lock:
+            f = self._flights.get(request_id)
+        if f is not None:
+            self._send(f.prefill_rank, AbortRequest(request_id))
+            self._send(f.decode_rank, AbortRequest(request_id))
+
+    def stats(self) -> dict[str, float]:
+        per = [self._reports[r].stats for r in self.decode_ranks if r in self._reports and r not in self.dead]
+        out: dict[str, float] = {}
+        for k in {k for s in per for k in s}:
+            vals = [float(s[k]) for s in per if k in s]
+            out[k] = sum(vals) if k in _SUMMED else sum(vals) / len(vals)
+        out["decode_ranks_live"] = float(len(self.decode_ranks) - len([r for r in self.dead if r in self.decode_ranks]))
+        return out
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+        await asyncio.to_thread(self._thread.join, 5)
