@@ -15,6 +15,7 @@ to the host. Logits and sampling stay outside the graph (only the rows that samp
 
 Capture is tried once at start-up; when it cannot be used (CPU, a backend that plans on the host,
 an op with a host sync inside the forward) the reason is logged and the engine runs eagerly.
+The staging and padding are tested on CPU (replay run eagerly); capture itself is not yet run on a GPU.
 """
 from __future__ import annotations
 

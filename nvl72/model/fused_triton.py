@@ -14,7 +14,7 @@ The shared-expert gate `sigmoid(x . w) * shared` is not here: `moe` adds it in i
 kernel already.
 
 Verified in Triton's interpreter (TRITON_INTERPRET=1) against the references and compiled for
-sm_90a on CPU; GPU figures in perf/RESULTS.md.
+sm_90a with Triton 3.6 and 3.9 on CPU; not yet run or timed on a GPU (perf/RESULTS.md).
 """
 from __future__ import annotations
 
