@@ -164,17 +164,6 @@ def _wait(my_base, tid, rank, world, flags_src0, target, err_addr, timeout_ns):
                 f = ptx.ld_acquire_sys(faddr)
 
 
-@cute.jit
-def _advance_epoch(my_base, state_off, tid, nb, target):
-    """The last block to get here moves state.epoch to `target` (read by the next call)."""
-    cute.arch.sync_threads()
-    if tid == 0:
-        t = ptx.atom_add_acq_rel_gpu(my_base + state_off + 4, 1)
-        if t == nb - 1:
-            ptx.st_relaxed_gpu(my_base + state_off + 4, 0)
-            ptx.st_relaxed_gpu(my_base + state_off, target)
-
-
 # ------------------------------------------------------------------------------------------ one-shot
 def _make_oneshot(is_bf16: bool):
     epv = 8 if is_bf16 else 4
@@ -232,7 +221,7 @@ def _make_oneshot(is_bf16: bool):
                 if v + u * THREADS < v1:
                     ptx.st_v4(oa + _i64(v + u * THREADS) * VEC_BYTES, _pack(acc, is_bf16, u * epv))
             v += UNROLL * THREADS
-        _advance_epoch(my_base, state_off, tid, nb, target)
+        ptx.advance_epoch(my_base, state_off, tid, nb, target)
 
     @cute.jit
     def launch(x: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, rank: cutlass.Int32,
@@ -458,7 +447,7 @@ def _make_twoshot(is_bf16: bool, multimem: bool):
                 if vend > nvec:
                     vend = nvec
                 _copy(my_base + gather, oa, v, vend, True)
-        _advance_epoch(my_base, state_off, tid, nb, target)
+        ptx.advance_epoch(my_base, state_off, tid, nb, target)
 
     @cute.jit
     def launch(x: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, rank: cutlass.Int32,
@@ -533,7 +522,7 @@ def _make_twoshot_symm(is_bf16: bool):
         cute.arch.sync_threads()
         _signal(peers, tid, rank, world, flags1 + _i64(rank * MAX_BLOCKS + bid) * 4, target)
         _wait(my_base, tid, rank, world, flags1 + _i64(bid) * 4, target, err_addr, timeout_ns)
-        _advance_epoch(my_base, state_off, tid, nb, target)
+        ptx.advance_epoch(my_base, state_off, tid, nb, target)
 
     @cute.jit
     def launch(x: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, rank: cutlass.Int32,
@@ -673,7 +662,7 @@ def _make_oneshot_rmsnorm(is_bf16: bool, lamport: bool):
         if cutlass.const_expr(lamport):
             _lamport_finish(my_base, state_off, tid, nb, cur, clr, rows * hvec, target)
         else:
-            _advance_epoch(my_base, state_off, tid, nb, target)
+            ptx.advance_epoch(my_base, state_off, tid, nb, target)
 
     @cute.jit
     def launch(x: cute.Tensor, residual: cute.Tensor, weight: cute.Tensor, out: cute.Tensor,

@@ -165,17 +165,6 @@ def _wait_all(my_base, tid, world, cnt_off, target, err_addr, timeout_ns, code):
 
 
 @cute.jit
-def _advance(my_base, state_off, tid, nb, target):
-    """The last block to finish sets state[0] = target (state[1] is the ticket)."""
-    cute.arch.sync_threads()
-    if tid == 0:
-        t = ptx.atom_add_acq_rel_gpu(my_base + state_off + 4, 1)
-        if t == nb - 1:
-            ptx.st_relaxed_gpu(my_base + state_off + 4, 0)
-            ptx.st_relaxed_gpu(my_base + state_off, target)
-
-
-@cute.jit
 def _warp_inclusive_scan(v, lane):
     """Inclusive prefix sum of v over the 32 lanes (shfl.up)."""
     for k in cutlass.range_constexpr(5):
@@ -422,7 +411,7 @@ def _make_dispatch(K: int):
                         o_w[posv] = ptx.i32_as_f32(wl)
                         row_pos[row * K + lane] = posv
             u = u + nw
-        _advance(me, off_state, tid, nb, epoch)
+        ptx.advance_epoch(me, off_state, tid, nb, epoch)
 
     @cute.jit
     def launch(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, out_x: cute.Tensor, counts: cute.Tensor,
@@ -568,7 +557,7 @@ def _make_combine(K: int):
                 ptx.st_v4(dst + q * 512, [ptx.f32_to_bf16x2(acc[8 * q + 2 * h], acc[8 * q + 2 * h + 1])
                                           for h in range(4)])
             u = u + nw
-        _advance(me, off_state + 8, tid, nb, epoch)
+        ptx.advance_epoch(me, off_state + 8, tid, nb, epoch)
 
     @cute.jit
     def launch(y: cute.Tensor, ids: cute.Tensor, out: cute.Tensor, row_pos: cute.Tensor, peers: cute.Tensor,

@@ -8,6 +8,7 @@ stores, `bar.sync`, then one thread's `st.release.sys` of the flag; the consumer
 (/work/shared/gpu/examples/sys_order.py verified that pattern on an H100).
 """
 import cutlass
+import cutlass.cute as cute
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -179,3 +180,15 @@ def multimem_st_v4(addr, v, *, loc=None, ip=None):
     _asm(None, [_i64(addr, loc, ip)] + [_i32(x, loc, ip) for x in v],
          "multimem.st.weak.global.v4.f32 [$0], {$1, $2, $3, $4};",
          "l,r,r,r,r,~{memory}", loc, ip)
+
+
+@cute.jit
+def advance_epoch(my_base, state_off, tid, nb, target):
+    """Grid-wide epoch hand-off: the last of `nb` blocks to arrive sets the state word at
+    `my_base + state_off` to `target` (read by the next launch) and resets the ticket beside it."""
+    cute.arch.sync_threads()
+    if tid == 0:
+        t = atom_add_acq_rel_gpu(my_base + state_off + 4, 1)
+        if t == nb - 1:
+            st_relaxed_gpu(my_base + state_off + 4, 0)
+            st_relaxed_gpu(my_base + state_off, target)
