@@ -211,7 +211,7 @@ def prefill_role(ctx, opts: ServingOptions, ready) -> int:
             done.put((rid, e))
 
     ready()
-    last = 0.0
+    last, handed = 0.0, 0
     while ctx.agent.stop_reason is None and not ctx.stop.is_set():
         ctx.agent.beat(poll_s=0.0)
         for msg in link.recv_all(0 if core.busy else 2):
@@ -249,6 +249,7 @@ def prefill_role(ctx, opts: ServingOptions, ready) -> int:
                 link.send(RequestOutput(o.request_id, [], "error", error=f"KV transfer failed: {e}"))
                 continue
             link.send(Handoff(o, m.seq, h.num_tokens))
+            handed += 1
             threading.Thread(target=finish, args=(o.request_id, sender), daemon=True,
                              name=f"kv-send-{m.seq}").start()
         while not done.empty():
@@ -265,6 +266,7 @@ def prefill_role(ctx, opts: ServingOptions, ready) -> int:
             last = now
     core.close()
     link.close()
+    log.info("prefill rank %d: %d requests handed off to decode ranks", r.rank, handed)
     return 0
 
 
@@ -283,7 +285,7 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
     caches, groups = caches_of(eng.caches), _layer_groups(eng)
     receiving: dict[str, Receiver] = {}
     ready()
-    last = 0.0
+    last, received = 0.0, 0
     while ctx.agent.stop_reason is None and not ctx.stop.is_set():
         ctx.agent.beat(poll_s=0.0)
         for msg in link.recv_all(0 if core.busy else (1 if receiving else 5)):
@@ -310,6 +312,7 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
                 if not rcv.poll():
                     continue
                 eng.commit_transfer(rid, [rcv.receipt.require_complete()])
+                received += 1
             except (TransferError, InvalidRequest) as e:
                 log.error("decode rank %d: transfer of %s failed: %s", r.rank, rid, e)
                 eng.abort_request(rid)
@@ -323,9 +326,11 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
             rep.rank = r.rank
             link.send(rep)
             last = now
+    generated = int(eng.counters["generation_tokens"])
     for o in core.close():
         link.send(o)
     link.close()
+    log.info("decode rank %d: %d requests received, %d tokens decoded", r.rank, received, generated)
     return 0
 
 
@@ -379,7 +384,8 @@ class DisaggClient(EngineClient):
         want = set(self.prefill_ranks + self.decode_ranks)
         while not want <= set(self._reports):
             if time.monotonic() > deadline:
-                raise ServingError(f"ranks {sorted(want - set(self._reports))} sent no load report within {timeout:g} s")
+                missing = sorted(want - set(self._reports))
+                raise ServingError(f"ranks {missing} sent no load report within {timeout:g} s")
             time.sleep(0.02)
         first = self._reports[self.decode_ranks[0]].stats
         self.max_model_len = min(int(self._reports[r].stats["max_model_len"]) for r in want)
