@@ -137,6 +137,21 @@ def stream_completion(client: openai.OpenAI, prompt: list[int], max_tokens: int)
     return text, n
 
 
+def _running(launch: Launch) -> float:
+    """Requests running on the live decode ranks, from the front's /metrics."""
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{launch.port}/metrics", timeout=10).text
+    return float(re.search(r"^nvl72:num_requests_running\{[^}]*\} (\S+)$", text, re.M).group(1))
+
+
+def _wait_running(launch: Launch, value: int, within: float) -> None:
+    t0 = time.monotonic()
+    while _running(launch) != value:
+        assert time.monotonic() - t0 < within, f"decode ranks do not report {value} running within {within} s"
+        time.sleep(0.05)
+
+
 def _reference(model_dir: pathlib.Path, prompts: list[list[int]], max_tokens: int) -> list[tuple[str, int]]:
     """The same front over one single-process engine with the same arguments."""
     from nvl72.commands.serve import load_tokenizer
@@ -185,11 +200,13 @@ def test_disaggregated_http_stream_equals_single_process(tmp_path, family):
         for t in threads:
             t.join(40)
         assert all(g is not None for g in got), launch.tail()
+        one = launch.complete(prompts[0], 1)  # finishes on the prefill rank: no transfer
     finally:
         launch.close()
     log = launch.log_text
     want = _reference(launch.model_dir, prompts, max_tokens)
     assert got == want
+    assert one == (want[0][0][:len(one[0])], 1) and one[0]
     assert all(n == max_tokens and text for text, n in got)  # ignore_eos off, but no early stop here
     # Every request went prefill -> transfer -> decode, over both decode ranks.
     assert "prefill rank 0: 6 requests handed off" in log, log
@@ -238,5 +255,13 @@ def test_killed_decode_rank_fails_its_requests_and_others_go_on(tmp_path):
         for p in _prompts(3):  # later requests all go to the live decode rank
             text, n = launch.complete(p, 8)
             assert n >= 1 and text
+        # A client that goes away aborts its request on the decode rank (900 tokens take > 3 s).
+        stream = launch.client.completions.create(model=MODEL, prompt=_prompts(1)[0], max_tokens=900,
+                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
+        for _, _c in zip(range(3), stream):
+            pass
+        _wait_running(launch, 1, within=1.0)  # load reports lag by up to one report interval
+        stream.close()
+        _wait_running(launch, 0, within=1.5)
     finally:
         launch.close()
