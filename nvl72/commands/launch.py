@@ -379,12 +379,13 @@ class HTTPFront(threading.Thread):
         log.info("front: HTTP on %s (model %s)", self.server.url, a.served_model_name)
 
     def stop(self) -> None:
+        """Fail what is in flight (503), then stop the HTTP server."""
         import asyncio
 
-        self.join(self.args.ready_timeout)
+        asyncio.run(self.client.shutdown())
+        self.join(10)
         if self.server is not None:
             self.server.stop()
-        asyncio.run(self.client.shutdown())
 
 
 # ---------------------------------------------------------------------------------------------

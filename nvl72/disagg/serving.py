@@ -383,6 +383,8 @@ class DisaggClient(EngineClient):
         deadline = time.monotonic() + timeout
         want = set(self.prefill_ranks + self.decode_ranks)
         while not want <= set(self._reports):
+            if self._stop.is_set():
+                raise ServingError("front shut down before every rank reported")
             if time.monotonic() > deadline:
                 missing = sorted(want - set(self._reports))
                 raise ServingError(f"ranks {missing} sent no load report within {timeout:g} s")
@@ -410,6 +412,8 @@ class DisaggClient(EngineClient):
                         self._on_message(int(ident.decode()[4:]), decode(raw))
                     except (ProtocolError, ValueError) as e:
                         log.error("front: dropped a bad data-plane message from %r: %s", ident, e)
+                    except Exception:  # a bug in handling one message must not stop every stream
+                        log.exception("front: failed to handle a data-plane message from %r", ident)
             while True:
                 try:
                     rank, msg = self._outbox.get_nowait()
@@ -519,5 +523,10 @@ class DisaggClient(EngineClient):
         return out
 
     async def shutdown(self) -> None:
+        """Stop the I/O thread; requests still in flight end with EngineDeadError (503)."""
         self._stop.set()
         await asyncio.to_thread(self._thread.join, 5)
+        with self._lock:
+            flights = list(self._flights.values())
+        for f in flights:
+            self._deliver(f, EngineDeadError("the front is shutting down"))

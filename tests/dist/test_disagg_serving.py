@@ -18,8 +18,10 @@ import openai
 import pytest
 
 from nvl72.commands.launch import request_shutdown
-from nvl72.disagg.serving import ExpectTransfer, Handoff, PrefillRequest, decode, encode
-from nvl72.engine.protocol import AddRequest, ProtocolError, RequestOutput, SamplingParams
+from nvl72.disagg.serving import (DisaggClient, ExpectTransfer, FrontHub, Handoff, PrefillRequest, _RankLink, decode,
+                                  encode)
+from nvl72.engine.client import EngineDeadError
+from nvl72.engine.protocol import AddRequest, LoadReport, ProtocolError, RequestOutput, SamplingParams
 from tests.dist.test_launch_mp import _env, _mpiexec
 
 VOCAB = 151936  # the shipped Qwen vocabulary's size: the front's tokenizer needs it
@@ -181,6 +183,89 @@ def test_data_plane_messages_round_trip_and_reject_bad_input():
         decode(bad)
     with pytest.raises(ProtocolError, match="disagg_expect"):
         decode(msgpack.packb({"v": 1, "kind": "disagg_expect", "body": {"seq": 1}}))
+
+
+class FakeRanks(threading.Thread):
+    """Rank 0 answers a PrefillRequest with a first token; decode ranks answer ExpectTransfer with
+    the rest unless held; ranks in `silent` stop their load reports (a dead rank)."""
+
+    def __init__(self, address: str):
+        super().__init__(daemon=True)
+        self.links = {r: _RankLink(r, address) for r in (0, 1, 2)}
+        self.hold: set[int] = set()
+        self.silent: set[int] = set()
+        self.expected: dict[int, list[str]] = {1: [], 2: []}
+        self._pending: dict[int, list[str]] = {1: [], 2: []}
+        self.stop = threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            for r, link in self.links.items():
+                if r in self.silent:
+                    continue
+                link.send(LoadReport(r, 0, 0, 0.0, time.time(), {"max_model_len": 64.0, "vocab_size": 100.0}))
+                for m in link.recv_all(0):
+                    if isinstance(m, PrefillRequest):
+                        link.send(Handoff(RequestOutput(m.request.request_id, [7], None, 3), m.seq, 3))
+                    elif isinstance(m, ExpectTransfer):
+                        self.expected[r].append(m.request.request_id)
+                        self._pending[r].append(m.request.request_id)
+                if r not in self.hold:
+                    for rid in self._pending.get(r, []):
+                        link.send(RequestOutput(rid, [8, 9], "length", 3))
+                    self._pending[r] = []
+            time.sleep(0.01)
+        for link in self.links.values():
+            link.close()
+
+
+def test_front_routes_least_loaded_under_threshold_and_around_a_dead_rank():
+    hub = FrontHub("127.0.0.1")
+    ranks = FakeRanks(hub.address)
+    ranks.start()
+    client = DisaggClient(hub, [0], [1, 2], batch_threshold=1, lost_timeout=0.5, output_timeout=10)
+
+    def req(rid):
+        return AddRequest(rid, [1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0))
+
+    async def rest(gen):
+        return [o async for o in gen]
+
+    async def main():
+        ranks.hold = {1, 2}
+        gens = [client.generate(req(f"r{i}")) for i in range(2)]
+        firsts = [await g.__anext__() for g in gens]
+        assert [f.new_token_ids for f in firsts] == [[7], [7]]  # first tokens come from the prefill rank
+        t0 = time.monotonic()
+        while len(ranks.expected[1]) + len(ranks.expected[2]) < 2 and time.monotonic() - t0 < 5:
+            await asyncio.sleep(0.01)
+        assert ranks.expected == {1: ["r0"], 2: ["r1"]}  # least loaded: one each
+        with pytest.raises(EngineDeadError, match="batch threshold"):
+            await client.generate(req("r2")).__anext__()
+        ranks.silent.add(2)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="rank 2 lost"):
+            await rest(gens[1])
+        assert time.monotonic() - t0 < 3
+        ranks.hold = set()
+        assert [(o.new_token_ids, o.finish_reason) for o in await rest(gens[0])] == [([8, 9], "length")]
+        outs = await rest(client.generate(req("r3")))  # rank 2 is dead: rank 1 takes it
+        assert [o.new_token_ids for o in outs] == [[7], [8, 9]] and ranks.expected[1] == ["r0", "r3"]
+        ranks.silent.add(1)
+        t0 = time.monotonic()
+        while 1 not in client.dead and time.monotonic() - t0 < 3:
+            await asyncio.sleep(0.05)
+        with pytest.raises(EngineDeadError, match="no live rank"):
+            await client.generate(req("r4")).__anext__()
+
+    try:
+        client.wait_ready(10)
+        assert client.max_model_len == 64 and client.vocab_size == 100
+        asyncio.run(main())
+    finally:
+        ranks.stop.set()
+        ranks.join(5)
+        asyncio.run(client.shutdown())
 
 
 @pytest.mark.mp
