@@ -17,7 +17,8 @@ Decode ranks send a `LoadReport` every report interval; one silent for `lost_tim
 requests end with `EngineDeadError` (HTTP 503) and new requests go to the others. The front picks
 the decode rank with the fewest requests in flight under its batch threshold.
 
-Prefill instances are TP1 here (one rank each); wider prefill instances are refused at start-up.
+Instances are one rank each here (prefill TP1, decode DP1/EP1): each rank's engine holds the whole
+model; wider instances are refused at start-up.
 """
 from __future__ import annotations
 
@@ -187,6 +188,14 @@ def _layer_groups(engine):
     return layer_groups(max(len(c.kv), len(c.conv), len(c.recurrent)), 4)
 
 
+def _require_single(r) -> None:
+    """Each engine here is one rank's whole model: TP/EP across ranks (one engine per instance in
+    lockstep) is not wired yet."""
+    if r.tp_size != 1 or r.ep_size != 1:
+        raise ServingError(f"{r.name} has TP {r.tp_size} / EP {r.ep_size}; disaggregated serving runs one-rank "
+                           "instances only (--prefill-tp 1 --decode-size 1)")
+
+
 def prefill_role(ctx, opts: ServingOptions, ready) -> int:
     """A TP1 prefill instance: prefill-only requests, then the transfer to the front's chosen decode
     rank, then release once the transfer completed (or failed)."""
@@ -194,8 +203,7 @@ def prefill_role(ctx, opts: ServingOptions, ready) -> int:
     from nvl72.engine.sequence import Status
 
     r = ctx.groups.role
-    if r.tp_size != 1:
-        raise ServingError(f"prefill instance {r.name} has TP {r.tp_size}; disaggregated serving supports TP1 prefill")
+    _require_single(r)
     core = _engine(opts)
     eng = core.engine
     link = _RankLink(r.rank, ctx.data_address)
@@ -277,8 +285,7 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
     from nvl72.disagg.transport import Receiver, TransferError, caches_of
 
     r = ctx.groups.role
-    if r.tp_size != 1:
-        raise ServingError(f"decode instance {r.name} has TP {r.tp_size}; disaggregated serving supports TP1 decode")
+    _require_single(r)
     core = _engine(opts)
     eng = core.engine
     link = _RankLink(r.rank, ctx.data_address)
