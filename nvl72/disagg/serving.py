@@ -17,8 +17,9 @@ Decode ranks send a `LoadReport` every report interval; one silent for `lost_tim
 requests end with `EngineDeadError` (HTTP 503) and new requests go to the others. The front picks
 the decode rank with the fewest requests in flight under its batch threshold.
 
-Instances are one rank each here (prefill TP1, decode DP1/EP1): each rank's engine holds the whole
-model; wider instances are refused at start-up.
+A prefill instance may span TP ranks (TP = EP over the instance, `ParallelLayout.from_group`): its
+ranks run one schedule in lockstep (the leader broadcasts the front's messages before each step) and
+each sends its shard; decode instances are one rank each (DP1/EP1), wider ones are refused.
 """
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ class Handoff(Message):
     output: RequestOutput  # the first token (finish_reason None: the request continues on decode)
     seq: int
     num_tokens: int  # tokens of KV being transferred
+    prefill_ranks: list[int]  # the sending instance's ranks, in TP order
 
 
 @dataclass
@@ -72,7 +74,7 @@ class ExpectTransfer(Message):
     KIND: ClassVar[str] = "disagg_expect"
     request: AddRequest
     seq: int
-    prefill_rank: int
+    prefill_ranks: list[int]
     num_tokens: int
 
 
@@ -164,13 +166,13 @@ class ServingOptions:
     report_interval: float = 0.2
 
 
-def _engine(opts: ServingOptions):
+def _engine(opts: ServingOptions, parallel=None):
     from nvl72.engine.core import EngineCore, build_engine
 
-    return EngineCore(build_engine(**opts.engine_args))
+    return EngineCore(build_engine(**opts.engine_args, parallel=parallel))
 
 
-def _transfer_plan(engine, h):
+def _transfer_plan(engine, h, src_tp: int = 1):
     """One request's plan over its first ceil(num_tokens / page_size) pages. Each side fills in only
     its own page/slot indices; the other side's are never read (same copies, same order)."""
     from nvl72.disagg.plan import CacheLayout, build_transfer_plan
@@ -178,7 +180,7 @@ def _transfer_plan(engine, h):
     n = math.ceil(h.num_tokens / engine.config.page_size)
     layout = CacheLayout.from_config(engine.model.config)
     slot = h.state_slot if engine.hybrid else None
-    return build_transfer_plan(layout, 1, 1, h.pages[:n], h.pages[:n], slot, slot)
+    return build_transfer_plan(layout, src_tp, 1, h.pages[:n], h.pages[:n], slot, slot)
 
 
 def _layer_groups(engine):
@@ -188,92 +190,148 @@ def _layer_groups(engine):
     return layer_groups(max(len(c.kv), len(c.conv), len(c.recurrent)), 4)
 
 
-def _require_single(r) -> None:
-    """Each engine here is one rank's whole model: TP/EP across ranks (one engine per instance in
-    lockstep) is not wired yet."""
-    if r.tp_size != 1 or r.ep_size != 1:
-        raise ServingError(f"{r.name} has TP {r.tp_size} / EP {r.ep_size}; disaggregated serving runs one-rank "
-                           "instances only (--prefill-tp 1 --decode-size 1)")
+class _Lockstep:
+    """The TP ranks of one prefill instance run one engine schedule: before every step the leader
+    (TP rank 0, the only rank the front talks to) broadcasts the messages it took in (and whether to
+    stop) over the instance group; a parked request is released once every rank's send finished
+    (all-reduce MIN of per-rank done flags, over the parked list all ranks share)."""
+
+    def __init__(self, group, leader: int, device: str, timeout: float):
+        self.group, self.leader, self.timeout = group, leader, timeout
+        self.device = "cuda" if device == "cuda" else "cpu"
+
+    def tick(self, msgs: list[Message], stop: bool) -> tuple[list[Message], bool]:
+        import torch
+        import torch.distributed as dist
+
+        from nvl72.parallel import wait
+
+        if self.group is None:
+            return msgs, stop
+        leads = dist.get_rank() == self.leader
+        data = msgpack.packb([stop, [encode(m) for m in msgs]], use_bin_type=True) if leads else b""
+        n = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        wait(dist.broadcast(n, self.leader, group=self.group, async_op=True), self.timeout, "prefill tick length")
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device) if leads
+               else torch.empty(int(n), dtype=torch.uint8, device=self.device))
+        wait(dist.broadcast(buf, self.leader, group=self.group, async_op=True), self.timeout, "prefill tick")
+        if leads:
+            return msgs, stop
+        stop, raw = msgpack.unpackb(bytes(buf.cpu().tolist()), raw=False)
+        return [decode(m) for m in raw], stop
+
+    def all_done(self, flags: list[bool]) -> list[bool]:
+        import torch
+        import torch.distributed as dist
+
+        from nvl72.parallel import wait
+
+        if self.group is None or not flags:
+            return flags
+        t = torch.tensor(flags, dtype=torch.int32, device=self.device)
+        wait(dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=True), self.timeout,
+             "prefill transfer completion")
+        return [bool(x) for x in t.tolist()]
 
 
 def prefill_role(ctx, opts: ServingOptions, ready) -> int:
-    """A TP1 prefill instance: prefill-only requests, then the transfer to the front's chosen decode
-    rank, then release once the transfer completed (or failed)."""
+    """A prefill instance (TP ranks in lockstep): prefill-only requests, then every TP rank sends its
+    shard to the front's chosen decode rank, then the request is released once all sends completed
+    (or failed). Only the leader talks to the front."""
     from nvl72.disagg.transport import Sender, caches_of
     from nvl72.engine.sequence import Status
+    from nvl72.model.parallel_layout import ParallelLayout
 
     r = ctx.groups.role
-    _require_single(r)
-    core = _engine(opts)
+    inst = ctx.plan.instance_of(r.rank)
+    leader, leads = inst.ranks[0], r.rank == inst.ranks[0]
+    parallel = ParallelLayout.from_group(ctx.groups.tp, timeout=ctx.timeout) if r.tp_size > 1 else None
+    core = _engine(opts, parallel)
     eng = core.engine
-    link = _RankLink(r.rank, ctx.data_address)
+    step = _Lockstep(ctx.groups.instance if r.tp_size > 1 else None, leader, ctx.device, ctx.timeout)
+    link = _RankLink(r.rank, ctx.data_address) if leads else None
     caches, groups = caches_of(eng.caches), _layer_groups(eng)
     meta: dict[str, PrefillRequest] = {}
-    done: queue.Queue = queue.Queue()
+    parked: dict[str, threading.Event | None] = {}  # in park order (the same on every TP rank)
+    failed: dict[str, str] = {}
 
-    def finish(rid: str, sender: Sender) -> None:
+    def finish(rid: str, sender: Sender, done: threading.Event) -> None:
         try:
             sender.wait(opts.transfer_timeout)
-            done.put((rid, None))
         except Exception as e:  # a dead decode rank, a timeout: the request is released either way
-            done.put((rid, e))
+            failed[rid] = str(e)
+        done.set()
+
+    def send(msg: Message) -> None:
+        if link is not None:
+            link.send(msg)
 
     ready()
     last, handed = 0.0, 0
-    while ctx.agent.stop_reason is None and not ctx.stop.is_set():
-        ctx.agent.beat(poll_s=0.0)
-        for msg in link.recv_all(0 if core.busy else 2):
+    while True:
+        if leads:
+            ctx.agent.beat(poll_s=0.0)
+            msgs = link.recv_all(0 if core.busy else (2 if parked else 5))
+            stop = ctx.agent.stop_reason is not None or ctx.stop.is_set()
+        else:  # heartbeats only: the leader decides when the instance stops
+            ctx.agent.beat(poll_s=0.0)
+            msgs, stop = [], False
+        msgs, stop = step.tick(msgs, stop)
+        if stop:
+            break
+        for msg in msgs:
             if isinstance(msg, PrefillRequest):
                 try:
                     eng.add_request(msg.request, prefill_only=True)
                 except InvalidRequest as e:
-                    link.send(RequestOutput(msg.request.request_id, [], "error", error=str(e)))
+                    send(RequestOutput(msg.request.request_id, [], "error", error=str(e)))
                     continue
                 meta[msg.request.request_id] = msg
             elif isinstance(msg, AbortRequest):
                 seq = eng.seqs.get(msg.request_id)
                 if seq is not None and seq.status != Status.PARKED:  # a parked one is released after its transfer
-                    meta.pop(msg.request_id)
+                    meta.pop(msg.request_id, None)
                     out = eng.abort_request(msg.request_id)
                     if out is not None:
-                        link.send(out)
+                        send(out)
         for o in core.step():
-            m = meta.get(o.request_id)
+            m = meta.pop(o.request_id, None)
             if m is None or o.finish_reason is not None:
-                meta.pop(o.request_id, None)
-                link.send(o)
+                send(o)
                 continue
             h = eng.handoff(o.request_id)
+            done = threading.Event()
+            parked[o.request_id] = done
             try:
-                sender = Sender(m.seq, _transfer_plan(eng, h), 0, [r.rank], [m.decode_rank], caches, groups,
-                                ctx.groups.transfer)
+                sender = Sender(m.seq, _transfer_plan(eng, h, r.tp_size), r.tp_rank, inst.ranks, [m.decode_rank],
+                                caches, groups, ctx.groups.transfer)
                 sender.send_all()
                 sender.send_first_token(o.new_token_ids[0])
             except Exception as e:  # the decode rank is gone (gloo refuses the send)
-                log.error("prefill rank %d: transfer of %s to rank %d failed: %s", r.rank, o.request_id,
-                          m.decode_rank, e)
-                meta.pop(o.request_id)
-                eng.release(o.request_id)
-                link.send(RequestOutput(o.request_id, [], "error", error=f"KV transfer failed: {e}"))
+                failed[o.request_id] = str(e)
+                done.set()
+                send(RequestOutput(o.request_id, [], "error", error=f"KV transfer failed: {e}"))
                 continue
-            link.send(Handoff(o, m.seq, h.num_tokens))
-            handed += 1
-            threading.Thread(target=finish, args=(o.request_id, sender), daemon=True,
+            threading.Thread(target=finish, args=(o.request_id, sender, done), daemon=True,
                              name=f"kv-send-{m.seq}").start()
-        while not done.empty():
-            rid, err = done.get()
-            meta.pop(rid, None)
-            if err is not None:
-                log.error("prefill rank %d: transfer of %s did not complete: %s", r.rank, rid, err)
-            eng.release(rid)
+            send(Handoff(o, m.seq, h.num_tokens, list(inst.ranks)))
+            handed += 1
+        ids = list(parked)
+        for rid, ok in zip(ids, step.all_done([parked[rid].is_set() for rid in ids])):
+            if ok:
+                del parked[rid]
+                if rid in failed:
+                    log.error("prefill rank %d: transfer of %s failed: %s", r.rank, rid, failed.pop(rid))
+                eng.release(rid)
         now = time.monotonic()
-        if now - last >= opts.report_interval:
+        if leads and now - last >= opts.report_interval:
             rep = core.load_report()
             rep.rank = r.rank
-            link.send(rep)
+            send(rep)
             last = now
     core.close()
-    link.close()
+    if link is not None:
+        link.close()
     log.info("prefill rank %d: %d requests handed off to decode ranks", r.rank, handed)
     return 0
 
@@ -285,7 +343,9 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
     from nvl72.disagg.transport import Receiver, TransferError, caches_of
 
     r = ctx.groups.role
-    _require_single(r)
+    if r.tp_size != 1 or r.ep_size != 1:
+        raise ServingError(f"{r.name} has TP {r.tp_size} / EP {r.ep_size}; disaggregated decode runs one-rank "
+                           "instances only (--decode-size 1)")
     core = _engine(opts)
     eng = core.engine
     link = _RankLink(r.rank, ctx.data_address)
@@ -304,8 +364,9 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
                     link.send(RequestOutput(rid, [], "error", error=str(e)))
                     continue
                 try:
-                    receiving[rid] = Receiver(msg.seq, _transfer_plan(eng, h), 0, [msg.prefill_rank], [r.rank],
-                                              caches, groups, opts.transfer_timeout, ctx.groups.transfer)
+                    plan = _transfer_plan(eng, h, len(msg.prefill_ranks))
+                    receiving[rid] = Receiver(msg.seq, plan, 0, msg.prefill_ranks, [r.rank], caches, groups,
+                                              opts.transfer_timeout, ctx.groups.transfer)
                 except (TransferPlanError, RuntimeError) as e:
                     eng.abort_request(rid)
                     link.send(RequestOutput(rid, [], "error", error=f"KV transfer failed: {e}"))
@@ -440,7 +501,7 @@ class DisaggClient(EngineClient):
             if f is None:
                 return  # aborted meanwhile: the decode rank never reserves; the sender times out
             self._deliver(f, msg.output)
-            self._send(f.decode_rank, ExpectTransfer(f.request, f.seq, rank, msg.num_tokens))
+            self._send(f.decode_rank, ExpectTransfer(f.request, f.seq, msg.prefill_ranks, msg.num_tokens))
         elif isinstance(msg, RequestOutput):
             with self._lock:
                 f = self._flights.get(msg.request_id)

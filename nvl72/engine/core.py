@@ -47,8 +47,10 @@ def build_engine(model: str | None = None, *, load_format: str = "auto", dtype: 
                  max_model_len: int | None = None, num_speculative_tokens: int = 0, speculative_method: str = "auto",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, page_size: int = 16,
                  num_pages: int | None = None, kv_cache_bytes: int | None = None, num_state_slots: int | None = None,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True, seed: int = 0) -> LLMEngine:
-    """An engine from plain arguments. `model=None`: the embedded default config with dummy weights."""
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True, seed: int = 0,
+                 parallel=None) -> LLMEngine:
+    """An engine from plain arguments. `model=None`: the embedded default config with dummy weights.
+    `parallel`: this rank's `ParallelLayout` (TP/EP ranks running one engine in lockstep)."""
     from nvl72.config import ModelConfig
     from nvl72.model.loader import load_model
 
@@ -67,7 +69,7 @@ def build_engine(model: str | None = None, *, load_format: str = "auto", dtype: 
     if speculative_method == "mtp" and num_speculative_tokens > 0 and not config.has_mtp:
         raise ValueError(f"speculative_method='mtp' but the {config.model_type} config has no MTP layer")
     net = load_model(model, config=config, dtype=_DTYPES[dtype], device=device, load_format=load_format,
-                     enable_mtp=use_mtp, seed=seed)
+                     enable_mtp=use_mtp, seed=seed, parallel=parallel)
     drafter = None
     if num_speculative_tokens > 0:
         drafter = MTPDrafter(num_speculative_tokens) if use_mtp else HistoryDrafter(num_speculative_tokens, ngram_proposal)

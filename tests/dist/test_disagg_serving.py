@@ -60,13 +60,16 @@ def _prompts(n: int) -> list[list[int]]:
 class Launch:
     """`mpiexec -n 3 python -m launch ... --engine-args`; the HTTP front on a known port."""
 
-    def __init__(self, tmp: pathlib.Path, family: str, lost_timeout: float = 2.0, **engine_kw):
-        self.model_dir = tmp / family
-        self.model_dir.mkdir()
-        (self.model_dir / "config.json").write_text(json.dumps(CONFIGS[family]))
+    def __init__(self, tmp: pathlib.Path, family: str, lost_timeout: float = 2.0, plan_args=PLAN,
+                 model_dir: pathlib.Path | None = None, **engine_kw):
+        if model_dir is None:  # dummy weights from a config alone
+            model_dir = tmp / family
+            model_dir.mkdir()
+            (model_dir / "config.json").write_text(json.dumps(CONFIGS[family]))
+        self.model_dir = model_dir
         plan = tmp / "plan.json"
-        subprocess.run([sys.executable, "-m", "nvl72", "plan", *PLAN, "--out", str(plan)], check=True, timeout=60,
-                       capture_output=True)
+        subprocess.run([sys.executable, "-m", "nvl72", "plan", *plan_args, "--out", str(plan)], check=True,
+                       timeout=60, capture_output=True)
         self.ready, self.port = tmp / "ready.json", _free_port()
         self.log = open(tmp / "launch.log", "w+")
         # MASTER_ADDR/PORT: the ranks rendezvous without MPI_Init (with MPI initialised, mpich took
@@ -154,7 +157,8 @@ def _wait_running(launch: Launch, value: int, within: float) -> None:
         time.sleep(0.05)
 
 
-def _reference(model_dir: pathlib.Path, prompts: list[list[int]], max_tokens: int) -> list[tuple[str, int]]:
+def _reference(model_dir: pathlib.Path, prompts: list[list[int]], max_tokens: int,
+               **engine_kw) -> list[tuple[str, int]]:
     """The same front over one single-process engine with the same arguments."""
     from nvl72.commands.serve import load_tokenizer
     from nvl72.engine.client import ThreadEngineClient
@@ -162,7 +166,7 @@ def _reference(model_dir: pathlib.Path, prompts: list[list[int]], max_tokens: in
     from nvl72.server.app import ServerConfig, build_app
     from nvl72.server.runner import ServerThread
 
-    eng = ThreadEngineClient(build_engine(**_engine_args(model_dir)))
+    eng = ThreadEngineClient(build_engine(**_engine_args(model_dir, **engine_kw)))
     try:
         with ServerThread(build_app(eng, load_tokenizer(str(model_dir)), ServerConfig(MODEL))) as s:
             client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", timeout=30, max_retries=0)
@@ -173,8 +177,8 @@ def _reference(model_dir: pathlib.Path, prompts: list[list[int]], max_tokens: in
 
 def test_data_plane_messages_round_trip_and_reject_bad_input():
     req = AddRequest("r1", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
-    for msg in (PrefillRequest(req, 7, 2), ExpectTransfer(req, 7, 0, 3),
-                Handoff(RequestOutput("r1", [5], None, 3), 7, 3)):
+    for msg in (PrefillRequest(req, 7, 2), ExpectTransfer(req, 7, [0, 1], 3),
+                Handoff(RequestOutput("r1", [5], None, 3), 7, 3, [0, 1])):
         assert decode(encode(msg)) == msg
     import msgpack
 
@@ -206,7 +210,7 @@ class FakeRanks(threading.Thread):
                 link.send(LoadReport(r, 0, 0, 0.0, time.time(), {"max_model_len": 64.0, "vocab_size": 100.0}))
                 for m in link.recv_all(0):
                     if isinstance(m, PrefillRequest):
-                        link.send(Handoff(RequestOutput(m.request.request_id, [7], None, 3), m.seq, 3))
+                        link.send(Handoff(RequestOutput(m.request.request_id, [7], None, 3), m.seq, 3, [0]))
                     elif isinstance(m, ExpectTransfer):
                         self.expected[r].append(m.request.request_id)
                         self._pending[r].append(m.request.request_id)
@@ -350,3 +354,26 @@ def test_killed_decode_rank_fails_its_requests_and_others_go_on(tmp_path):
         _wait_running(launch, 0, within=1.5)
     finally:
         launch.close()
+
+
+@pytest.mark.mp
+def test_tp2_prefill_instance_http_stream_equals_single_process(tmp_path):
+    """Prefill TP2/EP2 (ranks 0, 1 in lockstep, each sending its KV/GDN shard) -> one decode rank,
+    a transformers checkpoint (dummy weights differ per TP slice), hybrid GDN model."""
+    from tests.model.tiny import save_tiny
+
+    ckpt = tmp_path / "ckpt"
+    save_tiny("qwen3_next", ckpt, seed=4, vocab_size=VOCAB)
+    prompts, max_tokens = _prompts(4), 8
+    tp2 = ["--rack", "cpu:3", "--model", "Qwen3-30B-A3B", "--prefill-tp", "2", "--decode-size", "1",
+           "--prefill-instances", "1", "--decode-instances", "1"]
+    launch = Launch(tmp_path, "qwen3_next", plan_args=tp2, model_dir=ckpt, load_format="auto")
+    try:
+        got = [launch.complete(p, max_tokens) for p in prompts]
+    finally:
+        launch.close()
+    assert got == _reference(ckpt, prompts, max_tokens, load_format="auto")
+    assert all(n == max_tokens and text for text, n in got)
+    log = launch.log_text
+    assert "prefill rank 0: 4 requests handed off" in log and "prefill rank 1: 4 requests handed off" in log, log
+    assert "decode rank 2: 4 requests received" in log, log
