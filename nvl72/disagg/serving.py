@@ -5,16 +5,17 @@ prefill/decode rank connects a DEALER (identity `data<rank>`); msgpack messages 
 the engine protocol's (`AddRequest` inside, `RequestOutput`, `LoadReport`, `AbortRequest`) plus the
 kinds below. One request's path:
 
-  front   --PrefillRequest(request, seq, decode rank)-->  prefill rank
+  front   --PrefillRequest(request, seq, decode rank)-->   prefill leader (TP rank 0)
   prefill: prefills (prefill-only: the engine parks it after its first token), starts the
            transfer (`nvl72.disagg.transport.Sender`: KV pages, GDN state, first token) to the
            decode rank over the `transfer` group, and tells the front:
-  prefill --Handoff(first output, seq)-->                 front  (streams the first token)
-  front   --ExpectTransfer(request, seq, prefill rank)--> decode rank
+  prefill --Handoff(first output, seq, prefill ranks)-->   front  (streams the first token)
+  front   --ExpectTransfer(request, seq, prefill ranks)--> decode rank
   decode:  reserves pages/slot, receives (`Receiver`, completion rule), commits, decodes;
   decode  --RequestOutput ...-->                          front  (streams the rest)
 Decode ranks send a `LoadReport` every report interval; one silent for `lost_timeout` is dead: its
-requests end with `EngineDeadError` (HTTP 503) and new requests go to the others. The front picks
+requests end with `EngineDeadError` (HTTP 503) and new requests go to the others (a prefill leader
+likewise; none left -> 503 at once). The front picks
 the decode rank with the fewest requests in flight under its batch threshold.
 
 A prefill instance may span TP ranks (TP = EP over the instance, `ParallelLayout.from_group`): its
