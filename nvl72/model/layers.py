@@ -15,7 +15,7 @@ from torch import nn
 
 from moe import MoE, SharedExpert
 from nvl72.config import FULL_ATTENTION, ModelConfig
-from nvl72.model import ops
+from nvl72.model import dp_ep, ops
 from nvl72.model.batch import ForwardBatch, ModelCaches
 from nvl72.model.gdn import GatedDeltaNet
 from nvl72.model.parallel_layout import SINGLE, ParallelLayout
@@ -172,7 +172,8 @@ class DecoderLayer(nn.Module):
 
     `cache_idx` is this layer's index in `ModelCaches` (the MTP layers come after the decoder's).
     Under TP both halves return partial sums; `parallel.reduce` (the TP all-reduce) completes
-    them before each residual add."""
+    them before each residual add. Under DP+EP (`parallel.dispatch`) the MoE exchanges this
+    rank's tokens with the expert owners (`dp_ep.moe_forward`)."""
 
     def __init__(
         self,
@@ -204,4 +205,6 @@ class DecoderLayer(nn.Module):
             i = self.cache_idx
             h = self.linear_attn(h, ctx.batch, ctx.caches.conv[i], ctx.caches.recurrent[i])
         x = x + self.parallel.reduce(h)  # all-reduce of the row-parallel o_proj / out_proj
+        if self.parallel.dispatch is not None and isinstance(self.mlp, MoE):  # DP+EP: dispatch/combine
+            return x + dp_ep.moe_forward(self.mlp, self.post_attention_layernorm(x), self.parallel.dispatch)
         return x + self.parallel.reduce(self.mlp(self.post_attention_layernorm(x)))  # all-reduce of the MLP / experts

@@ -17,7 +17,9 @@ The decoder layer sums the partial outputs with `reduce` right after the token m
 MLP/MoE (two all-reduces per layer, visible in `DecoderLayer.forward`).
 
 With `tp_size == 1` and `ep_size > 1` (DP attention, EP experts) the MoE returns only its experts'
-contribution and the caller combines (dispatch/combine); `reduce` is then the identity.
+contribution and the caller combines (dispatch/combine); `reduce` is then the identity. With
+`dispatch` set (a dp_ep `comms.DispatchCombine` over the EP group, see `nvl72.model.dp_ep`) the
+decoder layers do that themselves: each rank's own tokens go to the experts' owners and back.
 """
 from __future__ import annotations
 
@@ -60,19 +62,30 @@ class ParallelLayout:
     """This rank's place in the TP group and among the EP ranks, and the TP group's all-reduce.
 
     all_reduce: x [...] -> sum of x over the TP group (same shape and dtype), e.g.
-    `GroupAllReduce(group, timeout)` or a `comms.AllReduce`; required when tp_size > 1."""
+    `GroupAllReduce(group, timeout)` or a `comms.AllReduce`; required when tp_size > 1.
+    dispatch: a `comms.DispatchCombine` in dp_ep mode over the EP group (DP attention + EP; TP 1):
+    MoE layers route, dispatch, run local experts and combine (`nvl72.model.dp_ep`)."""
 
     tp_rank: int = 0
     tp_size: int = 1
     ep_rank: int = 0
     ep_size: int = 1
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    dispatch: object | None = None
 
     def __post_init__(self):
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise LayoutError(f"tp_rank={self.tp_rank}, tp_size={self.tp_size}: need 0 <= tp_rank < tp_size")
         if self.ep_size < 1 or not 0 <= self.ep_rank < self.ep_size:
             raise LayoutError(f"ep_rank={self.ep_rank}, ep_size={self.ep_size}: need 0 <= ep_rank < ep_size")
+        if self.dispatch is not None:
+            d = self.dispatch
+            if self.tp_size != 1:
+                raise LayoutError(f"tp_size={self.tp_size} with dispatch: DP+EP decode ranks run TP 1")
+            if getattr(d, "mode", None) != "dp_ep" or (d.rank, d.world) != (self.ep_rank, self.ep_size):
+                raise LayoutError(f"dispatch (mode={getattr(d, 'mode', None)!r}, rank {getattr(d, 'rank', None)} of "
+                                  f"{getattr(d, 'world', None)}) must be dp_ep over the EP group "
+                                  f"(ep_rank={self.ep_rank}, ep_size={self.ep_size})")
         if self.tp_size > 1:
             if self.all_reduce is None:
                 raise LayoutError(f"tp_size={self.tp_size} needs an all_reduce over the TP group")

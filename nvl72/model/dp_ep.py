@@ -1,0 +1,84 @@
+"""The MoE layer of a DP-attention + EP decode instance, through `comms.DispatchCombine`.
+
+Each rank of the EP group owns its requests and full attention/dense/shared weights (TP = 1);
+routed experts are split by id over the group. Per MoE layer every rank routes its own tokens,
+`dispatch`es them to the experts' owners, runs its local experts on what it received, `combine`s
+the weighted outputs back to the tokens' owners and adds its own (full) shared expert.
+
+The dispatch/combine calls are collectives: every rank of the group makes them for every MoE layer
+of every step, in the same order, also when it has no tokens (`idle_forward`). Ranks must agree on
+what runs: a step with MTP drafts on one rank needs MTP drafts (or an idle MTP pass) on all.
+"""
+from __future__ import annotations
+
+import torch
+from comms import DispatchCombine
+from moe import MoE
+from nvl72.config import ModelConfig
+from nvl72.model.parallel_layout import ParallelLayout
+
+
+def dp_ep_layout(group, config: ModelConfig, max_tokens_per_rank: int, dtype: torch.dtype,
+                 timeout_s: float = 10.0, heap=None) -> ParallelLayout:
+    """The layout of one DP+EP decode rank: experts over `group` (this rank's place in it), TP 1,
+    MoE layers through a contiguous-layout `DispatchCombine` sized for `max_tokens_per_rank`
+    tokens per step (on `heap`, a `comms.SymmetricHeap`, for the fused kernels; else the
+    torch.distributed reference over `group`)."""
+    dc = DispatchCombine(group if heap is None else heap, config.num_experts, config.num_experts_per_tok,
+                         config.hidden_size, max_tokens_per_rank, mode="dp_ep", dtype=dtype,
+                         layout="contiguous", timeout_s=timeout_s)
+    return ParallelLayout(ep_rank=dc.rank, ep_size=dc.world, dispatch=dc)
+
+
+def run_local_experts(mlp: MoE, recv) -> torch.Tensor:
+    """Each received entry through its own local expert, unweighted (combine applies the router
+    weights): recv.x [..., H] -> expert outputs shaped like recv.x (rows past a count are zero).
+
+    The packed entries go through `MoE.run_experts` (the layer's backend) as single-slot tokens
+    with weight 1, so the expert math is exactly the single-rank layer's."""
+    hidden = recv.x.shape[-1]
+    flat = recv.x.reshape(-1, hidden)  # [rows, H]
+    out = torch.zeros_like(flat)
+    counts = recv.counts.tolist()
+    if sum(counts) == 0:
+        return out.view_as(recv.x)
+    starts = recv.offsets.tolist()
+    rows = torch.cat([torch.arange(s, s + c, device=flat.device) for s, c in zip(starts, counts)])  # [M]
+    experts = torch.repeat_interleave(torch.arange(len(counts), device=flat.device),
+                                      torch.tensor(counts, device=flat.device)) + mlp.expert_offset
+    ones = torch.ones(rows.numel(), 1, dtype=torch.float32, device=flat.device)
+    out[rows] = mlp.run_experts(flat[rows], ones, experts[:, None])  # [M, H]
+    return out.view_as(recv.x)
+
+
+def moe_forward(mlp: MoE, x: torch.Tensor, dc: DispatchCombine) -> torch.Tensor:
+    """x [T, H] (this rank's tokens; T may be 0) -> the full MoE output [T, H]: all routed experts
+    (wherever they live) plus the shared expert. A collective over `dc`'s group."""
+    topk_weights, topk_ids = mlp.route(x)  # [T, k] each
+    recv, handle = dc.dispatch(x, topk_ids, topk_weights)
+    out = dc.combine(run_local_experts(mlp, recv), handle)  # [T, H]
+    shared = mlp.shared(x)
+    return out if shared is None else out + shared
+
+
+def _moe_layers(layers) -> list[MoE]:
+    return [layer.mlp for layer in layers if isinstance(layer.mlp, MoE)]
+
+
+@torch.no_grad()
+def idle_forward(model, mtp_step: int | None = None) -> None:
+    """Take part in one step's MoE collectives with zero tokens: every MoE layer of the decoder
+    (or, with `mtp_step`, of the MTP layer that `forward_mtp(..., step=mtp_step)` runs), in
+    order. Touches no cache; the other ranks' tokens still reach this rank's experts."""
+    dc = model.parallel.dispatch
+    if dc is None:
+        raise ValueError(f"idle_forward needs a DP+EP layout (parallel.dispatch set), got {model.parallel}")
+    if mtp_step is None:
+        layers = model.model.layers
+    else:
+        if model.mtp is None:
+            raise ValueError(f"mtp_step={mtp_step} but the model was built without its MTP head")
+        layers = [model.mtp.layers[mtp_step % len(model.mtp.layers)]]
+    hidden = model.config.hidden_size
+    for mlp in _moe_layers(layers):
+        moe_forward(mlp, torch.empty(0, hidden, dtype=model.dtype, device=model.device), dc)
