@@ -82,3 +82,62 @@ def idle_forward(model, mtp_step: int | None = None) -> None:
     hidden = model.config.hidden_size
     for mlp in _moe_layers(layers):
         moe_forward(mlp, torch.empty(0, hidden, dtype=model.dtype, device=model.device), dc)
+
+
+MAIN_PASS = 0  # the decoder's pass; MTP pass `step` is 1 + step (`mtp_pass`)
+_DONE = 1 << 30
+
+
+def mtp_pass(step: int) -> int:
+    """The pass kind of `forward_mtp(..., step=step)`."""
+    return 1 + step
+
+
+class PassSync:
+    """Lockstep of the DP+EP ranks' model passes within one engine step.
+
+    The ranks of a decode instance run different numbers of passes per step (one has only idle
+    work, another MTP drafts, a third several chained drafts), but every pass is a collective. Each
+    rank calls `before(kind)` ahead of each of its passes (kinds non-decreasing within a step) and
+    `finish()` once at the end of every step, busy or not. Each round all ranks agree (all-reduce
+    MIN) on the lowest pending kind; ranks with something else pending run that pass idle, so all
+    run the same MoE layers in the same order. `finish` returns when no rank has a pass left.
+    Costs one small all-reduce per pass and one per step."""
+
+    def __init__(self, model, group, timeout: float, device: str | torch.device = "cpu"):
+        if model.parallel.dispatch is None:
+            raise ValueError(f"PassSync needs a DP+EP model (parallel.dispatch set), got {model.parallel}")
+        if timeout <= 0:
+            raise ValueError(f"timeout={timeout}: must be positive seconds")
+        self.model, self.group, self.timeout, self.device = model, group, timeout, device
+        self._last = MAIN_PASS
+        self.idle_passes = 0
+
+    def _lowest(self, kind: int) -> int:
+        import torch.distributed as dist
+
+        from nvl72.parallel import wait
+
+        t = torch.tensor([kind], dtype=torch.int64, device=self.device)
+        wait(dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=True), self.timeout,
+             "DP+EP pass agreement")
+        return int(t)
+
+    def _idle(self, kind: int) -> None:
+        idle_forward(self.model, None if kind == MAIN_PASS else kind - 1)
+        self.idle_passes += 1
+
+    def before(self, kind: int) -> None:
+        """Join the other ranks' lower passes idle until all are ready for a pass of `kind`."""
+        if not MAIN_PASS <= kind < _DONE or kind < self._last:
+            raise ValueError(f"pass kind {kind} after {self._last}: kinds are MAIN_PASS or mtp_pass(step), "
+                             "non-decreasing within a step")
+        self._last = kind
+        while (k := self._lowest(kind)) != kind:
+            self._idle(k)
+
+    def finish(self) -> None:
+        """End this rank's step: run the other ranks' remaining passes idle until all are done."""
+        while (k := self._lowest(_DONE)) != _DONE:
+            self._idle(k)
+        self._last = MAIN_PASS

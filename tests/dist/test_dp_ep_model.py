@@ -7,10 +7,13 @@ sequence mid-run, mixed prefill+decode steps) and sits some steps out with an id
 tokens, still in every MoE layer's dispatch/combine, the others' tokens still reach its experts).
 Each rank's logits over its active steps must equal the single-rank model running that rank's
 batches alone. Cases: qwen3_moe (a dense-MLP layer between MoE layers) and qwen3_next (GDN,
-shared expert, MTP drafts in the prefill and last step, idle MTP passes on idle ranks)."""
+shared expert, MTP drafts in the prefill and last step, idle MTP passes on idle ranks), and
+qwen3_next with a different number of chained MTP drafts per rank and step, matched by
+`dp_ep.PassSync` (the lockstep an engine step needs)."""
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -29,18 +32,21 @@ TOL = 1e-5
 WORKER_TIMEOUT_S = 120
 VOCAB = 256
 
-# name -> (family, checkpoint overrides, MTP head)
+# name -> (family, checkpoint overrides, MTP head, PassSync: ranks run different MTP draft counts)
 CASES = {
-    "dpep-qwen3_moe": ("qwen3_moe", dict(num_key_value_heads=2), False),
-    "dpep-qwen3_next-mtp": ("qwen3_next", dict(num_key_value_heads=1), True),
+    "dpep-qwen3_moe": ("qwen3_moe", dict(num_key_value_heads=2), False, False),
+    "dpep-qwen3_next-mtp": ("qwen3_next", dict(num_key_value_heads=1), True, False),
+    "dpep-qwen3_next-mtp-sync": ("qwen3_next", dict(num_key_value_heads=2), True, True),
 }
 PROMPTS = {0: (13, 6), 1: (21,), 3: (5,)}  # rank -> prompt lengths of the first step (rank 2: none)
 IDLE = {1: {1}, 2: {0}, 3: {3}}  # step -> ranks with nothing to do (beyond the ones without sequences)
 LATE = {1: 7, 2: 9}  # rank -> length of a prompt that joins step 2 beside its decodes
 
 
-def make_steps(world: int, mtp: bool, seed: int) -> list[dict]:
-    """Four steps; per step each rank's chunks [(seq_id, tokens)] (empty: idle)."""
+def make_steps(world: int, mtp: bool, seed: int, sync: bool = False) -> list[dict]:
+    """Four steps; per step each rank's chunks [(seq_id, tokens)] (empty: idle) and MTP draft
+    counts (with `mtp`: one on every rank in the first and last step; with `sync`, (rank + step) % 3
+    in every step)."""
     g = torch.Generator().manual_seed(seed)
     tokens = lambda n: torch.randint(0, VOCAB, (n,), generator=g).tolist()  # noqa: E731
     seqs = {r: [] for r in range(world)}
@@ -55,7 +61,8 @@ def make_steps(world: int, mtp: bool, seed: int) -> list[dict]:
             for n in new:
                 seqs[r].append(len(seqs[r]))
                 chunks[r].append((seqs[r][-1], tokens(n)))
-        steps.append(dict(chunks=[chunks[r] for r in range(world)], mtp=mtp and s in (0, 3)))
+        drafts = [(r + s) % 3 if sync else int(mtp and s in (0, 3)) for r in range(world)]
+        steps.append(dict(chunks=[chunks[r] for r in range(world)], mtp=drafts))
     return steps
 
 
@@ -64,9 +71,9 @@ def runs(request, tmp_path_factory):
     """(world, {case: ([reference logits per rank], [logits of each rank])})."""
     world = request.param
     root = tmp_path_factory.mktemp(f"dpep{world}")
-    cases = [dict(name=n, path=str(write_checkpoint(root, n, f, o, False, mtp)),
-                  steps=make_steps(world, mtp, seed=len(n) + world))
-             for n, (f, o, mtp) in CASES.items()]
+    cases = [dict(name=n, path=str(write_checkpoint(root, n, f, o, False, mtp)), sync=sync,
+                  steps=make_steps(world, mtp, seed=len(n) + world, sync=sync))
+             for n, (f, o, mtp, sync) in CASES.items()]
     spec = root / "cases.json"
     spec.write_text(json.dumps(dict(cases=cases)))
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
@@ -92,11 +99,14 @@ def runs(request, tmp_path_factory):
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=10)
+    idle = 0
     for r, (p, log) in enumerate(zip(procs, logs)):
         log.seek(0)
         text = log.read()
         log.close()
         assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{text[-4000:]}"
+        idle += sum(int(n) for n in re.findall(r"ran (\d+) idle passes", text))
+    assert idle > 0, "PassSync matched no differing pass counts: the sync case tests nothing"
     return world, {n: (refs[n], [load_file(str(root / f"{n}.rank{r}.safetensors"))["logits"] for r in range(world)])
                    for n in CASES}
 
@@ -122,3 +132,5 @@ def test_make_steps_has_idle_and_mixed_steps():
     assert lens[1] == [[1, 1], [], [], [1]]  # rank 1 idle; rank 2 has no sequence yet
     assert lens[2] == [[], [1, 7], [9], [1]]  # rank 0 idle; ranks 1, 2 start prompts (rank 1 beside a decode)
     assert lens[3] == [[1, 1], [1, 1], [1], []]
+    assert [s["mtp"] for s in make_steps(2, True, seed=0)] == [[1, 1], [0, 0], [0, 0], [1, 1]]
+    assert [s["mtp"] for s in make_steps(2, True, seed=0, sync=True)] == [[0, 1], [1, 2], [2, 0], [0, 1]]
