@@ -7,11 +7,16 @@ the weighted outputs back to the tokens' owners and adds its own (full) shared e
 
 The dispatch/combine calls are collectives: every rank of the group makes them for every MoE layer
 of every step, in the same order, also when it has no tokens (`idle_forward`). Ranks must agree on
-what runs: a step with MTP drafts on one rank needs MTP drafts (or an idle MTP pass) on all.
+what runs: a step with MTP drafts on one rank needs MTP drafts (or an idle MTP pass) on all;
+`PassSync` matches the ranks' passes of one engine step when their counts differ.
+
+The expert GEMMs run through the layer's backend on the contiguous packed rows (host-side counts:
+the torch.distributed reference path; not CUDA-graph capturable as written).
 """
 from __future__ import annotations
 
 import torch
+
 from comms import DispatchCombine
 from moe import MoE
 from nvl72.config import ModelConfig

@@ -17,12 +17,14 @@ import re
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from nvl72.model.loader import load_model
+from nvl72.model.parallel_layout import LayoutError, ParallelLayout
 from tests.dist.dp_ep_worker import dp_script
 from tests.dist.test_tp_model import write_checkpoint
 from tests.model.tiny import rel_err
@@ -134,3 +136,15 @@ def test_make_steps_has_idle_and_mixed_steps():
     assert lens[3] == [[1, 1], [1, 1], [1], []]
     assert [s["mtp"] for s in make_steps(2, True, seed=0)] == [[1, 1], [0, 0], [0, 0], [1, 1]]
     assert [s["mtp"] for s in make_steps(2, True, seed=0, sync=True)] == [[0, 1], [1, 2], [2, 0], [0, 1]]
+
+
+def test_layout_rejects_dispatch_that_does_not_fit():
+    """A dispatch with TP > 1, of another mode, or over a group other than the EP ranks."""
+    dc = SimpleNamespace(mode="dp_ep", rank=1, world=2)
+    assert ParallelLayout(ep_rank=1, ep_size=2, dispatch=dc).dispatch is dc
+    with pytest.raises(LayoutError, match="tp_size=2"):
+        ParallelLayout(tp_rank=1, tp_size=2, ep_rank=1, ep_size=2, all_reduce=lambda x: x, dispatch=dc)
+    with pytest.raises(LayoutError, match="'replicated'"):
+        ParallelLayout(ep_rank=1, ep_size=2, dispatch=SimpleNamespace(mode="replicated", rank=1, world=2))
+    with pytest.raises(LayoutError, match="ep_rank=0, ep_size=2"):
+        ParallelLayout(ep_rank=0, ep_size=2, dispatch=dc)
