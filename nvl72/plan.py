@@ -577,22 +577,6 @@ def make_plan(rack: Rack, model: ModelSpec, w: Workload, prefill_tp: int | None 
 # ---------------------------------------------------------------------------------------------
 # Measuring the hardware constants
 # ---------------------------------------------------------------------------------------------
-def _time_cuda(fn, iters: int = 10, warmup: int = 3) -> float:
-    """Mean seconds per call, CUDA events around `iters` calls after `warmup`."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
-
-
 def measure_constants(command: str) -> dict:
     """Measure this machine's hardware figures (the `hardware` entries of plan_constants.json):
     BF16 and FP8 GEMM throughput (8192^3, random data), HBM bandwidth (device copy of 4 GiB, bytes
@@ -600,6 +584,8 @@ def measure_constants(command: str) -> dict:
     import datetime
 
     import torch
+
+    from nvl72.cuda_timing import hbm_copy_bandwidth, time_cuda
 
     if not torch.cuda.is_available():
         raise PlanError("--measure-constants needs a CUDA GPU")
@@ -614,23 +600,20 @@ def measure_constants(command: str) -> dict:
     out = {}
     n = 8192
     a, b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    t = _time_cuda(lambda: a @ b)
+    t = time_cuda(lambda: a @ b)
     out["bf16_tflops"] = entry(2 * n**3 / t / 1e12, "TFLOP/s", f"torch bf16 matmul {n}^3, mean of 10")
     if hasattr(torch, "float8_e4m3fn") and torch.cuda.get_device_capability() >= (8, 9):
         a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
         one = torch.ones((), device="cuda")
-        t = _time_cuda(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16))
+        t = time_cuda(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16))
         out["fp8_tflops"] = entry(2 * n**3 / t / 1e12, "TFLOP/s", f"torch._scaled_mm e4m3 {n}^3, mean of 10")
     del a, b
-    src = torch.empty(2**32, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    t = _time_cuda(lambda: dst.copy_(src))
-    out["hbm_tbps"] = entry(2 * src.numel() / t / 1e12, "TB/s", "device copy of 4 GiB, bytes read + written")
+    out["hbm_tbps"] = entry(hbm_copy_bandwidth(2**32, 10) / 1e12, "TB/s",
+                            "device copy of 4 GiB, bytes read + written")
     out["hbm_gib"] = entry(torch.cuda.get_device_properties(0).total_memory / 2**30, "GiB", "total device memory")
-    del src, dst
     if torch.cuda.device_count() > 1 and torch.cuda.can_device_access_peer(0, 1):
         src = torch.empty(2**30, dtype=torch.uint8, device="cuda:0")
         dst = torch.empty(2**30, dtype=torch.uint8, device="cuda:1")
-        t = _time_cuda(lambda: dst.copy_(src, non_blocking=True))
+        t = time_cuda(lambda: dst.copy_(src, non_blocking=True))
         out["nvlink_gbps"] = entry(src.numel() / t / 1e9, "GB/s per direction", "peer copy of 1 GiB, GPU 0 -> GPU 1")
     return {"hardware": {gpu: out}}

@@ -29,6 +29,7 @@ import torch
 
 from moe import backend as backends
 from moe.routing import permute_contiguous, permute_masked
+from nvl72.cuda_timing import hbm_copy_bandwidth, time_cuda
 
 MODELS = {
     "qwen3-235b": dict(E=128, H=4096, I=1536, k=8),
@@ -37,26 +38,9 @@ MODELS = {
 DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
 
-def timed(fn, iters: int, warmup: int = 3) -> float:
-    """Mean milliseconds per call over `iters` calls (CUDA events, after warm-up)."""
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy, GB/s counting bytes read + written."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ms = timed(lambda: b.copy_(a), 20)
-    return 2 * nbytes / ms / 1e6
+def timed(fn, iters: int) -> float:
+    """Mean milliseconds per call (CUDA events, after warm-up)."""
+    return 1e3 * time_cuda(fn, iters)
 
 
 def _fp8_weights(e: int, n: int, k: int, gen: torch.Generator):
@@ -202,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("perf.moe needs a CUDA GPU")
     gemm = backends.Sm90Gemm(backends.load_sm90_module())
-    bw = copy_bandwidth()
+    bw = hbm_copy_bandwidth(1 << 30) / 1e9  # GB/s
     dev = torch.cuda.get_device_name()
     print(f"# {dev}, torch {torch.__version__}, copy bandwidth {bw:.0f} GB/s (read + write)")
     print(HEADER)

@@ -23,6 +23,7 @@ import time
 import torch
 
 from nvl72.config import ModelConfig
+from nvl72.cuda_timing import hbm_copy_bandwidth
 from nvl72.engine.engine import EngineConfig, LLMEngine
 from nvl72.engine.protocol import AddRequest, SamplingParams
 from nvl72.model import attn_backends
@@ -34,24 +35,6 @@ QWEN3_30B_A3B = dict(
     intermediate_size=6144, norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1000000.0,
     max_position_embeddings=40960, tie_word_embeddings=False, eos_token_id=[151645],
 )
-
-
-def hbm_copy_bandwidth(nbytes: int = 4 << 30, iters: int = 20) -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(iters):
-        b.copy_(a)
-    e.record()
-    torch.cuda.synchronize()
-    bw = 2 * nbytes * iters / (s.elapsed_time(e) / 1e3)
-    del a, b
-    torch.cuda.empty_cache()
-    return bw
 
 
 def decode_step_bytes(model, cfg: ModelConfig, batch: int, context: int) -> dict[str, float]:
