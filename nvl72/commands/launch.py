@@ -357,7 +357,9 @@ class HTTPFront(threading.Thread):
         super().__init__(name="nvl72-http-front", daemon=True)
         from nvl72.disagg.serving import DisaggClient
 
-        ranks = {role: [r for i in plan.of_role(role) for r in i.ranks[:1]] for role in ("prefill", "decode")}
+        # Prefill instances take requests on their leader; decode instances on each DP rank (TP rank 0).
+        ranks = {"prefill": [i.ranks[0] for i in plan.of_role("prefill")],
+                 "decode": [r for i in plan.of_role("decode") for r in i.ranks[::i.tp]]}
         self.client = DisaggClient(hub, ranks["prefill"], ranks["decode"], batch_threshold=args.decode_batch_threshold,
                                    lost_timeout=args.rank_lost_timeout)
         self.args, self.server = args, None

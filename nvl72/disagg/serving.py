@@ -20,7 +20,8 @@ the decode rank with the fewest requests in flight under its batch threshold.
 
 A prefill instance may span TP ranks (TP = EP over the instance, `ParallelLayout.from_group`): its
 ranks run one schedule in lockstep (the leader broadcasts the front's messages before each step) and
-each sends its shard; decode instances are one rank each (DP1/EP1), wider ones are refused.
+each sends its shard. A decode instance is one rank (DP1/EP1) or DP attention + EP ranks (TP 1): the
+front routes requests to each of its ranks, which decode in lockstep (`nvl72.model.dp_ep.PassSync`).
 """
 from __future__ import annotations
 
@@ -337,69 +338,145 @@ def prefill_role(ctx, opts: ServingOptions, ready) -> int:
     return 0
 
 
+def _dp_ep_engine(ctx, opts: ServingOptions):
+    """This rank's engine of a DP+EP decode instance (TP 1, experts over the EP group) and the
+    `PassSync` that keeps its model passes in lockstep with the group's."""
+    import torch
+
+    from nvl72.config import ModelConfig
+    from nvl72.engine.core import _DTYPES
+    from nvl72.model.dp_ep import PassSync, dp_ep_layout
+
+    args = opts.engine_args
+    if args.get("model") is None:
+        raise ServingError("a DP+EP decode instance needs engine_args['model'] (a checkpoint or config directory)")
+    device, dtype = args.get("device", "auto"), args.get("dtype", "auto")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":  # as build_engine resolves it
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    if dtype not in _DTYPES:
+        raise ServingError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
+    # Per rank and step: the scheduler's token budget (verify rows included), as build_engine sizes it.
+    max_tokens = max(args.get("max_num_batched_tokens", 2048), 1 + args.get("num_speculative_tokens", 0))
+    layout = dp_ep_layout(ctx.groups.ep, ModelConfig.from_pretrained(args["model"]), max_tokens, _DTYPES[dtype],
+                          ctx.timeout)
+    core = _engine(opts, layout)
+    sync = PassSync(core.engine.model, ctx.groups.ep, ctx.timeout, "cuda" if device.startswith("cuda") else "cpu")
+    core.engine.set_pass_sync(sync)
+    return core, sync
+
+
+class _InstanceStop:
+    """The ranks of a DP+EP decode instance stop together: before every step they all-reduce (MAX)
+    their stop flags over the instance group, so none leaves while the others are in a collective."""
+
+    def __init__(self, group, device: str, timeout: float):
+        self.group, self.timeout = group, timeout
+        self.device = "cuda" if device == "cuda" else "cpu"
+
+    def __call__(self, stop: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        from nvl72.parallel import wait
+
+        t = torch.tensor([int(stop)], dtype=torch.int32, device=self.device)
+        wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), self.timeout,
+             "decode instance stop decision")
+        return bool(t.item())
+
+
 def decode_role(ctx, opts: ServingOptions, ready) -> int:
-    """A decode rank: reserve, receive, commit, decode; stream outputs and load reports to the front."""
+    """A decode rank: reserve, receive, commit, decode; stream outputs and load reports to the front.
+
+    One rank (DP1/EP1), or one DP rank of a DP+EP instance (TP 1, EP > 1): each rank owns the
+    requests the front routes to it, every rank steps every loop pass (idle passes join the
+    others' MoE collectives, `PassSync.finish`), and the ranks decide together when to stop. A
+    collective that times out (a lost rank) or a model error is fatal to the instance: its streams
+    end with an error and the rank leaves (the front then marks it dead)."""
     from nvl72.cache.pool import OutOfCapacity
     from nvl72.disagg.plan import TransferPlanError
     from nvl72.disagg.transport import Receiver, TransferError, caches_of
 
     r = ctx.groups.role
-    if r.tp_size != 1 or r.ep_size != 1:
-        raise ServingError(f"{r.name} has TP {r.tp_size} / EP {r.ep_size}; disaggregated decode runs one-rank "
-                           "instances only (--decode-size 1)")
-    core = _engine(opts)
+    if r.tp_size != 1:
+        raise ServingError(f"{r.name} has TP {r.tp_size} / EP {r.ep_size}; disaggregated decode runs TP 1 instances "
+                           "only (one rank, or DP attention + EP)")
+    if r.ep_size > 1:
+        core, sync = _dp_ep_engine(ctx, opts)
+        agree_stop = _InstanceStop(ctx.groups.instance, ctx.device, ctx.timeout)
+    else:
+        core, sync, agree_stop = _engine(opts), None, bool
     eng = core.engine
     link = _RankLink(r.rank, ctx.data_address)
     caches, groups = caches_of(eng.caches), _layer_groups(eng)
     receiving: dict[str, Receiver] = {}
     ready()
-    last, received = 0.0, 0
-    while ctx.agent.stop_reason is None and not ctx.stop.is_set():
-        ctx.agent.beat(poll_s=0.0)
-        for msg in link.recv_all(0 if core.busy else (1 if receiving else 5)):
-            if isinstance(msg, ExpectTransfer):
-                rid = msg.request.request_id
+    last, received, code = 0.0, 0, 0
+    try:
+        while not agree_stop(ctx.agent.stop_reason is not None or ctx.stop.is_set()):
+            ctx.agent.beat(poll_s=0.0)
+            for msg in link.recv_all(0 if core.busy else (1 if receiving else 5)):
+                if isinstance(msg, ExpectTransfer):
+                    rid = msg.request.request_id
+                    try:
+                        h = eng.reserve_transfer(msg.request, msg.num_tokens)
+                    except (OutOfCapacity, InvalidRequest) as e:
+                        link.send(RequestOutput(rid, [], "error", error=str(e)))
+                        continue
+                    try:
+                        plan = _transfer_plan(eng, h, len(msg.prefill_ranks))
+                        receiving[rid] = Receiver(msg.seq, plan, 0, msg.prefill_ranks, [r.rank], caches, groups,
+                                                  opts.transfer_timeout, ctx.groups.transfer)
+                    except (TransferPlanError, RuntimeError) as e:
+                        eng.abort_request(rid)
+                        link.send(RequestOutput(rid, [], "error", error=f"KV transfer failed: {e}"))
+                elif isinstance(msg, AbortRequest):
+                    receiving.pop(msg.request_id, None)  # late parts land in its buffers, then time out
+                    out = eng.abort_request(msg.request_id)
+                    if out is not None:
+                        link.send(out)
+            for rid, rcv in list(receiving.items()):
                 try:
-                    h = eng.reserve_transfer(msg.request, msg.num_tokens)
-                except (OutOfCapacity, InvalidRequest) as e:
-                    link.send(RequestOutput(rid, [], "error", error=str(e)))
-                    continue
-                try:
-                    plan = _transfer_plan(eng, h, len(msg.prefill_ranks))
-                    receiving[rid] = Receiver(msg.seq, plan, 0, msg.prefill_ranks, [r.rank], caches, groups,
-                                              opts.transfer_timeout, ctx.groups.transfer)
-                except (TransferPlanError, RuntimeError) as e:
+                    if not rcv.poll():
+                        continue
+                    eng.commit_transfer(rid, [rcv.receipt.require_complete()])
+                    received += 1
+                except (TransferError, InvalidRequest) as e:
+                    log.error("decode rank %d: transfer of %s failed: %s", r.rank, rid, e)
                     eng.abort_request(rid)
                     link.send(RequestOutput(rid, [], "error", error=f"KV transfer failed: {e}"))
-            elif isinstance(msg, AbortRequest):
-                receiving.pop(msg.request_id, None)  # late parts land in its buffers, then time out
-                out = eng.abort_request(msg.request_id)
-                if out is not None:
-                    link.send(out)
-        for rid, rcv in list(receiving.items()):
-            try:
-                if not rcv.poll():
-                    continue
-                eng.commit_transfer(rid, [rcv.receipt.require_complete()])
-                received += 1
-            except (TransferError, InvalidRequest) as e:
-                log.error("decode rank %d: transfer of %s failed: %s", r.rank, rid, e)
-                eng.abort_request(rid)
-                link.send(RequestOutput(rid, [], "error", error=f"KV transfer failed: {e}"))
-            del receiving[rid]
-        for o in core.step():
-            link.send(o)
-        now = time.monotonic()
-        if now - last >= opts.report_interval:
-            rep = core.load_report()
-            rep.rank = r.rank
-            link.send(rep)
-            last = now
+                del receiving[rid]
+            if sync is None:
+                outs = core.step()
+            else:  # a model error raises here (the group's collectives are out of step): fatal
+                outs = eng.step() if eng.has_unfinished() else []
+                sync.finish()
+            for o in outs:
+                link.send(o)
+            now = time.monotonic()
+            if now - last >= opts.report_interval:
+                rep = core.load_report()
+                rep.rank = r.rank
+                link.send(rep)
+                last = now
+    except Exception as e:  # only DP+EP ranks get here: collectives (a lost rank) or the model failed
+        if sync is None:
+            raise
+        why = f"decode instance {r.name} failed on rank {r.rank}: {type(e).__name__}: {e}"
+        log.exception("%s; failing its %d requests", why, len(eng.seqs))
+        for rid in list(eng.seqs):
+            link.send(RequestOutput(rid, [], "error", error=why))
+        link.close()
+        return 1
     generated = int(eng.counters["generation_tokens"])
     for o in core.close():
         link.send(o)
     link.close()
     log.info("decode rank %d: %d requests received, %d tokens decoded", r.rank, received, generated)
+    if sync is not None:
+        log.info("decode rank %d: DP+EP, %d idle passes", r.rank, sync.idle_passes)
     return 0
 
 

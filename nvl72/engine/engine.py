@@ -146,8 +146,12 @@ class LLMEngine:
             model.attn_backend = attn_backends.select(attn_backends.AttentionShape.of(model), self.device,
                                                       None if name == "auto" else name)
         self.runner = ModelRunner(model, self.caches, config.page_size, self.hybrid, self.device)
+        # DP+EP rank (MoE layers through a dispatch): its passes are collectives with the EP group.
+        self.dp_ep = getattr(getattr(model, "parallel", None), "dispatch", None) is not None
         sizes = config.cuda_graph_batch_sizes or graph_sizes_from_env()
-        if sizes:
+        if sizes and self.dp_ep:
+            log.info("engine: no decode CUDA graphs on a DP+EP rank (host-synced expert path)")
+        elif sizes:
             from nvl72.engine.cuda_graphs import build_decode_graphs
 
             # One KV page and one GDN slot for the padded rows of graph replays, held for good.
@@ -173,6 +177,16 @@ class LLMEngine:
         log.info("engine: %d KV pages of %d tokens (%.1f MiB), %d GDN slots, spec k=%d, prefix cache %s, device %s",
                  num_pages, config.page_size, num_pages * spec.kv_bytes_per_page(config.page_size) / 2**20,
                  num_slots, k, "on" if config.enable_prefix_caching else "off", self.device)
+
+    def set_pass_sync(self, sync) -> None:
+        """DP+EP: keep this rank's forwards (runner, MTP drafter) in lockstep with its EP group via
+        `sync` (a `nvl72.model.dp_ep.PassSync`); the caller ends every step with `sync.finish()`."""
+        if not self.dp_ep:
+            layout = getattr(self.model, "parallel", None)
+            raise ValueError(f"set_pass_sync needs a DP+EP model (parallel.dispatch set), got {layout}")
+        self.runner.sync = sync
+        if self.drafter is not None:
+            self.drafter.sync = sync
 
     def _default_num_pages(self, spec) -> int:
         c = self.config
@@ -279,6 +293,8 @@ class LLMEngine:
         try:
             result = self.runner.run(out.scheduled)
         except Exception as e:  # the model failed: fail this step's requests, keep the engine alive
+            if self.dp_ep:  # unless the EP group's collectives are now out of step: fatal
+                raise
             log.exception("model step failed")
             outputs = []
             for s in out.scheduled:

@@ -14,6 +14,7 @@ import torch
 from nvl72.engine.sampler import SampleResult, SampleRow, Sampler
 from nvl72.engine.scheduler import ScheduledSeq
 from nvl72.model.batch import ForwardBatch, ModelCaches
+from nvl72.model.dp_ep import MAIN_PASS
 
 
 @dataclass
@@ -84,6 +85,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler()
         self.graphs = None  # nvl72.engine.cuda_graphs.DecodeGraphs when the engine captured them
+        self.sync = None  # a DP+EP rank's nvl72.model.dp_ep.PassSync: its forwards in lockstep with the EP group
 
     def _graph_fits(self, scheduled: list[ScheduledSeq]) -> bool:
         g = self.graphs
@@ -97,6 +99,8 @@ class ModelRunner:
             hidden, batch = self.graphs.run(cpu_batch)
         else:
             batch, rows = build_batch(scheduled, self.page_size, self.hybrid, self.device)
+            if self.sync is not None:
+                self.sync.before(MAIN_PASS)
             hidden = self.model(batch, self.caches)
         if not rows:
             return StepResult(hidden, batch, rows, None)

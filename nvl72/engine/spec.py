@@ -17,6 +17,7 @@ import torch
 from nvl72.engine.runner import StepResult
 from nvl72.engine.scheduler import ScheduledSeq
 from nvl72.model.batch import ForwardBatch
+from nvl72.model.dp_ep import mtp_pass
 
 
 @dataclass
@@ -31,6 +32,8 @@ class DraftInput:
 
 
 class Drafter(abc.ABC):
+    sync = None  # a DP+EP rank's PassSync (set by the engine); drafters that run model passes call its before()
+
     def __init__(self, num_tokens: int):
         if num_tokens < 1:
             raise ValueError(f"a drafter proposes >= 1 token, got num_tokens={num_tokens}")
@@ -108,6 +111,7 @@ class MTPDrafter(Drafter):
         if not live:
             return out
         batch = self._batch(ids, pos, cu, lens, tables, [cu[j + 1] - 1 for j, w in enumerate(want_row) if w])
+        self._before_pass()
         hidden = self.model.forward_mtp(batch, self.caches, inp.step.hidden[torch.tensor(rows, device=self.device)])
         drafted = [i for i, w in zip(live, want_row) if w]
         if not drafted:
@@ -121,11 +125,17 @@ class MTPDrafter(Drafter):
             n = len(seqs)
             batch = self._batch(tok.tolist(), [s.num_computed - 1 + j for s in seqs], list(range(n + 1)),
                                 [s.num_computed + j for s in seqs], [s.pages for s in seqs], list(range(n)))
+            self._before_pass()
             last = self.model.forward_mtp(batch, self.caches, last)
             tok = self.model.compute_logits(last).argmax(-1)
             for i, t in zip(drafted, tok.tolist()):
                 out[i].append(t)
         return out
+
+    def _before_pass(self) -> None:
+        """DP+EP: wait for the other ranks' lower passes (every call here is forward_mtp's step 0)."""
+        if self.sync is not None:
+            self.sync.before(mtp_pass(0))
 
     def _batch(self, ids, pos, cu, lens, tables, logits_idx) -> ForwardBatch:
         width = max(len(t) for t in tables)
