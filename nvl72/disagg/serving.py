@@ -393,8 +393,9 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
     One rank (DP1/EP1), or one DP rank of a DP+EP instance (TP 1, EP > 1): each rank owns the
     requests the front routes to it, every rank steps every loop pass (idle passes join the
     others' MoE collectives, `PassSync.finish`), and the ranks decide together when to stop. A
-    collective that times out (a lost rank) or a model error is fatal to the instance: its streams
-    end with an error and the rank leaves (the front then marks it dead)."""
+    collective that fails or times out (a lost rank) or a model error is fatal to the instance: its
+    streams end with an error and the rank stops serving (the front then marks it dead) but stays
+    on the control plane until the deployment shuts down."""
     from nvl72.cache.pool import OutOfCapacity
     from nvl72.disagg.plan import TransferPlanError
     from nvl72.disagg.transport import Receiver, TransferError, caches_of
@@ -469,6 +470,10 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
         for rid in list(eng.seqs):
             link.send(RequestOutput(rid, [], "error", error=why))
         link.close()
+        # Out of the data plane (no load reports: the front marks this rank dead and routes around
+        # the instance), still on the control plane: leaving would stop the whole deployment.
+        while ctx.agent.stop_reason is None and not ctx.stop.is_set():
+            ctx.agent.beat()
         return 1
     generated = int(eng.counters["generation_tokens"])
     for o in core.close():

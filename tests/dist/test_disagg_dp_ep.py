@@ -4,7 +4,9 @@ each rank takes its own requests, experts split over both, MoE layers through Di
 passes in lockstep by PassSync). Concurrent streamed greedy completions through the openai client
 equal the same front over one single-process engine on the same transformers checkpoint, with
 requests decoded on both ranks (qwen3_moe; qwen3_next with MTP drafts, so the ranks run different
-numbers of passes per step)."""
+numbers of passes per step). A DP rank killed mid-decode takes the instance down cleanly: both
+streams end with errors (the front's 503, the survivor's failed collective) and the front marks
+both ranks dead."""
 import re
 import threading
 
@@ -55,3 +57,66 @@ def test_dp_ep_decode_instance_http_stream_equals_single_process(tmp_path, famil
     idle = [int(n) for n in re.findall(r"decode rank [12]: DP\+EP, (\d+) idle passes", log)]
     assert len(idle) == 2 and sum(idle) > 0, log  # a rank with less work joined the other's passes
     assert "KV transfer failed" not in log and "did not complete" not in log and "failed on rank" not in log
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(120)
+def test_lost_dp_rank_fails_the_instance_streams_and_front_marks_both_dead(tmp_path):
+    """SIGKILL rank 2 mid-decode: its stream ends with the front's 503; rank 1's next collective
+    fails (a peer gone, or the 20 s collective timeout), so its stream ends with the instance's
+    error naming the failure; both ranks are then dead to the front (later requests: 503)."""
+    import os
+    import signal
+    import time
+
+    import openai
+
+    ckpt = write_checkpoint(tmp_path, "ckpt", "qwen3_moe", dict(num_key_value_heads=2, vocab_size=VOCAB),
+                            fused=False)
+    launch = Launch(tmp_path, "qwen3_moe", lost_timeout=1.5, plan_args=DPEP, model_dir=ckpt, load_format="auto",
+                    max_model_len=1024, page_size=16, num_pages=200)
+    try:
+        pids = {r["rank"]: r["pid"] for r in launch.info["ranks"]}
+        started = [threading.Event(), threading.Event()]
+        results: list = [None, None]
+
+        def run(i):
+            try:
+                n = chunks = 0
+                for c in launch.client.completions.create(model="tiny", prompt=_prompts(2)[i], max_tokens=900,
+                                                          temperature=0, stream=True,
+                                                          stream_options={"include_usage": True},
+                                                          extra_body={"ignore_eos": True}):
+                    chunks += 1
+                    if chunks >= 3:  # past the prefill rank's first token: decoding on its DP rank
+                        started[i].set()
+                    n = c.usage.completion_tokens if c.usage else n
+                results[i] = ("ok", n)
+            except openai.APIError as e:
+                results[i] = ("error", str(e))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]  # one per DP rank
+        for t in threads:
+            t.start()
+        assert all(e.wait(20) for e in started), launch.tail()
+        t0 = time.monotonic()
+        os.kill(pids[2], signal.SIGKILL)
+        for t in threads:
+            t.join(40)
+        took = time.monotonic() - t0
+        assert [r[0] for r in results] == ["error", "error"], (results, launch.tail())
+        errors = " | ".join(r[1] for r in results)
+        assert "rank 2 lost" in errors, errors  # the front's 503 for the killed rank's stream
+        assert "decode instance decode[0] failed on rank 1" in errors, errors  # the survivor's own error
+        assert took < 30
+        deadline = time.monotonic() + 10
+        while True:  # rank 1 left after failing its streams: no load reports, dead to the front
+            try:
+                launch.complete(_prompts(1)[0], 4)
+            except openai.APIError as e:
+                if "no live rank" in str(e):
+                    break
+            assert time.monotonic() < deadline, launch.tail()
+            time.sleep(0.2)
+    finally:
+        launch.close()
