@@ -414,7 +414,7 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
     caches, groups = caches_of(eng.caches), _layer_groups(eng)
     receiving: dict[str, Receiver] = {}
     ready()
-    last, received, code = 0.0, 0, 0
+    last, received = 0.0, 0
     try:
         while not agree_stop(ctx.agent.stop_reason is not None or ctx.stop.is_set()):
             ctx.agent.beat(poll_s=0.0)

@@ -123,3 +123,55 @@ def test_lost_dp_rank_fails_the_instance_streams_and_front_marks_both_dead(tmp_p
             time.sleep(0.2)
     finally:
         launch.close()
+
+
+class _FailingSync:
+    """A PassSync whose collective fails (as when a peer rank is gone)."""
+
+    def before(self, kind: int) -> None:
+        from nvl72.parallel import CollectiveTimeout
+
+        raise CollectiveTimeout(f"DP+EP pass agreement for pass {kind} did not complete within 1 s")
+
+    def finish(self) -> None:
+        pass
+
+
+def test_engine_hooks_dp_ep_errors_are_fatal_plain_errors_fail_the_step(tmp_path):
+    """In one gloo world of 1: a DP+EP engine raises a failed pass agreement out of `step` (its EP
+    group is out of step); a plain engine fails only that step's requests; `set_pass_sync` refuses
+    an engine without a dispatch by name."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from nvl72.config import ModelConfig
+    from nvl72.engine.core import build_engine
+    from nvl72.engine.protocol import AddRequest, SamplingParams
+    from nvl72.model.dp_ep import dp_ep_layout
+    from nvl72.parallel import CollectiveTimeout
+
+    ckpt = write_checkpoint(tmp_path, "ckpt", "qwen3_moe", dict(num_key_value_heads=2), fused=False)
+    kw = dict(model=str(ckpt), dtype="float32", device="cpu", max_model_len=64, max_num_seqs=4,
+              max_num_batched_tokens=32, page_size=4, num_pages=64)
+    req = AddRequest("r0", [3, 1, 4, 1, 5], SamplingParams(max_tokens=4, temperature=0.0))
+    plain = build_engine(**kw)
+    with pytest.raises(ValueError, match="set_pass_sync needs a DP\\+EP model"):
+        plain.set_pass_sync(_FailingSync())
+    plain.runner.sync = _FailingSync()
+    plain.add_request(req)
+    outs = plain.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("r0", "error")] and "CollectiveTimeout" in outs[0].error
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=20))
+    try:
+        layout = dp_ep_layout(dist.group.WORLD, ModelConfig.from_pretrained(str(ckpt)), 32, torch.float32, 20.0)
+        eng = build_engine(**kw, parallel=layout)
+        assert eng.dp_ep and eng.runner.graphs is None
+        eng.set_pass_sync(_FailingSync())
+        eng.add_request(req)
+        with pytest.raises(CollectiveTimeout, match="pass 0"):
+            eng.step()
+    finally:
+        dist.destroy_process_group()
