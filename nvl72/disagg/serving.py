@@ -408,17 +408,18 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
         core, sync = _dp_ep_engine(ctx, opts)
         agree_stop = _InstanceStop(ctx.groups.instance, ctx.device, ctx.timeout)
     else:
-        core, sync, agree_stop = _engine(opts), None, bool
+        core, sync, agree_stop = _engine(opts), None, bool  # a lone rank's stop flag is the decision
     eng = core.engine
     link = _RankLink(r.rank, ctx.data_address)
     caches, groups = caches_of(eng.caches), _layer_groups(eng)
     receiving: dict[str, Receiver] = {}
     ready()
-    last, received = 0.0, 0
+    last, received, others_busy = 0.0, 0, False
     try:
         while not agree_stop(ctx.agent.stop_reason is not None or ctx.stop.is_set()):
             ctx.agent.beat(poll_s=0.0)
-            for msg in link.recv_all(0 if core.busy else (1 if receiving else 5)):
+            # No waiting for messages while a peer DP rank is decoding: it waits on this rank's passes.
+            for msg in link.recv_all(0 if core.busy or others_busy else (1 if receiving else 5)):
                 if isinstance(msg, ExpectTransfer):
                     rid = msg.request.request_id
                     try:
@@ -452,8 +453,10 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
             if sync is None:
                 outs = core.step()
             else:  # a model error raises here (the group's collectives are out of step): fatal
+                idle = sync.idle_passes
                 outs = eng.step() if eng.has_unfinished() else []
                 sync.finish()
+                others_busy = sync.idle_passes > idle
             for o in outs:
                 link.send(o)
             now = time.monotonic()
@@ -462,7 +465,7 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
                 rep.rank = r.rank
                 link.send(rep)
                 last = now
-    except Exception as e:  # only DP+EP ranks get here: collectives (a lost rank) or the model failed
+    except Exception as e:  # DP+EP: a collective failed (a lost rank) or the model did; a lone rank re-raises
         if sync is None:
             raise
         why = f"decode instance {r.name} failed on rank {r.rank}: {type(e).__name__}: {e}"
