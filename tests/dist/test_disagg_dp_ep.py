@@ -34,17 +34,7 @@ def test_dp_ep_decode_instance_http_stream_equals_single_process(tmp_path, famil
     prompts, max_tokens = _prompts(6), 8
     launch = Launch(tmp_path, family, plan_args=DPEP, model_dir=ckpt, **engine_kw)
     try:
-        got: list = [None] * len(prompts)
-
-        def run(i):
-            got[i] = launch.complete(prompts[i], max_tokens)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(40)
-        assert all(g is not None for g in got), launch.tail()
+        got = launch.complete_concurrently(prompts, max_tokens)
         # Alone on one DP rank: the other has nothing and joins its passes idle.
         alone = launch.complete(prompts[0], max_tokens)
     finally:

@@ -116,6 +116,21 @@ class Launch:
     def complete(self, prompt: list[int], max_tokens: int) -> tuple[str, int]:
         return stream_completion(self.client, prompt, max_tokens)
 
+    def complete_concurrently(self, prompts: list[list[int]], max_tokens: int, timeout: float = 40) -> list:
+        """One streaming completion per prompt, all in flight together; asserts each finished."""
+        got: list = [None] * len(prompts)
+
+        def run(i):
+            got[i] = self.complete(prompts[i], max_tokens)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+        assert all(g is not None for g in got), self.tail()
+        return got
+
     def close(self) -> None:
         if self.proc.poll() is None and getattr(self, "info", None):
             try:
@@ -278,17 +293,7 @@ def test_disaggregated_http_stream_equals_single_process(tmp_path, family):
     prompts, max_tokens = _prompts(6), 10
     launch = Launch(tmp_path, family)
     try:
-        got: list = [None] * len(prompts)
-
-        def run(i):
-            got[i] = launch.complete(prompts[i], max_tokens)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(40)
-        assert all(g is not None for g in got), launch.tail()
+        got = launch.complete_concurrently(prompts, max_tokens)
         one = launch.complete(prompts[0], 1)  # finishes on the prefill rank: no transfer
     finally:
         launch.close()
