@@ -11,12 +11,7 @@ shared expert, MTP drafts in the prefill and last step, idle MTP passes on idle 
 qwen3_next with a different number of chained MTP drafts per rank and step, matched by
 `dp_ep.PassSync` (the lockstep an engine step needs)."""
 import json
-import os
-import pathlib
 import re
-import subprocess
-import sys
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -27,9 +22,9 @@ from nvl72.model.loader import load_model
 from nvl72.model.parallel_layout import LayoutError, ParallelLayout
 from tests.dist.dp_ep_worker import dp_script
 from tests.dist.test_tp_model import write_checkpoint
+from tests.dist.workers import Workers
 from tests.model.tiny import rel_err
 
-ROOT = pathlib.Path(__file__).parents[2]
 TOL = 1e-5
 WORKER_TIMEOUT_S = 120
 VOCAB = 256
@@ -78,36 +73,14 @@ def runs(request, tmp_path_factory):
              for n, (f, o, mtp, sync) in CASES.items()]
     spec = root / "cases.json"
     spec.write_text(json.dumps(dict(cases=cases)))
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1"}
-    procs, logs = [], []
-    for r in range(world):
-        log = open(root / f"rank{r}.log", "w+")
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests/dist/dp_ep_worker.py"), str(spec), str(root),
-                                       str(r), str(world), str(root / "store")],
-                                      stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT))
-    try:
+    with Workers("tests/dist/dp_ep_worker.py", spec, root, world) as workers:
         refs = {}
         with torch.no_grad():  # the single-rank references, while the workers run
             for c in cases:
                 model = load_model(c["path"], dtype=torch.float32, device="cpu")
                 refs[c["name"]] = [dp_script(model, c["steps"], r) for r in range(world)]
-        deadline = time.monotonic() + WORKER_TIMEOUT_S
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    idle = 0
-    for r, (p, log) in enumerate(zip(procs, logs)):
-        log.seek(0)
-        text = log.read()
-        log.close()
-        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{text[-4000:]}"
-        idle += sum(int(n) for n in re.findall(r"ran (\d+) idle passes", text))
+        outputs = workers.join(WORKER_TIMEOUT_S)
+    idle = sum(int(n) for text in outputs for n in re.findall(r"ran (\d+) idle passes", text))
     assert idle > 0, "PassSync matched no differing pass counts: the sync case tests nothing"
     return world, {n: (refs[n], [load_file(str(root / f"{n}.rank{r}.safetensors"))["logits"] for r in range(world)])
                    for n in CASES}

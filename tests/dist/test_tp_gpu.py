@@ -4,7 +4,6 @@ model is (MTP drafts included for the hybrid models). Every expert is routed (to
 bf16 routing flip cannot dominate."""
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -13,8 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from nvl72.model.loader import load_model
-from tests.dist.test_tp_model import ROOT, write_checkpoint
+from tests.dist.test_tp_model import write_checkpoint
 from tests.dist.tp_worker import tp_script
+from tests.dist.workers import ROOT
 from tests.model.tiny import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.mp]

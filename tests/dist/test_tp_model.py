@@ -10,11 +10,7 @@ expert layout, and the MTP head (drafts at every prompt position). The workers r
 one world, so the processes start once; they end with a TP all-reduce that one rank joins late,
 which must raise CollectiveTimeout on the other."""
 import json
-import os
 import pathlib
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -22,10 +18,10 @@ from safetensors.torch import load_file
 
 from nvl72.model.loader import load_model
 from tests.dist.tp_worker import tp_script
+from tests.dist.workers import Workers
 from tests.model.test_model_loader import _official_qwen35_layout, _state, _write
 from tests.model.tiny import rel_err, save_tiny
 
-ROOT = pathlib.Path(__file__).parents[2]
 WORLD = 2
 TOL = 1e-5
 WORKER_TIMEOUT_S = 150
@@ -79,33 +75,11 @@ def runs(tmp_path_factory):
              for n, (f, o, ep, fused, mtp) in CASES.items()]
     spec = root / "cases.json"
     spec.write_text(json.dumps(dict(cases=cases, prompts=prompts, decode=decode)))
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1"}
-    procs, logs = [], []
-    for r in range(WORLD):
-        log = open(root / f"rank{r}.log", "w+")
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests/dist/tp_worker.py"), str(spec), str(root),
-                                       str(r), str(WORLD), str(root / "store")],
-                                      stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT))
-    try:
+    with Workers("tests/dist/tp_worker.py", spec, root, WORLD) as workers:
         with torch.no_grad():  # the single-rank references, while the workers run
             refs = {c["name"]: tp_script(load_model(c["path"], dtype=torch.float32, device="cpu"), prompts, decode)
                     for c in cases}
-        deadline = time.monotonic() + WORKER_TIMEOUT_S
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    outputs = []
-    for r, (p, log) in enumerate(zip(procs, logs)):
-        log.seek(0)
-        outputs.append(log.read())
-        log.close()
-        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{outputs[-1][-4000:]}"
+        outputs = workers.join(WORKER_TIMEOUT_S)
     assert "TIMEOUT_OK" in outputs[0], outputs[0][-4000:]
     return {n: (refs[n], [load_file(str(root / f"{n}.rank{r}.safetensors"))["logits"] for r in range(WORLD)])
             for n in CASES}
