@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from perf.comms.timing import capture_loop, events_time, loop, max_over_ranks, warm_on_side_stream
+
 OURS = ("lamport", "oneshot", "twoshot")
 SYMM = ("twoshot_symm",)  # our two-shot with x and out in the heap (as torch's ops get)
 PEERS = ("nccl", "torch_one_shot", "torch_two_shot")
@@ -50,42 +52,15 @@ def add_arguments(parser) -> None:
 def _time(fn, iters: int, graph: bool) -> float:
     """Mean seconds per call of fn over `iters` back-to-back calls (eager or one graph replay)."""
     if graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()  # warm-up on the capture stream
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(iters):
-                fn()
+        warm_on_side_stream(fn)
+        g = capture_loop(fn, iters)
         g.replay()
-        torch.cuda.synchronize()
-        dist.barrier()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
+        t = events_time(g.replay) / iters
         del g
-        return e0.elapsed_time(e1) / 1e3 / iters
+        return t
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(iters):
-        fn()
-    e1.record()
-    torch.cuda.synchronize()
-    return e0.elapsed_time(e1) / 1e3 / iters
-
-
-def _max_over_ranks(v: float) -> float:
-    t = torch.tensor([v], dtype=torch.float64, device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return events_time(loop(fn, iters)) / iters
 
 
 def _worker(rank: int, world: int, init_file: str, cfg_json: str):
@@ -169,7 +144,7 @@ def _worker(rank: int, world: int, init_file: str, cfg_json: str):
             row = {"bytes": nbytes, "algo": algo, "rel_err": err}
             for mode in modes:
                 try:
-                    t = _max_over_ranks(_time(fn, iters, mode == "graph"))
+                    t = max_over_ranks(_time(fn, iters, mode == "graph"))
                     row[f"{mode}_us"] = t * 1e6
                 except RuntimeError as e:  # e.g. an op that cannot be captured: record, go on
                     row[f"{mode}_us"] = None
@@ -187,7 +162,7 @@ def _worker(rank: int, world: int, init_file: str, cfg_json: str):
     except HeapError as e:
         bw["peer_write"] = {"bytes": copy_bytes, "us": float("nan"), "GBps": float("nan"), "error": str(e)}
     for name, dst in targets:
-        t = _max_over_ranks(_time(lambda dst=dst: dst.copy_(src), 10, False))
+        t = max_over_ranks(_time(lambda dst=dst: dst.copy_(src), 10, False))
         bw[name] = {"bytes": copy_bytes, "us": t * 1e6, "GBps": copy_bytes / t / 1e9}
     heap.barrier()
     # fused all-reduce + residual add + RMSNorm vs separate ops at decode sizes
@@ -210,9 +185,9 @@ def _worker(rank: int, world: int, init_file: str, cfg_json: str):
             row = {"algo": algo, "tokens": t_tok, "hidden": h,
                    "fused_rel_err": ((out_f[0].float() - ref_n.float()).norm() / ref_n.float().norm()).item()}
             for mode in modes:
-                row[f"fused_{mode}_us"] = _max_over_ranks(
+                row[f"fused_{mode}_us"] = max_over_ranks(
                     _time(lambda: ar.add_rmsnorm(xx, res, w, 1e-6), 50, mode == "graph")) * 1e6
-                row[f"separate_{mode}_us"] = _max_over_ranks(_time(separate, 50, mode == "graph")) * 1e6
+                row[f"separate_{mode}_us"] = max_over_ranks(_time(separate, 50, mode == "graph")) * 1e6
             fused.append(row)
     if rank == 0:
         out = {"gpu": torch.cuda.get_device_name(dev), "world": world, "dtype": cfg["dtype"],

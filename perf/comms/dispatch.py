@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from perf.comms.timing import capture_loop, events_time, loop, max_over_ranks, warm_on_side_stream
+
 
 def add_arguments(p):
     p.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512,1024,2048,4096",
@@ -130,52 +132,22 @@ def _graph_time(fn, iters, dev):
     """Capture `iters` calls of fn in one graph; seconds per call of a warm replay (max over ranks).
 
     If capture fails, the same loop runs eagerly (timed with events) and `eager` is returned True."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
+    warm_on_side_stream(fn)
     eager = False
     try:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(iters):
-                fn()
-        run = g.replay
+        run = capture_loop(fn, iters).replay
     except Exception as e:  # noqa: BLE001  (reported in the table)
         print(f"graph capture failed ({type(e).__name__}: {e}); timing eagerly", flush=True)
         eager = True
-
-        def run():
-            for _ in range(iters):
-                fn()
+        run = loop(fn, iters)
     run()
-    torch.cuda.synchronize()
-    dist.barrier()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    run()
-    e1.record()
-    torch.cuda.synchronize()
-    t = torch.tensor([e0.elapsed_time(e1) / 1e3 / iters], device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t), eager
+    return max_over_ranks(events_time(run) / iters, dev), eager
 
 
 def _event_time(fn, iters, dev):
     """Seconds per call of `iters` eager calls queued back to back (events; max over ranks)."""
     fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(iters):
-        fn()
-    e1.record()
-    torch.cuda.synchronize()
-    t = torch.tensor([e0.elapsed_time(e1) / 1e3 / iters], device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    return max_over_ranks(events_time(loop(fn, iters)) / iters, dev)
 
 
 def _wall_median(fn, reps, dev):
