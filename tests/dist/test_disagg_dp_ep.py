@@ -8,7 +8,6 @@ numbers of passes per step). A DP rank killed mid-decode takes the instance down
 streams end with errors (the front's 503, the survivor's failed collective) and the front marks
 both ranks dead."""
 import re
-import threading
 
 import pytest
 
@@ -58,8 +57,6 @@ def test_lost_dp_rank_fails_the_instance_streams_and_front_marks_both_dead(tmp_p
     """SIGKILL rank 2 mid-decode: its stream ends with the front's 503; rank 1's next collective
     fails (a peer gone, or the 20 s collective timeout), so its stream ends with the instance's
     error naming the failure; both ranks are then dead to the front (later requests: 503)."""
-    import os
-    import signal
     import time
 
     import openai
@@ -69,34 +66,8 @@ def test_lost_dp_rank_fails_the_instance_streams_and_front_marks_both_dead(tmp_p
     launch = Launch(tmp_path, "qwen3_moe", lost_timeout=1.5, plan_args=DPEP, model_dir=ckpt, load_format="auto",
                     max_model_len=1024, page_size=16, num_pages=200)
     try:
-        pids = {r["rank"]: r["pid"] for r in launch.info["ranks"]}
-        started = [threading.Event(), threading.Event()]
-        results: list = [None, None]
-
-        def run(i):
-            try:
-                n = chunks = 0
-                for c in launch.client.completions.create(model="tiny", prompt=_prompts(2)[i], max_tokens=900,
-                                                          temperature=0, stream=True,
-                                                          stream_options={"include_usage": True},
-                                                          extra_body={"ignore_eos": True}):
-                    chunks += 1
-                    if chunks >= 3:  # past the prefill rank's first token: decoding on its DP rank
-                        started[i].set()
-                    n = c.usage.completion_tokens if c.usage else n
-                results[i] = ("ok", n)
-            except openai.APIError as e:
-                results[i] = ("error", str(e))
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]  # one per DP rank
-        for t in threads:
-            t.start()
-        assert all(e.wait(20) for e in started), launch.tail()
-        t0 = time.monotonic()
-        os.kill(pids[2], signal.SIGKILL)
-        for t in threads:
-            t.join(40)
-        took = time.monotonic() - t0
+        # one stream per DP rank; past the prefill rank's first token (3 chunks): decoding on its DP rank
+        results, took = launch.kill_rank_mid_streams(2, _prompts(2), after_chunks=3, join_s=40)
         assert [r[0] for r in results] == ["error", "error"], (results, launch.tail())
         errors = " | ".join(r[1] for r in results)
         assert "rank 2 lost" in errors, errors  # the front's 503 for the killed rank's stream

@@ -116,6 +116,40 @@ class Launch:
     def complete(self, prompt: list[int], max_tokens: int) -> tuple[str, int]:
         return stream_completion(self.client, prompt, max_tokens)
 
+    def kill_rank_mid_streams(self, rank: int, prompts: list[list[int]], *, after_chunks: int,
+                              join_s: float) -> tuple[list, float]:
+        """Two long greedy streams (900 tokens, one per prompt, both in flight: least-loaded routing puts
+        them on different decode ranks); once each has `after_chunks` chunks, SIGKILL `rank`. Returns
+        ([("ok", completion tokens) | ("error", message)] per stream, seconds from the kill until both ended)."""
+        pids = {r["rank"]: r["pid"] for r in self.info["ranks"]}
+        started = [threading.Event() for _ in prompts]
+        results: list = [None] * len(prompts)
+
+        def run(i):
+            try:
+                n = chunks = 0
+                for c in self.client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=900,
+                                                        temperature=0, stream=True,
+                                                        stream_options={"include_usage": True},
+                                                        extra_body={"ignore_eos": True}):
+                    chunks += 1
+                    if chunks >= after_chunks:
+                        started[i].set()
+                    n = c.usage.completion_tokens if c.usage else n
+                results[i] = ("ok", n)
+            except openai.APIError as e:
+                results[i] = ("error", str(e))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        assert all(e.wait(20) for e in started), self.tail()
+        t0 = time.monotonic()
+        os.kill(pids[rank], signal.SIGKILL)
+        for t in threads:
+            t.join(join_s)
+        return results, time.monotonic() - t0
+
     def complete_concurrently(self, prompts: list[list[int]], max_tokens: int, timeout: float = 40) -> list:
         """One streaming completion per prompt, all in flight together; asserts each finished."""
         got: list = [None] * len(prompts)
@@ -314,33 +348,8 @@ def test_killed_decode_rank_fails_its_requests_and_others_go_on(tmp_path):
     # Long streams (about 3 s of decoding) so both are mid-decode when rank 2 dies.
     launch = Launch(tmp_path, "qwen3_moe", lost_timeout=1.5, max_model_len=1024, page_size=16, num_pages=200)
     try:
-        pids = {r["rank"]: r["pid"] for r in launch.info["ranks"]}
-        started = [threading.Event(), threading.Event()]
-        results: list = [None, None]
-
-        def run(i):
-            try:
-                n = 0
-                for c in launch.client.completions.create(model=MODEL, prompt=_prompts(2)[i], max_tokens=900,
-                                                          temperature=0, stream=True,
-                                                          stream_options={"include_usage": True},
-                                                          extra_body={"ignore_eos": True}):
-                    started[i].set()
-                    n = c.usage.completion_tokens if c.usage else n
-                results[i] = ("ok", n)
-            except openai.APIError as e:
-                results[i] = ("error", str(e))
-
         # Least-loaded routing: two requests at once go to decode ranks 1 and 2, one each.
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        assert all(e.wait(20) for e in started), launch.tail()
-        t0 = time.monotonic()
-        os.kill(pids[2], signal.SIGKILL)
-        for t in threads:
-            t.join(30)
-        took = time.monotonic() - t0
+        results, took = launch.kill_rank_mid_streams(2, _prompts(2), after_chunks=1, join_s=30)
         assert sorted(r[0] for r in results) == ["error", "ok"], (results, launch.tail())
         ok, err = sorted(results)[::-1]
         assert ok[1] == 900
