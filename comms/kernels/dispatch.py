@@ -574,6 +574,17 @@ def _make_combine(K: int):
 
 
 # ------------------------------------------------------------------------------- export
+def fake_row_major(dt, shape, align=4):
+    """A fake tensor laid out as torch lays out a contiguous tensor (last mode stride 1).
+
+    CuTeDSL's compact default is column-major; an export compiled that way rejects every
+    contiguous torch tensor of more than one row at call time."""
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    return make_fake_compact_tensor(dt, shape, stride_order=tuple(reversed(range(len(shape)))),
+                                    assumed_align=align)
+
+
 def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
     """Compile dispatch_k{K} and combine_k{K} for each K in `topks` against fake tensors (no GPU).
 
@@ -587,17 +598,14 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
                  maxt, off_rid, off_rw, off_rstamp, off_rntok, off_cx, off_ccnt, off_state, err_addr,
                  timeout_ns, nblocks)
     """
-    from cutlass.cute.runtime import make_fake_compact_tensor
     from cutlass.runtime import make_fake_stream
 
+    ten = fake_row_major
     opts = f"--gpu-arch {arch} --enable-tvm-ffi"
     i32, i64 = Int32(0), Int64(0)
     out = {}
     for K in topks:
         ntok, hid, rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
-
-        def ten(dt, shape, align=4):
-            return make_fake_compact_tensor(dt, shape, assumed_align=align)
 
         x = ten(cutlass.BFloat16, (ntok, hid), 16)
         ids = ten(Int32, (ntok, K))

@@ -145,10 +145,13 @@ def _heap_lifecycle_body(rank, world):
     from comms import SymmetricHeap
 
     dev = torch.device("cuda", rank)
-    torch.cuda.synchronize()
-    free0 = torch.cuda.mem_get_info(dev)[0]
-    fds0 = len(os.listdir("/proc/self/fd"))
-    for i in range(4):
+    free0 = fds0 = None
+    for i in range(5):
+        if i == 1:  # after one full cycle: NCCL's communicator and the CUDA context are set up
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            free0 = torch.cuda.mem_get_info(dev)[0]
+            fds0 = len(os.listdir("/proc/self/fd"))
         heap = SymmetricHeap(dist.group.WORLD, 256 << 20, dev, timeout_s=60)
         off = heap.alloc(4096)
         heap.barrier()  # the contract: peers write into a region only after its zeroing
@@ -160,6 +163,7 @@ def _heap_lifecycle_body(rank, world):
         heap.barrier()
         heap.destroy()
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     free1 = torch.cuda.mem_get_info(dev)[0]
     assert free1 >= free0 - (64 << 20), f"GPU memory not returned: {free0 - free1} bytes short"
     assert len(os.listdir("/proc/self/fd")) <= fds0, "fds leaked"

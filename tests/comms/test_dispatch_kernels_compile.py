@@ -15,6 +15,16 @@ def test_dispatch_kernels_compile(arch):
     assert sorted(fns) == ["combine_k4", "dispatch_k4"]
 
 
+def test_fake_tensors_are_row_major():
+    """Exports take contiguous torch tensors: the compile-time layout must have stride 1 last."""
+    import cutlass
+
+    from comms.kernels import dispatch
+
+    t = dispatch.fake_row_major(cutlass.BFloat16, (5, 7), 16)
+    assert tuple(t.stride) == (7, 1)
+
+
 def test_host_mirrors_kernel_constants():
     """comms.dispatch_fused restates the kernel bounds (it must not import CuTeDSL): keep them equal."""
     from comms import dispatch_fused as host
