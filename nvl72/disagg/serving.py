@@ -413,6 +413,7 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
     link = _RankLink(r.rank, ctx.data_address)
     caches, groups = caches_of(eng.caches), _layer_groups(eng)
     receiving: dict[str, Receiver] = {}
+    tokens: dict[str, int] = {}  # KV tokens of each transfer in flight (for its log line)
     ready()
     last, received, others_busy = 0.0, 0, False
     try:
@@ -431,11 +432,13 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
                         plan = _transfer_plan(eng, h, len(msg.prefill_ranks))
                         receiving[rid] = Receiver(msg.seq, plan, 0, msg.prefill_ranks, [r.rank], caches, groups,
                                                   opts.transfer_timeout, ctx.groups.transfer)
+                        tokens[rid] = msg.num_tokens
                     except (TransferPlanError, RuntimeError) as e:
                         eng.abort_request(rid)
                         link.send(RequestOutput(rid, [], "error", error=f"KV transfer failed: {e}"))
                 elif isinstance(msg, AbortRequest):
                     receiving.pop(msg.request_id, None)  # late parts land in its buffers, then time out
+                    tokens.pop(msg.request_id, None)
                     out = eng.abort_request(msg.request_id)
                     if out is not None:
                         link.send(out)
@@ -445,11 +448,16 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
                         continue
                     eng.commit_transfer(rid, [rcv.receipt.require_complete()])
                     received += 1
+                    nbytes, secs = rcv.measured()
+                    total = sum(nbytes.values())
+                    log.info("decode rank %d: KV transfer of %s: %d tokens, %d bytes (%s) in %.3f ms = %.2f GB/s",
+                             r.rank, rid, tokens[rid], total, ", ".join(f"{k} {n}" for k, n in nbytes.items() if n),
+                             secs * 1e3, total / max(secs, 1e-9) / 1e9)
                 except (TransferError, InvalidRequest) as e:
                     log.error("decode rank %d: transfer of %s failed: %s", r.rank, rid, e)
                     eng.abort_request(rid)
                     link.send(RequestOutput(rid, [], "error", error=f"KV transfer failed: {e}"))
-                del receiving[rid]
+                del receiving[rid], tokens[rid]
             if sync is None:
                 outs = core.step()
             else:  # a model error raises here (the group's collectives are out of step): fatal

@@ -15,7 +15,10 @@ ops in issue order together with its collectives, so receives posted on a model 
 back its collectives. On one group, requests also complete in the order their receives were posted.
 
 The receiver's completion rule (DESIGN.md): a request may decode only once every part from every
-source and the first token have arrived (`TransferReceipt.complete`).
+source and the first token have arrived (`TransferReceipt.complete`). The receiver also measures
+what it moved (`Receiver.measured`): payload bytes per cache kind, and the time from posting its
+receives to the last arrival (CUDA events around the receives on GPU: no host sync on the way; host
+clock on CPU).
 """
 from __future__ import annotations
 
@@ -231,6 +234,13 @@ class Receiver:
 
     def __post_init__(self):
         dev = _device(self.caches)
+        self._bytes = {k: 0 for k in KINDS}
+        self._events = None
+        if dev.type == "cuda":  # the receives run on NCCL's stream, after what the current stream holds
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        self._posted_at = time.monotonic()
+        self._done_at: float | None = None
         expected = set()
         for s, src in enumerate(self.src_ranks):
             parts = _parts(self.plan, self.caches, self.groups, s, self.tp_rank, "dst")
@@ -241,8 +251,15 @@ class Receiver:
             for g, kind, views in parts:
                 expected.add((s, g, kind))
                 buf = torch.empty(sum(v.numel() for v in views), dtype=views[0].dtype, device=dev)
+                self._bytes[kind] += buf.numel() * buf.element_size()
                 self._irecv(buf, src, _part_slot(g, kind), ("part", s, (g, kind, views)))
         self._irecv(torch.empty(2, dtype=torch.int64, device=dev), self.src_ranks[0], 1, ("token", 0, None))
+        if self._events is not None:  # a side stream waits on every receive, then marks the end
+            side = torch.cuda.Stream(device=dev)
+            with torch.cuda.stream(side):
+                for work, _, _ in self._pending:
+                    work.wait()
+                self._events[1].record()
         self.receipt = TransferReceipt(self.seq, expected)
         self._deadline = time.monotonic() + self.timeout
         self._arrived: queue.Queue = queue.Queue()
@@ -303,6 +320,8 @@ class Receiver:
             if int(buf[0]) != self.seq:
                 raise TransferError(f"first token for request {int(buf[0])} arrived on request {self.seq}'s channel")
             self.receipt.first_token = int(buf[1])
+        if self.receipt.complete and self._done_at is None:
+            self._done_at = time.monotonic()
 
     def poll(self) -> bool:
         """Unpack whatever arrived; True once the receipt is complete. Raises past the deadline."""
@@ -318,3 +337,13 @@ class Receiver:
         while not self.receipt.complete:
             self._finish(*self._take(block=True))
         return self.receipt
+
+    def measured(self) -> tuple[dict[str, int], float]:
+        """(payload bytes per cache kind, seconds from posting the receives to the last arrival) of a
+        complete transfer."""
+        self.receipt.require_complete()
+        if self._events is None:
+            return dict(self._bytes), self._done_at - self._posted_at
+        start, end = self._events
+        end.synchronize()  # every receive completed already: nothing left to wait for but the marker
+        return dict(self._bytes), start.elapsed_time(end) / 1e3
