@@ -3,6 +3,7 @@
   reference        pure torch, the layer's dtype (bf16), a loop over experts     CPU default
   mxfp8-emulated   the FP8 pipeline below, run through the torch references      CPU (tests)
   sm90-fp8         Triton route/permute/quant + CuTeDSL wgmma grouped GEMMs      sm_90 + kernel module
+                   ($NVL72_MOE_SM90_KERNELS=ws: the warp-specialized persistent FP8 GEMMs)
   torch-grouped    torch._grouped_mm (bf16) with torch permutation               other CUDA GPUs
 
 The FP8 pipeline (one pass per MoE layer):
@@ -46,25 +47,29 @@ class ExpertWeights:
 
 
 SM90_MODULE = "moe.kernels.sm90_grouped_gemm"
+SM90_WS_MODULE = "moe.kernels.sm90_grouped_gemm_ws"  # warp-specialized persistent FP8 variants ("ws_*")
+ENV_SM90_KERNELS = "NVL72_MOE_SM90_KERNELS"  # "classic" (default) or "ws": the FP8 defaults of Sm90Gemm
 
 
-def load_sm90_module():
-    """The compiled CuTeDSL grouped-GEMM module: from the aot bundle (`nvl72 kernels build`), else
+def load_sm90_module(module: str = SM90_MODULE):
+    """A compiled CuTeDSL grouped-GEMM module: from the aot bundle (`nvl72 kernels build`), else
     JIT-compiled in-process (development path); the source is logged."""
     import aot
 
     try:
-        mod = aot.load(SM90_MODULE, "sm_90a")
-        log.info("moe: %s from the aot bundle", SM90_MODULE)
+        mod = aot.load(module, "sm_90a")
+        log.info("moe: %s from the aot bundle", module)
         return mod
     except (aot.BundleError, OSError) as e:
-        log.info("moe: no aot bundle for %s (%s)", SM90_MODULE, e)
+        log.info("moe: no aot bundle for %s (%s)", module, e)
     try:
-        from moe.kernels import sm90_grouped_gemm
+        import importlib
+
+        kernels = importlib.import_module(module)
     except ImportError as e:
-        raise BackendUnavailable(f"no kernel bundle for {SM90_MODULE} and CuTeDSL is not importable: {e}") from e
-    log.warning("moe: JIT-compiling %s (development path)", SM90_MODULE)
-    return SimpleNamespace(**sm90_grouped_gemm.compile_for_export("sm_90a"))
+        raise BackendUnavailable(f"no kernel bundle for {module} and CuTeDSL is not importable: {e}") from e
+    log.warning("moe: JIT-compiling %s (development path)", module)
+    return SimpleNamespace(**kernels.compile_for_export("sm_90a"))
 
 
 class Sm90Gemm:
@@ -74,7 +79,9 @@ class Sm90Gemm:
     kernel (faster than the overlapped one at 10 of the 12 measured sizes of 512..16384 tokens, by
     up to 4%), decode (masked) FP8 the swap-AB kernel (8-16% faster than the 128-row masked one
     at 16..256 tokens, 10-17% slower at 1-2 tokens); `variant=` names another export of
-    moe.kernels.sm90_grouped_gemm."""
+    moe.kernels.sm90_grouped_gemm, or a "ws_*" export of moe.kernels.sm90_grouped_gemm_ws (needs
+    `ws_module`). kernels="ws" makes the warp-specialized persistent FP8 kernels the defaults
+    (not measured yet on a GPU, hence opt-in: $NVL72_MOE_SM90_KERNELS=ws in the backend)."""
 
     DEFAULTS = {
         (True, False): "grouped_gemm_fp8_contig_serial",
@@ -82,10 +89,24 @@ class Sm90Gemm:
         (False, False): "grouped_gemm_bf16_contig",
         (False, True): "grouped_gemm_bf16_masked",
     }
+    WS_DEFAULTS = {(True, False): "ws_fp8_contig", (True, True): "ws_fp8_masked_swapab"}
 
-    def __init__(self, module):
-        self.mod = module
+    def __init__(self, module, ws_module=None, kernels: str = "classic"):
+        if kernels not in ("classic", "ws"):
+            raise ValueError(f"kernels={kernels!r}: expected 'classic' or 'ws'")
+        if kernels == "ws" and ws_module is None:
+            raise ValueError(f"kernels='ws' needs the module {SM90_WS_MODULE} (ws_module=None)")
+        self.mod, self.ws = module, ws_module
+        self.defaults = {**self.DEFAULTS, **self.WS_DEFAULTS} if kernels == "ws" else self.DEFAULTS
         self._one = {}
+
+    def kernel(self, variant: str):
+        """The compiled export named `variant` ("ws_*" from the warp-specialized module)."""
+        if not variant.startswith("ws_"):
+            return getattr(self.mod, variant)
+        if self.ws is None:
+            raise ValueError(f"variant {variant!r} needs {SM90_WS_MODULE}, which this Sm90Gemm was built without")
+        return getattr(self.ws, variant)
 
     def _dummy(self, device):
         if device not in self._one:
@@ -106,7 +127,7 @@ class Sm90Gemm:
         else:
             m = a.shape[0]
             a3, c3 = a.view(1, m, -1).permute(1, 2, 0), out.view(1, m, -1).permute(1, 2, 0)  # (M, K, 1)
-        fn = getattr(self.mod, variant or self.DEFAULTS[(fp8, masked)])
+        fn = self.kernel(variant or self.defaults[(fp8, masked)])
         fn(a3, b.permute(1, 2, 0), c3, sa, sb, aux.to(torch.int32))
         return out
 
@@ -219,7 +240,12 @@ def _reference_ops() -> SimpleNamespace:
 def _sm90_ops() -> SimpleNamespace:
     from moe.kernels import triton_moe
 
-    gemm = Sm90Gemm(load_sm90_module())
+    kernels = os.environ.get(ENV_SM90_KERNELS, "classic")
+    if kernels not in ("classic", "ws"):
+        raise ValueError(f"${ENV_SM90_KERNELS}={kernels!r}: expected 'classic' or 'ws'")
+    ws = load_sm90_module(SM90_WS_MODULE) if kernels == "ws" else None
+    gemm = Sm90Gemm(load_sm90_module(), ws, kernels)
+    log.info("moe: sm90 FP8 grouped GEMM defaults: %s kernels", kernels)
     return SimpleNamespace(
         route=triton_moe.route,
         gather_quant=triton_moe.gather_quant,

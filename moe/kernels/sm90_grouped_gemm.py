@@ -93,18 +93,8 @@ class GroupedGemmSm90:
             self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage
         )
 
-    @cute.jit
-    def __call__(
-        self,
-        a: cute.Tensor,  # (M, K, L)   uint8 (fp8 bits) or bf16
-        b: cute.Tensor,  # (N, K, E)
-        c: cute.Tensor,  # (M, N, L)   bf16
-        a_scale: cute.Tensor,  # (M, K/128, L) fp32
-        b_scale: cute.Tensor,  # (N/128, K/128, E) fp32
-        aux: cute.Tensor,  # tile_expert (M/128,) or counts (E,) int32
-        stream,
-    ):
-        self._setup()
+    def _operands(self, a, b, c, a_scale, b_scale):
+        """Re-type the FP8 views, swap the operands for swap-AB, and build the TMA atoms of A, B, C."""
         if cutlass.const_expr(self.fp8):
             a = cute.make_tensor(cute.recast_ptr(a.iterator, dtype=self.ab_dtype), a.layout)
             b = cute.make_tensor(cute.recast_ptr(b.iterator, dtype=self.ab_dtype), b.layout)
@@ -125,6 +115,21 @@ class GroupedGemmSm90:
             cute.slice_(self.epi_smem_staged, (None, None, 0)),
             self.epi_tile,
         )
+        return a_scale, b_scale, c, tma_a, tma_ta, tma_b, tma_tb, tma_c, tma_tc
+
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Tensor,  # (M, K, L)   uint8 (fp8 bits) or bf16
+        b: cute.Tensor,  # (N, K, E)
+        c: cute.Tensor,  # (M, N, L)   bf16
+        a_scale: cute.Tensor,  # (M, K/128, L) fp32
+        b_scale: cute.Tensor,  # (N/128, K/128, E) fp32
+        aux: cute.Tensor,  # tile_expert (M/128,) or counts (E,) int32
+        stream,
+    ):
+        self._setup()
+        a_scale, b_scale, c, tma_a, tma_ta, tma_b, tma_tb, tma_c, tma_tc = self._operands(a, b, c, a_scale, b_scale)
         grid = (
             cute.ceil_div(cute.size(c, mode=[0]), self.tile_m),
             cute.ceil_div(cute.size(c, mode=[1]), self.tile_n),

@@ -17,6 +17,17 @@ def test_sm90_grouped_gemm_compiles():
         mod.compile_for_export("sm_100a")
 
 
+def test_sm90_ws_grouped_gemm_compiles():
+    mod = importlib.import_module("moe.kernels.sm90_grouped_gemm_ws")
+    fns = mod.compile_for_export("sm_90a")
+    assert sorted(fns) == sorted(mod.VARIANTS) and all(name.startswith("ws_") for name in fns)
+    assert {"ws_fp8_contig", "ws_fp8_masked_swapab"} <= set(fns)
+    with pytest.raises(ValueError, match="sm_100a"):
+        mod.compile_for_export("sm_100a")
+    with pytest.raises(ValueError, match="tile_n=64"):
+        mod.GroupedGemmSm90WS(masked=False, tile_n=64)
+
+
 def test_sm100_mxfp8_grouped_gemm_compiles():
     mod = importlib.import_module("moe.kernels.sm100_grouped_gemm")
     fns = mod.compile_for_export("sm_100a")
@@ -26,7 +37,7 @@ def test_sm100_mxfp8_grouped_gemm_compiles():
 
 
 def test_exports_listed():
-    assert EXPORTS == ["moe.kernels.sm90_grouped_gemm", "moe.kernels.sm100_grouped_gemm"]
+    assert EXPORTS == ["moe.kernels.sm90_grouped_gemm", "moe.kernels.sm90_grouped_gemm_ws", "moe.kernels.sm100_grouped_gemm"]
     for name in EXPORTS:
         mod = importlib.import_module(name)
         assert callable(mod.compile_for_export) and mod.ARCHS

@@ -102,3 +102,23 @@ def test_backend_choice_is_logged(caplog):
     with caplog.at_level("INFO", logger="moe.backend"):
         backend.select("cpu", "mxfp8-emulated")
     assert "MoE expert backend: mxfp8-emulated" in caplog.text
+
+
+def test_sm90_gemm_variant_dispatch():
+    """'ws_*' variants come from the warp-specialized module; kernels='ws' swaps only the FP8 defaults."""
+    from types import SimpleNamespace
+
+    classic = SimpleNamespace(grouped_gemm_fp8_masked_swapab="classic-masked", grouped_gemm_bf16_contig="bf16")
+    ws = SimpleNamespace(ws_fp8_masked_swapab="ws-masked", ws_fp8_contig="ws-contig")
+    g = backend.Sm90Gemm(classic, ws, "ws")
+    assert g.kernel(g.defaults[(True, True)]) == "ws-masked"
+    assert g.kernel(g.defaults[(True, False)]) == "ws-contig"
+    assert g.kernel(g.defaults[(False, False)]) == "bf16"
+    plain = backend.Sm90Gemm(classic)
+    assert plain.kernel(plain.defaults[(True, True)]) == "classic-masked"
+    with pytest.raises(ValueError, match="ws_fp8_contig"):
+        plain.kernel("ws_fp8_contig")
+    with pytest.raises(ValueError, match="kernels='fast'"):
+        backend.Sm90Gemm(classic, ws, "fast")
+    with pytest.raises(ValueError, match="needs the module"):
+        backend.Sm90Gemm(classic, None, "ws")

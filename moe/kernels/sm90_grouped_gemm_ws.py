@@ -1,0 +1,329 @@
+"""Hopper (sm_90a) FP8 grouped GEMM, warp-specialized and persistent (CuTeDSL).
+
+Same operands, layouts, scale contract and call convention as moe/kernels/sm90_grouped_gemm.py
+(the module docstring there: views, `aux`, power-of-two block scales promoted once per 128-wide K
+tile); FP8 only. What differs is the schedule, written after the structure of CUTLASS's Hopper
+persistent / warp-specialized GEMMs:
+
+  * warpgroup 0 is the producer: its warp 0 issues the TMA loads of A and B into an `ab_stage`-deep
+    shared-memory ring and never computes (setmaxnreg lowers its registers); warpgroups 1..n_wg
+    consume (one 64-row slice of the tile each, registers raised);
+  * persistent: min(#tiles, NUM_SMS) CTAs walk the tiles with a static stride; producer and
+    consumers walk the same sequence and skip the same inactive tiles (masked tiles at or past
+    counts[e], contiguous tiles with tile_expert -1), so the producer streams the next tile's K
+    tiles while the consumers promote and store the current one;
+  * the epilogue writes through its own shared-memory buffers (not the A/B ring, which the
+    producer is refilling) and TMA-stores them, one named barrier over the consumer threads;
+  * the scale factors of a K tile are read before the wait for its wgmma (latency hidden behind
+    the MMA); `overlap` keeps two temporary accumulators so the promotion of K tile t runs while
+    the wgmma of K tile t+1 is in flight.
+
+Variants: the swap-AB masked kernel (decode: weights are the 128- or 64-row M operand, the few
+tokens of an expert the N operand; token tiles outermost in the tile order, so every CTA first
+streams distinct weight tiles) and the contiguous kernel (prefill, 128 x 128 tiles, n-tiles
+innermost so concurrent CTAs share an expert's A rows and weights in L2).
+NUM_SMS is H100/H200 SXM's 132: on a part with fewer SMs the extra CTAs wait for a free SM
+(correct, not optimal).
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+
+from moe.kernels.sm90_grouped_gemm import SCALE_BLOCK, GroupedGemmSm90, _fake_args
+
+ARCHS = ("sm_90a",)
+NUM_SMS = 132
+PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128 * 40 + 256 * 232 <= 64K registers per SM
+MAX_AB_STAGES = 16
+
+
+class GroupedGemmSm90WS(GroupedGemmSm90):
+    """One warp-specialized persistent FP8 variant.
+
+    masked: the swap-AB masked layout (decode) instead of the contiguous one.
+    n_wg: consumer warpgroups (tile rows = 64 * n_wg). tile_n: tile columns (tokens for swap-AB).
+    overlap: promotion of K tile t overlapped with the wgmma of K tile t+1 (two temporaries).
+    """
+
+    def __init__(self, masked: bool, n_wg: int = 2, tile_n: int = 128, overlap: bool = False):
+        super().__init__(fp8=True, masked=masked, swap_ab=masked, overlap=overlap)
+        if n_wg not in (1, 2) or tile_n % 8 or not 8 <= tile_n <= 256:
+            raise ValueError(f"n_wg={n_wg}, tile_n={tile_n}: need n_wg in (1, 2) and tile_n a multiple of 8 in [8, 256]")
+        if not masked and tile_n != SCALE_BLOCK:
+            raise ValueError(f"tile_n={tile_n}: the contiguous kernel needs tile_n == {SCALE_BLOCK} (one B scale per tile)")
+        self.tile_m, self.tile_n, self.n_wg = 64 * n_wg, tile_n, n_wg
+        self.mma_threads = 128 * n_wg
+        self.threads = 128 + self.mma_threads
+        self.store_warp = 4  # first consumer warp issues the TMA stores
+
+    def _setup(self):
+        super()._setup()
+        m, n = self.epi_tile
+        n_sub = (self.tile_m // m) * (self.tile_n // n)
+        self.epi_stage = 2 if n_sub % 2 == 0 else 1  # buffer e % epi_stage restarts at 0 on each tile
+        epi_bytes = m * n * self.epi_stage * self.c_dtype.width // 8
+        stage_bytes = (self.tile_m + self.tile_n) * self.tile_mnk[2] * self.ab_dtype.width // 8
+        self.ab_stage = min(MAX_AB_STAGES, (self.smem_capacity - 2048 - epi_bytes) // stage_bytes)
+        k_major = utils.LayoutEnum.ROW_MAJOR
+        self.a_smem_staged = sm90_utils.make_smem_layout_a(k_major, self.tile_mnk, self.ab_dtype, self.ab_stage)
+        self.b_smem_staged = sm90_utils.make_smem_layout_b(k_major, self.tile_mnk, self.ab_dtype, self.ab_stage)
+        self.epi_smem_staged = sm90_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage)
+
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Tensor,
+        b: cute.Tensor,
+        c: cute.Tensor,
+        a_scale: cute.Tensor,
+        b_scale: cute.Tensor,
+        aux: cute.Tensor,
+        stream,
+    ):
+        self._setup()
+        a_scale, b_scale, c, tma_a, tma_ta, tma_b, tma_tb, tma_c, tma_tc = self._operands(a, b, c, a_scale, b_scale)
+        num_tiles = (
+            cute.ceil_div(cute.size(c, mode=[0]), self.tile_m)
+            * cute.ceil_div(cute.size(c, mode=[1]), self.tile_n)
+            * cute.size(c, mode=[2])
+        )
+
+        @cute.struct
+        class SharedStorage:
+            bars: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_staged)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            tma_a, tma_ta, tma_b, tma_tb, tma_c, tma_tc, a_scale, b_scale, aux,
+            self.tiled_mma, self.tiled_mma, self.tiled_mma,
+            self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
+        ).launch(grid=(cutlass.min(num_tiles, NUM_SMS), 1, 1), block=[self.threads, 1, 1], stream=stream)
+
+    def _tile(self, t, tiles_m, tiles_n, n_l, aux):
+        """Linear tile index -> (m tile, n tile, batch, expert, active)."""
+        if cutlass.const_expr(self.masked):  # (weight tile fastest, expert, token tile outermost)
+            pm = t % tiles_m
+            pl = (t // tiles_m) % n_l
+            pn = t // (tiles_m * n_l)
+            return pm, pn, pl, pl, pn * self.tile_n < aux[pl]
+        pn = t % tiles_n
+        pm = t // tiles_n
+        expert = aux[pm]
+        return pm, pn, cutlass.Int32(0), expert, expert >= 0
+
+    def _scales(self, mSA, mSB, tCcC, kt, pm, pn, pl, expert):
+        """Per-element promotion factors of K tile kt (loaded before the wgmma wait)."""
+        f = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+        if cutlass.const_expr(self.swap_ab):  # A = weights (one scale per 128 rows), B = tokens
+            sw = mSA[(pm * self.tile_m // SCALE_BLOCK, kt, expert)]
+            n0 = pn * self.tile_n
+            for i in range(cute.size(f)):
+                f[i] = mSB[(n0 + tCcC[i][1], kt, pl)] * sw
+        else:
+            sb = mSB[(pn * self.tile_n // SCALE_BLOCK, kt, expert)]
+            m0 = pm * self.tile_m
+            for i in range(cute.size(f)):
+                f[i] = mSA[(m0 + tCcC[i][0], kt, pl)] * sb
+        return f
+
+    def _promote(self, ab_pipe, rel, acc, part, f):
+        """Free the finished stage, then acc += part * f."""
+        ab_pipe.consumer_release(rel)
+        rel.advance()
+        for i in range(cute.size(acc)):
+            acc[i] = acc[i] + part[i] * f[i]
+        return rel
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_c: cute.CopyAtom,
+        mC: cute.Tensor,
+        mSA: cute.Tensor,
+        mSB: cute.Tensor,
+        aux: cute.Tensor,
+        tiled_mma: cute.TiledMma,  # three copies of one MMA: overwrite, accumulate, epilogue layout
+        acc_mma: cute.TiledMma,
+        epi_mma: cute.TiledMma,
+        a_smem_staged: cute.ComposedLayout,
+        b_smem_staged: cute.ComposedLayout,
+        epi_smem_staged: cute.ComposedLayout,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        n_ctas, _, _ = cute.arch.grid_dim()
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        acc_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        mmas = (tiled_mma, acc_mma)
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
+
+        a_smem = cute.slice_(a_smem_staged, (None, None, 0))
+        b_smem = cute.slice_(b_smem_staged, (None, None, 0))
+        tx_bytes = cute.size_in_bytes(self.ab_dtype, a_smem) + cute.size_in_bytes(self.ab_dtype, b_smem)
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.bars.data_ptr(),
+            num_stages=self.ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
+            tx_count=tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive()
+        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
+
+        # (bM, bK, RestM, RestK, L), (bN, bK, RestN, RestK, E), (bM, bN, RestM, RestN, L)
+        gA = cute.local_tile(mA, cute.slice_(self.tile_mnk, (None, 0, None)), (None, None, None))
+        gB = cute.local_tile(mB, cute.slice_(self.tile_mnk, (0, None, None)), (None, None, None))
+        gC = cute.local_tile(mC, cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
+        tiles_m = cute.size(gC, mode=[2])
+        tiles_n = cute.size(gC, mode=[3])
+        n_l = cute.size(gC, mode=[4])
+        num_tiles = tiles_m * tiles_n * n_l
+        k_tiles = cute.size(gA, mode=[3])
+        pipeline.pipeline_init_wait()
+
+        wg = cute.arch.make_warp_uniform(warp_idx // 4)
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp_idx == 0:
+                one = cute.make_layout(1)
+                tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                    tma_a, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+                )
+                tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                    tma_b, 0, one, cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+                )
+                prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+                for t in cutlass.range(bid, num_tiles, n_ctas, unroll=1):
+                    pm, pn, pl, expert, active = self._tile(t, tiles_m, tiles_n, n_l, aux)
+                    if active:
+                        tAgA_t = tAgA[(None, pm, None, pl)]
+                        tBgB_t = tBgB[(None, pn, None, expert)]
+                        prod.reset_count()  # prod.count = K tile index within this tile
+                        for _ in cutlass.range(k_tiles, unroll=1):
+                            prod = self._load(ab_pipe, prod, tma_a, tAgA_t, tAsA, tma_b, tBgB_t, tBsB)
+                ab_pipe.producer_tail(prod)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            ctid = tidx - 128
+            thr_mma = tiled_mma.get_slice(cute.make_layout(self.n_wg, stride=128)(wg - 1))
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            tCcC = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+            acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+            part0 = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+            part1 = cute.make_rmem_tensor(tCcC.shape if self.overlap else 1, self.acc_dtype)
+            num_kb = cute.size(tCrA, mode=[2])
+
+            r2s_atom = sm90_utils.get_smem_store_op(self.c_layout, self.c_dtype, self.acc_dtype)
+            c_atom = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
+            )
+            tiled_r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(c_atom, epi_mma))
+            thr_r2s = tiled_r2s.get_slice(ctid)
+            tRS_sC = thr_r2s.partition_D(sC)
+            tRS_acc = tiled_r2s.retile(acc)
+            rD_layout = cute.make_layout(cute.shape(thr_r2s.partition_S(sC))[:3])
+            rD = cute.make_rmem_tensor_like(rD_layout, self.acc_dtype)
+            n_rd = cute.size(rD)
+            c_pipe = pipeline.PipelineTmaStore.create(
+                num_stages=self.epi_stage,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads),
+            )
+            epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.mma_threads)
+            one = cute.make_layout(1)
+
+            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            for t in cutlass.range(bid, num_tiles, n_ctas, unroll=1):
+                pm, pn, pl, expert, active = self._tile(t, tiles_m, tiles_n, n_l, aux)
+                if active:
+                    acc.fill(0.0)
+                    if cutlass.const_expr(self.overlap):
+                        cons = self._mma(ab_pipe, cons, mmas, part0, tCrA, tCrB, num_kb, True)
+                        for kt in cutlass.range(1, k_tiles, 2, unroll=1):
+                            cons = self._mma(ab_pipe, cons, mmas, part1, tCrA, tCrB, num_kb, True)
+                            f = self._scales(mSA, mSB, tCcC, kt - 1, pm, pn, pl, expert)
+                            cute.nvgpu.warpgroup.wait_group(1)
+                            rel = self._promote(ab_pipe, rel, acc, part0, f)
+                            f = self._scales(mSA, mSB, tCcC, kt, pm, pn, pl, expert)
+                            if kt + 1 < k_tiles:
+                                cons = self._mma(ab_pipe, cons, mmas, part0, tCrA, tCrB, num_kb, True)
+                                cute.nvgpu.warpgroup.wait_group(1)
+                            else:
+                                cute.nvgpu.warpgroup.wait_group(0)
+                            rel = self._promote(ab_pipe, rel, acc, part1, f)
+                        if k_tiles % 2 == 1:
+                            f = self._scales(mSA, mSB, tCcC, k_tiles - 1, pm, pn, pl, expert)
+                            cute.nvgpu.warpgroup.wait_group(0)
+                            rel = self._promote(ab_pipe, rel, acc, part0, f)
+                    else:
+                        for kt in cutlass.range(k_tiles, unroll=1):
+                            cons = self._mma(ab_pipe, cons, mmas, part0, tCrA, tCrB, num_kb, True)
+                            f = self._scales(mSA, mSB, tCcC, kt, pm, pn, pl, expert)
+                            cute.nvgpu.warpgroup.wait_group(0)
+                            rel = self._promote(ab_pipe, rel, acc, part0, f)
+
+                    # epilogue: registers -> own smem buffers -> TMA store, epi_tile at a time
+                    gC_epi = cute.zipped_divide(gC[(None, None, pm, pn, pl)], self.epi_tile)
+                    bSG_s, bSG_g = cute.nvgpu.cpasync.tma_partition(
+                        tma_c, 0, one, cute.group_modes(sC, 0, 2), gC_epi
+                    )
+                    epi_shape = gC_epi.shape[1]
+                    epi_order = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+                    for e in cutlass.range_constexpr(cute.size(gC_epi, mode=[1])):
+                        for v in cutlass.range_constexpr(n_rd):
+                            rD[v] = tRS_acc[e * n_rd + v]
+                        rOut = cute.make_rmem_tensor_like(rD_layout, self.c_dtype)
+                        rOut.store(rD.load().to(self.c_dtype))
+                        buf = e % self.epi_stage
+                        cute.copy(tiled_r2s, rOut, tRS_sC[(None, None, None, buf)])
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        epi_bar.arrive_and_wait()
+                        if warp_idx == self.store_warp:
+                            cute.copy(tma_c, bSG_s[(None, buf)], bSG_g[(None, epi_order.get_hier_coord(e))])
+                            c_pipe.producer_commit()
+                            c_pipe.producer_acquire()
+                        epi_bar.arrive_and_wait()
+            if warp_idx == self.store_warp:
+                c_pipe.producer_tail()
+
+
+VARIANTS = {
+    "ws_fp8_contig": dict(masked=False, overlap=True),
+    "ws_fp8_contig_serial": dict(masked=False),
+    "ws_fp8_masked_swapab": dict(masked=True, n_wg=2, tile_n=32),
+    "ws_fp8_masked_swapab_m64n16": dict(masked=True, n_wg=1, tile_n=16),
+}
+
+
+def compile_for_export(arch: str = "sm_90a") -> dict:
+    """{export name: compiled fn} for every entry of VARIANTS (arguments as in sm90_grouped_gemm)."""
+    if not arch.startswith("sm_90"):
+        raise ValueError(f"arch={arch!r}: the wgmma grouped GEMM needs sm_90a")
+    return {
+        name: cute.compile(
+            GroupedGemmSm90WS(**kw), *_fake_args(True, kw["masked"]), options=f"--gpu-arch {arch} --enable-tvm-ffi"
+        )
+        for name, kw in VARIANTS.items()
+    }
