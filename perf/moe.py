@@ -1,6 +1,6 @@
 """MoE expert GEMM benchmark: our grouped GEMMs beside torch's, against the hardware floor.
 
-    python -m perf.moe [--models qwen3-235b,qwen3.5-397b] [--tokens 1,2,...,16384] [--json out.json]
+    python -m perf.moe [--models qwen3-235b,qwen3.5-397b] [--tokens 1,2,...,16384] [--json out.json] [--no-ws]
 
 For each model's expert shape (E experts, hidden H, intermediate I, top-k) and token count T, with
 uniformly random routing, it times the two expert GEMMs of one MoE layer (w13: [T*k, H] x [2I, H]^T,
@@ -11,7 +11,10 @@ then w2: [T*k, I] x [H, I]^T) done by
   torch-bf16      torch._grouped_mm (bf16)
   torch-fp8-row   torch._scaled_grouped_mm (FP8, row-wise scales)
 ours-bf16 (the same kernel on bf16 operands) and the alternative FP8 variants (`alt`: BM=128
-masked kernel for decode, overlapped promotion for prefill), and our whole layer (`layer-fp8`:
+masked kernel for decode, overlapped promotion for prefill), the warp-specialized persistent
+variants of moe.kernels.sm90_grouped_gemm_ws (`ws`: each checked against the default variant's
+output first, rel err < 1e-2, then timed; `ws ms` is the fastest that matched; a variant that fails
+to load, raises or mismatches is reported in the JSON and left out), and our whole layer (`layer-fp8`:
 permute + quantize + GEMM + SiLU-and-mul + quantize + GEMM + weighted un-permute; no routing).
 TFLOP/s counts 6 * T * k * H * I; bandwidth counts the bytes of the active experts' weights plus
 activations in and out, against a device-to-device copy measured in the same run (read + write).
@@ -36,6 +39,9 @@ MODELS = {
     "qwen3.5-397b": dict(E=512, H=4096, I=1024, k=10),
 }
 DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+WS_MASKED = ["ws_fp8_masked_swapab", "ws_fp8_masked_swapab_m64n16"]
+WS_CONTIG = ["ws_fp8_contig", "ws_fp8_contig_serial"]
+WS_MAX_REL_ERR = 1e-2
 
 
 def timed(fn, iters: int) -> float:
@@ -95,6 +101,9 @@ def bench_model(name: str, tokens: list[int], iters: int, gemm, bw_copy: float) 
         alts = ["grouped_gemm_fp8_masked", "grouped_gemm_fp8_masked_serial"] if masked else ["grouped_gemm_fp8_contig"]
         for v in alts:
             row[f"{v}_ms"] = timed(lambda: ours(v), iters)
+        if gemm.ws is not None:
+            _bench_ws(row, ours, lambda out, v: gemm(a, w13_q, out, sa, w13_s, aux, masked, variant=v),
+                      hbuf, (perm.token_of >= 0).view(*shape), WS_MASKED if masked else WS_CONTIG, iters)
         a_bf, a2_bf = a.to(torch.bfloat16), a2.to(torch.bfloat16)
 
         def ours_bf16():
@@ -145,15 +154,47 @@ def bench_model(name: str, tokens: list[int], iters: int, gemm, bw_copy: float) 
             row["speedup_vs_fp8_row"] = row["torch_fp8_row_ms"] / row["ours_fp8_ms"]
         if row.get("torch_bf16_ms"):
             row["speedup_vs_bf16"] = row["torch_bf16_ms"] / row["ours_fp8_ms"]
+        if row.get("ws_best_ms"):
+            row["ws_bw_frac"] = (wbytes_fp8 + act_bytes_fp8) / row["ws_best_ms"] / 1e6 / bw_copy
+            for ref, key in (("torch_fp8_row_ms", "ws_speedup_vs_fp8_row"), ("torch_bf16_ms", "ws_speedup_vs_bf16")):
+                if row.get(ref):
+                    row[key] = row[ref] / row["ws_best_ms"]
         rows.append(row)
         print(_fmt(row), flush=True)
         del a, a2, hbuf, ybuf, xa, xh, xa8, xh8
     return rows
 
 
+def _bench_ws(row: dict, ours, w13_only, hbuf, valid, variants: list[str], iters: int) -> None:
+    """Check each warp-specialized variant's w13 output against the default variant's, time the
+    ones that match; one that fails to load, raises or mismatches is recorded and skipped."""
+    torch.cuda.synchronize()
+    want = hbuf[valid].float()
+    best = None
+    for v in variants:
+        try:
+            got = torch.full_like(hbuf, float("nan"))
+            w13_only(got, v)
+            torch.cuda.synchronize()
+            err = ((got[valid].float() - want).norm() / want.norm()).item()
+            row[f"{v}_err"] = err
+            if not err < WS_MAX_REL_ERR:  # NaN (unwritten rows) fails too
+                row[f"{v}_error"] = f"rel err {err:.3g} vs the default variant"
+                continue
+            row[f"{v}_ms"] = ms = timed(lambda: ours(v), iters)
+            if best is None or ms < row[f"{best}_ms"]:
+                best = v
+        except Exception as err:  # noqa: BLE001 - a broken new variant must not stop the table
+            row[f"{v}_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+            torch.cuda.synchronize()
+    if best is not None:
+        row["ws_best"], row["ws_best_ms"] = best, row[f"{best}_ms"]
+
+
 HEADER = (
     f"{'model':>13} {'T':>6} {'act':>4} {'ours ms':>8} {'TF/s':>6} {'GB/s':>6} {'%cp':>5} {'alt ms':>7} {'obf16':>7} "
-    f"{'layer ms':>8} {'bf16 ms':>8} {'TF/s':>6} {'fp8row ms':>9} {'TF/s':>6} {'x fp8row':>8} {'x bf16':>6}"
+    f"{'layer ms':>8} {'bf16 ms':>8} {'TF/s':>6} {'fp8row ms':>9} {'TF/s':>6} {'x fp8row':>8} {'x bf16':>6} "
+    f"{'ws ms':>7} {'ws var':>14} {'ws %cp':>6} {'ws xf8r':>7} {'ws xbf':>6}"
 )
 
 
@@ -167,7 +208,10 @@ def _fmt(r: dict) -> str:
         f"{f(r.get('grouped_gemm_fp8_masked_ms', r.get('grouped_gemm_fp8_contig_ms')), 7)} {f(r['ours_bf16_ms'], 7)} "
         f"{f(r['layer_fp8_ms'], 8)} {f(r.get('torch_bf16_ms'), 8)} {f(r.get('torch_bf16_tflops'), 6, 0)} "
         f"{f(r.get('torch_fp8_row_ms'), 9)} {f(r.get('torch_fp8_row_tflops'), 6, 0)} "
-        f"{f(r.get('speedup_vs_fp8_row'), 8, 2)} {f(r.get('speedup_vs_bf16'), 6, 2)}"
+        f"{f(r.get('speedup_vs_fp8_row'), 8, 2)} {f(r.get('speedup_vs_bf16'), 6, 2)} "
+        f"{f(r.get('ws_best_ms'), 7)} {r.get('ws_best', '-').replace('ws_fp8_', ''):>14} "
+        f"{f(100 * r['ws_bw_frac'] if r.get('ws_bw_frac') else None, 6, 1)} "
+        f"{f(r.get('ws_speedup_vs_fp8_row'), 7, 2)} {f(r.get('ws_speedup_vs_bf16'), 6, 2)}"
     )
 
 
@@ -177,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)))
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default="perf/out/moe.json")
+    ap.add_argument("--no-ws", action="store_true", help="leave out the warp-specialized variants (ws columns)")
     args = ap.parse_args(argv)
     models = args.models.split(",")
     for m in models:
@@ -185,7 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
     if not torch.cuda.is_available():
         raise SystemExit("perf.moe needs a CUDA GPU")
-    gemm = backends.Sm90Gemm(backends.load_sm90_module())
+    ws = None
+    if not args.no_ws:
+        try:
+            ws = backends.load_sm90_module(backends.SM90_WS_MODULE)
+        except Exception as err:  # noqa: BLE001 - the classic columns are still measured
+            print(f"# {backends.SM90_WS_MODULE} did not load ({type(err).__name__}: {err}); no ws columns", flush=True)
+    gemm = backends.Sm90Gemm(backends.load_sm90_module(), ws)
     bw = hbm_copy_bandwidth(1 << 30) / 1e9  # GB/s
     dev = torch.cuda.get_device_name()
     print(f"# {dev}, torch {torch.__version__}, copy bandwidth {bw:.0f} GB/s (read + write)")
@@ -195,7 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     out = dict(device=dev, torch=torch.__version__, copy_gbps=bw, date=date,
                command=" ".join(["python -m perf.moe"] + (argv if argv is not None else sys.argv[1:])), rows=rows)
     for m in models:
-        rows += bench_model(m, tokens, args.iters, gemm, bw)
+        new = bench_model(m, tokens, args.iters, gemm, bw)
+        rows += new
+        for r in new:
+            for key in sorted(k for k in r if k.endswith("_error") and k.startswith("ws_")):
+                print(f"# {r['model']} T={r['tokens']}: {key[:-6]}: {r[key]}", flush=True)
         torch.cuda.empty_cache()
         if args.json:  # rewritten after each model, so a cut-short run keeps what it measured
             os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)

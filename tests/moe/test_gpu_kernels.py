@@ -10,9 +10,21 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def gemm():
+    """Both kernel modules; a warp-specialized module that fails to load fails only the ws_* tests."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma grouped GEMM needs sm_90")
-    return backend.Sm90Gemm(backend.load_sm90_module())
+    try:
+        ws, ws_error = backend.load_sm90_module(backend.SM90_WS_MODULE), None
+    except Exception as e:  # noqa: BLE001 - reported by each ws_* test
+        ws, ws_error = None, e
+    g = backend.Sm90Gemm(backend.load_sm90_module(), ws)
+    g.ws_error = ws_error
+    return g
+
+
+def _need(gemm, variant):
+    if variant.startswith("ws_") and gemm.ws is None:
+        pytest.fail(f"{backend.SM90_WS_MODULE} did not load: {gemm.ws_error!r}")
 
 
 def _rel(a, b):
@@ -31,8 +43,16 @@ def _operands(fp8, rows_shape, n, k, e, gen):
     return (a * 8).to(torch.float8_e4m3fn), (b * 8).to(torch.float8_e4m3fn), sa, sb
 
 
-CONTIG = ["grouped_gemm_fp8_contig", "grouped_gemm_fp8_contig_serial", "grouped_gemm_bf16_contig"]
+CONTIG = [
+    "ws_fp8_contig",
+    "ws_fp8_contig_serial",
+    "grouped_gemm_fp8_contig",
+    "grouped_gemm_fp8_contig_serial",
+    "grouped_gemm_bf16_contig",
+]
 MASKED = [
+    "ws_fp8_masked_swapab",
+    "ws_fp8_masked_swapab_m64n16",
     "grouped_gemm_fp8_masked_swapab",
     "grouped_gemm_fp8_masked",
     "grouped_gemm_fp8_masked_serial",
@@ -41,15 +61,19 @@ MASKED = [
 
 
 @pytest.mark.parametrize("variant", CONTIG)
-@pytest.mark.parametrize("e,n,k,t,topk", [(4, 256, 512, 300, 2), (8, 384, 256, 33, 3), (128, 3072, 4096, 2048, 8)])
+@pytest.mark.parametrize(
+    "e,n,k,t,topk", [(4, 256, 512, 300, 2), (8, 384, 256, 33, 3), (5, 128, 384, 77, 2), (128, 3072, 4096, 2048, 8)]
+)
 def test_grouped_gemm_contiguous(gemm, variant, e, n, k, t, topk):
+    """Random routing (odd group sizes, expert 1 empty), NaN-poisoned output, every row of a token checked."""
+    _need(gemm, variant)
     fp8 = "fp8" in variant
     gen = torch.Generator(device="cuda").manual_seed(e + n + t)
     ids = torch.rand(t, e, device="cuda", generator=gen).argsort(1)[:, :topk]
     ids[ids == 1] = 0  # expert 1 stays empty
     p = permute_contiguous(ids, e, 0, 128)
     a, b, sa, sb = _operands(fp8, (p.num_rows,), n, k, e, gen)
-    out = torch.zeros(p.num_rows, n, dtype=torch.bfloat16, device="cuda")
+    out = torch.full((p.num_rows, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     gemm(a, b, out, sa, sb, p.tile_expert, False, variant=variant)
     ref = reference.grouped_gemm(a, b, torch.zeros(p.num_rows, n, device="cuda"), sa, sb, p.tile_expert, False)
     valid = p.token_of >= 0
@@ -57,15 +81,21 @@ def test_grouped_gemm_contiguous(gemm, variant, e, n, k, t, topk):
 
 
 @pytest.mark.parametrize("variant", MASKED)
-@pytest.mark.parametrize("e,n,k,t,topk", [(8, 256, 512, 100, 2), (16, 512, 1024, 256, 4), (128, 1536, 4096, 128, 8)])
+@pytest.mark.parametrize(
+    "e,n,k,t,topk",
+    [(8, 256, 512, 100, 2), (4, 128, 384, 40, 2), (16, 512, 1024, 256, 4), (128, 1536, 4096, 128, 8)],
+)
 def test_grouped_gemm_masked(gemm, variant, e, n, k, t, topk):
+    """Random routing (odd counts, several token tiles per expert, expert 1 empty), NaN-poisoned output."""
+    _need(gemm, variant)
     fp8 = "fp8" in variant
     gen = torch.Generator(device="cuda").manual_seed(e + n + t + 1)
-    ids = torch.rand(t, e, device="cuda", generator=gen).argsort(1)[:, :topk]
+    ids = torch.rand(t, e - 1, device="cuda", generator=gen).argsort(1)[:, :topk]
+    ids += (ids >= 1).long()  # distinct experts per token, expert 1 stays empty
     cap = -(-t // 128) * 128
     p = permute_masked(ids, e, cap)
     a, b, sa, sb = _operands(fp8, (e, cap), n, k, e, gen)
-    out = torch.zeros(e, cap, n, dtype=torch.bfloat16, device="cuda")
+    out = torch.full((e, cap, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     gemm(a, b, out, sa, sb, p.counts, True, variant=variant)
     ref = reference.grouped_gemm(a, b, torch.zeros(e, cap, n, device="cuda"), sa, sb, p.counts, True)
     valid = (p.token_of >= 0).view(e, cap)
@@ -104,10 +134,13 @@ def test_triton_route_and_quant_ops():
     assert _rel(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("kernels", ["classic", "ws"])
 @pytest.mark.parametrize("tokens", [5, 300])
-def test_moe_layer_sm90_matches_reference(tokens):
+def test_moe_layer_sm90_matches_reference(tokens, kernels, monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("sm90 backend")
+    monkeypatch.setenv(backend.ENV_SM90_KERNELS, kernels)
+    monkeypatch.setattr(backend, "_chosen", {})  # build the backend again under this env
     torch.manual_seed(0)
     kw = dict(shared_intermediate=256, dtype=torch.bfloat16, device="cuda")
     fast = MoE(512, 16, 4, 256, backend="sm90-fp8", **kw)
@@ -118,6 +151,8 @@ def test_moe_layer_sm90_matches_reference(tokens):
     x = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
     got, want = fast(x), ref(x)
     assert fast._backend.name == "sm90-fp8"
+    masked_default = fast._backend.ops.grouped_gemm.defaults[(True, True)]
+    assert masked_default.startswith("ws_") == (kernels == "ws")
     assert _rel(got, want) < 5e-2
 
 
