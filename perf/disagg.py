@@ -184,7 +184,7 @@ class Children:
         return self
 
     def __exit__(self, *exc):
-        self.stop(15)
+        self.stop(8)
 
 
 def wait_serving(url: str, procs: list[subprocess.Popen], logs: list[pathlib.Path], timeout: float) -> None:
@@ -362,6 +362,8 @@ def main(argv=None) -> int:
     if args.requests < 1 or min(args.prompt_lens) < 2:
         raise BenchError(f"--requests {args.requests} and --prompt-lens {args.prompt_lens}: need >= 1 and >= 2")
     args.max_model_len = max(args.prompt_lens) + 64
+    # `timeout` sends SIGTERM: exit through the finally clauses, which stop the servers' sessions.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     with tempfile.TemporaryDirectory() as tmp:
         logdir = pathlib.Path(args.out_dir or tmp)
         logdir.mkdir(parents=True, exist_ok=True)

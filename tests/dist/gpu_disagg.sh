@@ -24,7 +24,7 @@ timeout 20 nvidia-smi topo -m | head -4
 timeout 60 python3 -c "import torch, fastapi, uvicorn, zmq, openai, msgpack
 print('torch', torch.__version__, torch.cuda.device_count(), 'GPUs, peer access 0->1:', torch.cuda.can_device_access_peer(0, 1))" \
   || { echo "IMPORTS FAILED"; exit 1; }
-timeout 220 python3 -m perf.disagg --device cuda --layers 8 --prompt-lens 1024,4096,8192 --requests 3 \
+timeout -k 20 220 python3 -m perf.disagg --device cuda --layers 8 --prompt-lens 1024,4096,8192 --requests 3 \
   --start-timeout 90 --request-timeout 30 --peer-timeout 40 --out-dir "$OUT/run" --json "$OUT/disagg.json" \
   > "$OUT/disagg.log" 2>&1
 echo "perf.disagg rc=$? (MoE $NVL72_MOE_BACKEND)"
