@@ -37,22 +37,27 @@ QWEN3_30B_A3B = dict(
 )
 
 
-def decode_step_bytes(model, cfg: ModelConfig, batch: int, context: int) -> dict[str, float]:
-    """Bytes one decode step of `batch` sequences at `context` tokens must read from HBM."""
+def decode_step_bytes(cfg: ModelConfig, batch: int, context: int, expert_bytes: float,
+                      act_bytes: int = 2) -> dict[str, float]:
+    """Bytes one decode step of `batch` sequences at `context` tokens must read from HBM: attention
+    and router weights, the experts the batch touches in expectation under uniform routing
+    (`expert_bytes` each), lm_head, and the KV of every sequence."""
     h, d = cfg.hidden_size, cfg.head_dim
-    act = model.dtype.itemsize
-    layer0 = model.model.layers[0].mlp
-    w = layer0._weights
-    expert_bytes = (w.w13.numel() * w.w13.element_size() + w.w2.numel() * w.w2.element_size()
-                    + sum(t.numel() * t.element_size() for t in (w.w13_scale, w.w2_scale) if t is not None)
-                    ) / cfg.num_experts
     touched = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** batch)
-    attn = (h * cfg.num_attention_heads * d * 2 + h * cfg.num_key_value_heads * d * 2) * act
-    router = h * cfg.num_experts * act
-    kv = batch * context * cfg.num_key_value_heads * d * 2 * act
+    attn = (h * cfg.num_attention_heads * d * 2 + h * cfg.num_key_value_heads * d * 2) * act_bytes
+    router = h * cfg.num_experts * act_bytes
+    kv = batch * context * cfg.num_key_value_heads * d * 2 * act_bytes
     per_layer = attn + router + touched * expert_bytes
-    total = cfg.num_hidden_layers * per_layer + cfg.vocab_size * h * act + cfg.num_hidden_layers * kv
+    total = cfg.num_hidden_layers * per_layer + cfg.vocab_size * h * act_bytes + cfg.num_hidden_layers * kv
     return {"total": total, "per_layer_weights": per_layer, "experts_touched": touched, "kv_per_layer": kv}
+
+
+def model_expert_bytes(model) -> float:
+    """Stored bytes of one expert (w13 + w2 and their scales) in the backend's own format."""
+    w = model.model.layers[0].mlp._weights
+    return (w.w13.numel() * w.w13.element_size() + w.w2.numel() * w.w2.element_size()
+            + sum(t.numel() * t.element_size() for t in (w.w13_scale, w.w2_scale) if t is not None)
+            ) / model.config.num_experts
 
 
 def _drain(engine: LLMEngine, on_token=None) -> None:
@@ -98,6 +103,36 @@ def ttft(engine: LLMEngine, prompt_len: int, seed: int) -> float:
     return time.perf_counter() - t0
 
 
+def profile_decode(engine: LLMEngine, batch: int, out_dir: str, steps: int = 24) -> None:
+    """Where a decode step's time goes: GPU kernel time by kernel beside the step's wall time.
+
+    GPU busy time well under the wall time means the host (scheduling, input preparation, sampling
+    readback) is the limit, not the kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(out_dir, exist_ok=True)
+    decode_rate(engine, batch, 128, 8, seed=1000 + batch)  # warm
+    g = torch.Generator().manual_seed(batch)
+    sp = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(AddRequest(f"p{batch}-{i}", torch.randint(1000, 30000, (128,), generator=g).tolist(), sp))
+    for _ in range(4):  # prefill + first decode steps outside the window
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    _drain(engine)
+    prof.export_chrome_trace(os.path.join(out_dir, f"decode_b{batch}.json"))
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0)]
+    busy = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3 / steps
+    print(f"\nPROFILE decode b={batch}: wall {wall / steps * 1e3:.3f} ms/step, GPU kernel time {busy:.3f} ms/step")
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8, help="decoder layers of the 48 (the bound uses the same count)")
@@ -105,6 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--graph-batch-sizes", default="1,2,4,8,16,32,64")
     ap.add_argument("--decode-out", type=int, default=64, help="output tokens per decode request")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="also profile decode at batch 1 and 64 (graphs): kernel table printed, traces in DIR")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     bw = hbm_copy_bandwidth()
@@ -139,12 +176,16 @@ def main(argv=None) -> int:
         engine.model.attn_backend, engine.runner.graphs = backend, g
         for b in (1, 64):
             r = decode_rate(engine, b, 128, args.decode_out, seed=b)
-            bound = decode_step_bytes(model, cfg, b, 128 + args.decode_out // 2)
+            bound = decode_step_bytes(cfg, b, 128 + args.decode_out // 2, model_expert_bytes(model),
+                                      model.dtype.itemsize)
             floor_step = bound["total"] / bw
             res["rows"].append({"what": f"decode b={b}", "mode": mode, "tok_s": r["tok_s"], "step_ms": r["step_ms"],
                                 "bound_step_ms": floor_step * 1e3, "bound_tok_s": b / floor_step,
                                 "experts_touched": bound["experts_touched"]})
     engine.model.attn_backend, engine.runner.graphs = triton, graphs
+    if args.profile:
+        for b in (1, 64):
+            profile_decode(engine, b, args.profile)
     for n in (1024, 8192):
         s = ttft(engine, n, seed=n)
         res["rows"].append({"what": f"TTFT {n // 1024}K", "mode": triton.name, "ms": s * 1e3})

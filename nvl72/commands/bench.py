@@ -173,6 +173,7 @@ class RunSummary:
     usage_cached_fraction: float | None = None
     prefix_cache_hit_rate: float | None = None
     mtp_acceptance: float | None = None
+    per_turn: list[dict] | None = None  # agentic: by turn index, over conversations
 
 
 def summarize(workload: str, concurrency: int, results: list[RequestResult], duration: float,
@@ -186,6 +187,26 @@ def summarize(workload: str, concurrency: int, results: list[RequestResult], dur
         ms([r.ttft for r in results]), ms([r.tpot for r in results if r.tpot is not None]),
         sum(r.cached_tokens for r in results) / inp if inp else None,
         rates.get("prefix_cache_hit_rate"), rates.get("mtp_acceptance"))
+
+
+def per_turn(per_conv: list[list[RequestResult]]) -> list[dict]:
+    """Turn t across conversations: prompt tokens, the cached share of them and TTFT, so a reader sees
+    whether turn-2+ TTFT follows the new tokens (prompt - cached) rather than the whole context."""
+    rows = []
+    for t in range(max(len(rs) for rs in per_conv)):
+        rs = [c[t] for c in per_conv if len(c) > t]
+        rows.append({"turn": t + 1, "prompt_tokens": statistics.fmean(r.prompt_tokens for r in rs),
+                     "new_tokens": statistics.fmean(r.prompt_tokens - r.cached_tokens for r in rs),
+                     "cached_fraction": sum(r.cached_tokens for r in rs) / sum(r.prompt_tokens for r in rs),
+                     "ttft_ms": statistics.fmean(r.ttft for r in rs) * 1e3})
+    return rows
+
+
+def turn_table(rows: list[dict]) -> str:
+    out = [f"{'turn':>4} {'prompt tok':>10} {'new tok':>8} {'cached':>7} {'TTFT ms':>8}"]
+    out += [f"{r['turn']:>4} {r['prompt_tokens']:>10.0f} {r['new_tokens']:>8.0f} {r['cached_fraction']:>7.3f} "
+            f"{r['ttft_ms']:>8.1f}" for r in rows]
+    return "\n".join(out)
 
 
 # ------------------------------------------------------------------ runs
@@ -258,7 +279,9 @@ class Bench:
         per_conv = await asyncio.gather(*(conversation(c) for c in convs))
         dt = time.perf_counter() - t0
         results = [r for rs in per_conv for r in rs]
-        return summarize("agentic", num_conversations, results, dt, metric_rates(before, await self.metrics()))
+        summary = summarize("agentic", num_conversations, results, dt, metric_rates(before, await self.metrics()))
+        summary.per_turn = per_turn(per_conv)
+        return summary
 
 
 def _f(x, fmt="{:.1f}") -> str:
@@ -360,6 +383,9 @@ async def run_suite(args: argparse.Namespace, cfg: BenchConfig) -> list[RunSumma
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     runs = asyncio.run(run_suite(args, cfg))
+    for r in runs:
+        if r.per_turn:
+            print(turn_table(r.per_turn))
     print(table(runs))
     if args.json:
         with open(args.json, "w") as f:

@@ -108,3 +108,10 @@ def test_cli_against_real_server(server, tmp_path, capsys):
     assert 0 < ag["prefix_cache_hit_rate"] <= (40 + 56) / (40 + 56 + 72)
     assert ag["usage_cached_fraction"] == pytest.approx(ag["prefix_cache_hit_rate"], abs=1e-9)
     assert all(r["ttft_ms"]["median"] > 0 and r["tpot_ms"]["median"] > 0 for r in runs)
+    turns = ag["per_turn"]
+    assert [t["turn"] for t in turns] == [1, 2, 3]
+    assert [t["prompt_tokens"] for t in turns] == [40, 56, 72]
+    assert turns[0]["cached_fraction"] == 0 and turns[0]["new_tokens"] == 40
+    # Later turns: at most the 16 new tokens plus the partial page before them are recomputed.
+    assert all(t["cached_fraction"] > 0 and t["new_tokens"] < t["prompt_tokens"] for t in turns[1:])
+    assert "turn" in text and "new tok" in text

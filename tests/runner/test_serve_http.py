@@ -1,0 +1,41 @@
+"""perf.serve_http end to end on a CPU: the server child starts, every workload runs over HTTP, the
+agentic turns hit the prefix cache, and the child is gone afterwards (the GPU run takes this path)."""
+import json
+import socket
+
+import pytest
+
+from perf import serve_http
+from tests.engine.tiny import CONFIGS
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_http_cpu(tmp_path, capsys):
+    cfg = dict(CONFIGS["qwen3_moe"], vocab_size=151936, eos_token_id=[151645])  # the shipped Qwen3 vocabulary
+    (tmp_path / "tiny.json").write_text(json.dumps(cfg))
+    out = tmp_path / "res.json"
+    rc = serve_http.main([
+        "--device", "cpu", "--model-config", str(tmp_path / "tiny.json"), "--port", str(_free_port()),
+        "--max-model-len", "512", "--max-num-seqs", "4", "--decode-prompt-len", "16", "--decode-out", "6",
+        "--decode-rounds", "1", "--ttft-lens", "32,96", "--ttft-requests", "2", "--conversations", "2",
+        "--turns", "3", "--first-turn-len", "64", "--turn-len", "24", "--turn-output-len", "4",
+        "--startup-timeout", "120", "--json", str(out), "--log", str(tmp_path / "server.log")])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    rows = {r["what"]: r for r in res["rows"]}
+    assert rows["decode c=1"]["tok_s"] > 0 and rows["decode c=4"]["tok_s"] > 0
+    assert rows["TTFT 32"]["ttft_ms"] > 0 and rows["TTFT 96"]["ttft_ms"] > 0
+    dec = res["runs"]["decode"]
+    assert dec["4"]["output_tokens"] == 4 * 6 and dec["1"]["num_requests"] == 1
+    turns = res["runs"]["agentic"]["per_turn"]
+    assert [t["prompt_tokens"] for t in turns] == [64, 88, 112]
+    assert turns[0]["cached_fraction"] == 0 and all(t["cached_fraction"] > 0.5 for t in turns[1:])
+    text = capsys.readouterr().out
+    assert "SERVE_HTTP cpu" in text and "decode c=4" in text
