@@ -24,8 +24,10 @@ Measured on an H200 (perf/RESULTS.md, 2026-11-21): all variants match the fp32 p
 dequantized operands (rel err < 1e-2). FP8 two-GEMM expert time at 16384 tokens: 9.9 ms for
 Qwen3-235B (0.90x torch._scaled_grouped_mm row-wise, 0.83x torch._grouped_mm bf16) and 10.2 ms for
 Qwen3.5-397B (1.07x, 1.04x); decode at 128 tokens (swap-AB) at 56% of the copy bandwidth. The
-overlapped promotion did not pay (it was slower at most sizes: more registers, same serial wait on
-the TMA ring); what is missing is warp specialization, a persistent tile scheduler and larger tiles.
+overlapped promotion did not pay (it was slower at most sizes): ptxas serializes its wgmmas (warning
+C7514: the wait inside the K loop depends on a branch, so ptxas cannot tell which temporary it
+retires); moe/kernels/sm90_grouped_gemm_ws.py has the branch-free form, warp specialization and a
+persistent tile walk.
 
 Torch view convention at call time (what `compile_for_export` compiles against): every operand is
 passed as a rank-3 view (rows, K or N, batch) = t.permute(1, 2, 0) of the [batch, rows, cols]

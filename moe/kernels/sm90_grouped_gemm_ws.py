@@ -6,8 +6,8 @@ tile); FP8 only. What differs is the schedule, written after the structure of CU
 persistent / warp-specialized GEMMs:
 
   * warpgroup 0 is the producer: its warp 0 issues the TMA loads of A and B into an `ab_stage`-deep
-    shared-memory ring and never computes (setmaxnreg lowers its registers); warpgroups 1..n_wg
-    consume (one 64-row slice of the tile each, registers raised);
+    shared-memory ring and never computes; warpgroups 1..n_wg consume (one 64-row slice of the tile
+    each); the contiguous kernels move registers from the producer to the consumers (setmaxnreg);
   * persistent: min(#tiles, NUM_SMS) CTAs walk the tiles with a static stride; producer and
     consumers walk the same sequence and skip the same inactive tiles (masked tiles at or past
     counts[e], contiguous tiles with tile_expert -1), so the producer streams the next tile's K
@@ -16,7 +16,10 @@ persistent / warp-specialized GEMMs:
     producer is refilling) and TMA-stores them, one named barrier over the consumer threads;
   * the scale factors of a K tile are read before the wait for its wgmma (latency hidden behind
     the MMA); `overlap` keeps two temporary accumulators so the promotion of K tile t runs while
-    the wgmma of K tile t+1 is in flight.
+    the wgmma of K tile t+1 is in flight. The K loop is written as branch-free pairs: with a
+    data-dependent wait inside the loop (as in sm90_grouped_gemm's overlapped variant) ptxas cannot
+    tell which temporary a wait retires and serializes every wgmma (warning C7514, checked with
+    `ptxas -v` on the kept PTX), which is why that variant never overlapped.
 
 Variants: the swap-AB masked kernel (decode: weights are the 128- or 64-row M operand, the few
 tokens of an expert the N operand; token tiles outermost in the tile order, so every CTA first
@@ -204,7 +207,8 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
 
         wg = cute.arch.make_warp_uniform(warp_idx // 4)
         if wg == 0:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if cutlass.const_expr(not self.masked):  # the decode kernels need few registers (ptxas ignores it there)
+                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
                 one = cute.make_layout(1)
                 tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
@@ -224,7 +228,8 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
                             prod = self._load(ab_pipe, prod, tma_a, tAgA_t, tAsA, tma_b, tBgB_t, tBsB)
                 ab_pipe.producer_tail(prod)
         else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            if cutlass.const_expr(not self.masked):
+                cute.arch.setmaxregister_increase(CONSUMER_REGS)
             ctid = tidx - 128
             thr_mma = tiled_mma.get_slice(cute.make_layout(self.n_wg, stride=128)(wg - 1))
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
@@ -260,20 +265,26 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
                 if active:
                     acc.fill(0.0)
                     if cutlass.const_expr(self.overlap):
+                        # branch-free pairs, so ptxas can prove which temporary each wait retires
                         cons = self._mma(ab_pipe, cons, mmas, part0, tCrA, tCrB, num_kb, True)
-                        for kt in cutlass.range(1, k_tiles, 2, unroll=1):
+                        for j in cutlass.range((k_tiles - 1) // 2, unroll=1):
                             cons = self._mma(ab_pipe, cons, mmas, part1, tCrA, tCrB, num_kb, True)
-                            f = self._scales(mSA, mSB, tCcC, kt - 1, pm, pn, pl, expert)
+                            f = self._scales(mSA, mSB, tCcC, 2 * j, pm, pn, pl, expert)
                             cute.nvgpu.warpgroup.wait_group(1)
                             rel = self._promote(ab_pipe, rel, acc, part0, f)
-                            f = self._scales(mSA, mSB, tCcC, kt, pm, pn, pl, expert)
-                            if kt + 1 < k_tiles:
-                                cons = self._mma(ab_pipe, cons, mmas, part0, tCrA, tCrB, num_kb, True)
-                                cute.nvgpu.warpgroup.wait_group(1)
-                            else:
-                                cute.nvgpu.warpgroup.wait_group(0)
+                            cons = self._mma(ab_pipe, cons, mmas, part0, tCrA, tCrB, num_kb, True)
+                            f = self._scales(mSA, mSB, tCcC, 2 * j + 1, pm, pn, pl, expert)
+                            cute.nvgpu.warpgroup.wait_group(1)
                             rel = self._promote(ab_pipe, rel, acc, part1, f)
-                        if k_tiles % 2 == 1:
+                        if k_tiles % 2 == 0:
+                            cons = self._mma(ab_pipe, cons, mmas, part1, tCrA, tCrB, num_kb, True)
+                            f = self._scales(mSA, mSB, tCcC, k_tiles - 2, pm, pn, pl, expert)
+                            cute.nvgpu.warpgroup.wait_group(1)
+                            rel = self._promote(ab_pipe, rel, acc, part0, f)
+                            f = self._scales(mSA, mSB, tCcC, k_tiles - 1, pm, pn, pl, expert)
+                            cute.nvgpu.warpgroup.wait_group(0)
+                            rel = self._promote(ab_pipe, rel, acc, part1, f)
+                        else:
                             f = self._scales(mSA, mSB, tCcC, k_tiles - 1, pm, pn, pl, expert)
                             cute.nvgpu.warpgroup.wait_group(0)
                             rel = self._promote(ab_pipe, rel, acc, part0, f)
