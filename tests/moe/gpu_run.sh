@@ -13,8 +13,8 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 OUT=${OUT:-/tmp/moe-out}
 mkdir -p "$OUT"
 source .gpucarry-moe2/sm_90a/setup_device.sh || exit 1
-nvidia-smi -L
-python3 -c "import triton, torch; print('triton', triton.__version__, 'torch', torch.__version__)"
+timeout 20 nvidia-smi -L
+timeout 60 python3 -c "import triton, torch; print('triton', triton.__version__, 'torch', torch.__version__)"
 PYTEST="python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/moe/test_gpu_kernels.py"
 timeout 100 $PYTEST -k "not ws" > "$OUT/pytest_classic.log" 2>&1
 echo "pytest (classic kernels) rc=$?"; tail -4 "$OUT/pytest_classic.log"
@@ -29,9 +29,13 @@ if [ "$ws_rc" -eq 0 ]; then
   echo "perf.moe (with ws) rc=$perf_rc"
 fi
 if [ "$perf_rc" -ne 0 ]; then
-  [ -f "$OUT/perf.log" ] && mv "$OUT/perf.log" "$OUT/perf_ws_failed.log" && tail -5 "$OUT/perf_ws_failed.log"
+  [ -f "$OUT/perf.log" ] && mv "$OUT/perf.log" "$OUT/perf_ws_failed.log" && grep -Ev "^ +qwen" "$OUT/perf_ws_failed.log" | tail -5
   timeout 150 $PERF --no-ws --json "$OUT/moe.json" > "$OUT/perf.log" 2>&1
   echo "perf.moe (without ws) rc=$?"
+fi
+if [ -f "$OUT/perf_ws_failed.log" ]; then
+  echo "## rows measured by the failed run with ws columns"
+  grep -E "^ +qwen" "$OUT/perf_ws_failed.log"
 fi
 grep -E "^# " "$OUT/perf.log" | head -20
 grep -E "^ +model|^ +qwen" "$OUT/perf.log" || tail -30 "$OUT/perf.log"
