@@ -7,9 +7,10 @@
   torch-grouped    torch._grouped_mm (bf16) with torch permutation               other CUDA GPUs
 
 The FP8 pipeline (one pass per MoE layer):
-  permute (contiguous for prefill, masked [E, cap] for decode) -> gather + quantize x (1 x 128
-  power-of-two scales) -> grouped GEMM with w13 -> SiLU-and-mul + quantize -> grouped GEMM with w2
-  -> weighted un-permute, adding sigmoid(x . w_gate) * shared(x) in the same kernel.
+  permute (contiguous for prefill, masked [E, cap = T rounded up to 32] for decode, one kernel on
+  GPU) -> gather + quantize x (1 x 128 power-of-two scales) -> grouped GEMM with w13 ->
+  SiLU-and-mul + quantize (routed rows only) -> grouped GEMM with w2 -> weighted un-permute,
+  adding sigmoid(x . w_gate) * shared(x) in the same kernel.
 Weights are converted once (`prepare`): MXFP8 (1 x 32, E8M0) then regrouped exactly into 128 x 128
 power-of-two blocks for Hopper (moe.mxfp8). A backend that cannot run raises at selection time,
 never in the hot path.
@@ -30,6 +31,10 @@ from moe.routing import permute_contiguous, permute_masked
 log = logging.getLogger("moe.backend")
 TILE_M = 128
 DECODE_MAX_TOKENS = 256  # at or below this many tokens the masked (no host sync) layout is used
+# Rows per expert of the masked layout are T rounded up to this: the token tile of the swap-AB
+# decode GEMMs (the FP8 defaults). The SiLU-quant kernel works on routed rows only, but the GEMMs'
+# grids and the h / y buffers scale with the capacity, so it follows T, not a 128-row M tile.
+DECODE_ALIGN = 32
 
 
 class BackendUnavailable(RuntimeError):
@@ -90,6 +95,13 @@ class Sm90Gemm:
         (False, True): "grouped_gemm_bf16_masked",
     }
     WS_DEFAULTS = {(True, False): "ws_fp8_contig", (True, True): "ws_fp8_masked_swapab"}
+    # rows of A per CTA tile of the masked variants (the capacity must be a multiple: the kernels
+    # index the a_scale rows of a tile without bounds checks)
+    MASKED_ROW_TILE = {
+        "grouped_gemm_fp8_masked_swapab": 32,
+        "ws_fp8_masked_swapab": 32,
+        "ws_fp8_masked_swapab_m64n16": 16,
+    }
 
     def __init__(self, module, ws_module=None, kernels: str = "classic"):
         if kernels not in ("classic", "ws"):
@@ -127,7 +139,13 @@ class Sm90Gemm:
         else:
             m = a.shape[0]
             a3, c3 = a.view(1, m, -1).permute(1, 2, 0), out.view(1, m, -1).permute(1, 2, 0)  # (M, K, 1)
-        fn = self.kernel(variant or self.defaults[(fp8, masked)])
+        variant = variant or self.defaults[(fp8, masked)]
+        if masked and a.shape[1] % self.MASKED_ROW_TILE.get(variant, TILE_M):
+            raise ValueError(
+                f"capacity {a.shape[1]} is not a multiple of {variant}'s row tile "
+                f"{self.MASKED_ROW_TILE.get(variant, TILE_M)}"
+            )
+        fn = self.kernel(variant)
         fn(a3, b.permute(1, 2, 0), c3, sa, sb, aux.to(torch.int32))
         return out
 
@@ -191,8 +209,8 @@ class Fp8PipelineBackend(ExpertBackend):
         t = x.shape[0]
         masked = t <= DECODE_MAX_TOKENS
         if masked:
-            cap = -(-t // TILE_M) * TILE_M  # an expert gets at most T pairs: no overflow possible
-            perm = permute_masked(topk_ids, num_local, cap, expert_offset)
+            cap = -(-t // DECODE_ALIGN) * DECODE_ALIGN  # an expert gets at most T pairs: no overflow
+            perm = ops.permute_masked(topk_ids, num_local, cap, expert_offset)
             aux, rows_per_batch = perm.counts, cap
         else:
             perm = permute_contiguous(topk_ids, num_local, expert_offset, TILE_M)
@@ -201,7 +219,7 @@ class Fp8PipelineBackend(ExpertBackend):
         shape = (num_local, cap) if masked else (perm.num_rows,)
         h = torch.empty(*shape, two_i, dtype=x.dtype, device=x.device)
         ops.grouped_gemm(a.view(*shape, hidden), weights.w13, h, sa, weights.w13_scale, aux, masked)
-        a2, sa2 = ops.silu_mul_quant(h.view(-1, two_i), rows_per_batch)
+        a2, sa2 = ops.silu_mul_quant(h.view(-1, two_i), rows_per_batch, perm.row_of)  # routed rows only
         y = torch.empty(*shape, hidden, dtype=x.dtype, device=x.device)
         ops.grouped_gemm(a2.view(*shape, two_i // 2), weights.w2, y, sa2, weights.w2_scale, aux, masked)
         if shared_ready is not None:
@@ -230,6 +248,7 @@ class TorchGroupedBackend(ExpertBackend):
 def _reference_ops() -> SimpleNamespace:
     return SimpleNamespace(
         route=reference.route,
+        permute_masked=permute_masked,
         gather_quant=reference.gather_quant,
         silu_mul_quant=reference.silu_mul_quant,
         grouped_gemm=reference.grouped_gemm,
@@ -248,6 +267,7 @@ def _sm90_ops() -> SimpleNamespace:
     log.info("moe: sm90 FP8 grouped GEMM defaults: %s kernels", kernels)
     return SimpleNamespace(
         route=triton_moe.route,
+        permute_masked=triton_moe.permute_masked,
         gather_quant=triton_moe.gather_quant,
         silu_mul_quant=triton_moe.silu_mul_quant,
         grouped_gemm=gemm,

@@ -72,8 +72,13 @@ def gather_quant(
     return _quant_rows(rows, rows_per_batch)
 
 
-def silu_mul_quant(h: torch.Tensor, rows_per_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """h [M, 2I] (gate | up) -> quantized silu(gate) * up: (q [M, I] e4m3, scale as gather_quant)."""
+def silu_mul_quant(
+    h: torch.Tensor, rows_per_batch: int, row_of: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [M, 2I] (gate | up) -> quantized silu(gate) * up: (q [M, I] e4m3, scale as gather_quant).
+
+    row_of [T, k], when given, names the rows that matter (those >= 0: the routed pairs); the
+    others are unspecified (computed here, left unwritten by the kernel)."""
     inter = h.shape[-1] // 2
     hf = h.float()
     return _quant_rows(F.silu(hf[:, :inter]) * hf[:, inter:], rows_per_batch)

@@ -8,8 +8,9 @@ Two layouts for the grouped GEMMs:
     [e*cap, e*cap + counts[e]); the GEMM skips tiles past counts[e].
 Pairs routed to experts held by another EP rank get row -1 and contribute nothing here.
 
-Index arithmetic is plain torch (a stable sort), the same on CPU and GPU; the data movement
-(gather + quantize, weighted un-permute) is in `moe.ops`.
+Index arithmetic here is plain torch (a stable sort), the same on CPU and GPU; the FP8 decode path
+uses the one-kernel equivalent of `permute_masked` (moe.kernels.triton_moe). The data movement
+(gather + quantize, weighted un-permute) is in the backends' ops (moe/backend.py).
 """
 from __future__ import annotations
 
@@ -23,14 +24,15 @@ class Permutation:
     """Where each routed pair lives in the grouped buffer.
 
     row_of [T, k] int64: row of pair (t, j) in the grouped buffer, -1 if not a local expert.
-    token_of [M] int64: source token of each grouped row, -1 for padding rows.
-    counts [E_local] int64: pairs per local expert.
+    token_of [M] int64: source token of each grouped row, -1 for padding rows (None from the
+      kernel permutation of moe.kernels.triton_moe, whose users never read it).
+    counts [E_local] int64 (int32 from the kernel permutation): pairs per local expert.
     tile_expert [M / align] int32 (contiguous) or None (masked).
     """
 
     layout: str
     row_of: torch.Tensor
-    token_of: torch.Tensor
+    token_of: torch.Tensor | None
     counts: torch.Tensor
     num_rows: int
     align: int

@@ -1,10 +1,11 @@
-"""Triton kernels for the MoE data path (routing, permute + quantize, SiLU-and-mul + quantize,
-weighted un-permute with the gated shared expert added in place).
+"""Triton kernels for the MoE data path (routing, masked permutation, permute + quantize,
+SiLU-and-mul + quantize, weighted un-permute with the gated shared expert added in place).
 
 Each function has the signature of its reference in moe/reference.py. The power-of-two scale
 exponent is computed from the bits of the block's amax exactly as moe.mxfp8.scale_exponent does,
 so quantized values match the reference bit for bit (up to the fp32 rounding of SiLU's exp).
-Imported only where Triton and a CUDA device exist (the GPU backends in moe/backend.py).
+Imported only where Triton and a CUDA device exist (the GPU backends in moe/backend.py), and by
+the tests under Triton's CPU interpreter.
 """
 from __future__ import annotations
 
@@ -88,15 +89,45 @@ def _gather_quant_mx_kernel(
 
 
 @triton.jit
-def _silu_mul_quant_kernel(h_ptr, q_ptr, s_ptr, inter, nkb, rows_per_batch, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _silu_mul_quant_kernel(
+    h_ptr, row_ptr, q_ptr, s_ptr, inter, nkb, rows_per_batch, BY_PAIR: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Program (i, kb): row i, or with BY_PAIR the row of routed pair i (-1: none here), so that a
+    masked layout's work is the routed rows, not E x capacity."""
+    if BY_PAIR:
+        row = tl.load(row_ptr + tl.program_id(0))
+    else:
+        row = tl.program_id(0).to(tl.int64)
     kb = tl.program_id(1)
-    cols = kb * BLOCK + tl.arange(0, BLOCK)
-    base = h_ptr + row.to(tl.int64) * (2 * inter)
-    g = tl.load(base + cols, mask=cols < inter, other=0.0).to(tl.float32)
-    u = tl.load(base + inter + cols, mask=cols < inter, other=0.0).to(tl.float32)
-    v = g / (1.0 + tl.exp(-g)) * u
-    _quant_store(v, q_ptr, s_ptr, row, kb, cols, inter, nkb, rows_per_batch)
+    if row >= 0:
+        cols = kb * BLOCK + tl.arange(0, BLOCK)
+        base = h_ptr + row * (2 * inter)
+        g = tl.load(base + cols, mask=cols < inter, other=0.0).to(tl.float32)
+        u = tl.load(base + inter + cols, mask=cols < inter, other=0.0).to(tl.float32)
+        v = g / (1.0 + tl.exp(-g)) * u
+        _quant_store(v, q_ptr, s_ptr, row, kb, cols, inter, nkb, rows_per_batch)
+
+
+@triton.jit
+def _permute_masked_kernel(ids_ptr, row_ptr, count_ptr, n_pairs, num_local, expert_offset, capacity, BLOCK: tl.constexpr):
+    """Program e < num_local: the pairs routed to local expert e get rows e * capacity + rank, rank
+    in pair order (what the torch path's stable sort gives), and counts[e] their number. Program
+    num_local writes -1 for the pairs of experts held elsewhere. One pass over the ids per
+    program, no atomics: deterministic, and no zeroed buffer to launch first."""
+    e = tl.program_id(0)
+    seen = 0
+    for start in range(0, n_pairs, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < n_pairs
+        local = tl.load(ids_ptr + offs, mask=m, other=0) - expert_offset
+        here = (local >= 0) & (local < num_local)
+        mine = m & tl.where(e < num_local, local == e, here == 0)
+        rank = seen + tl.cumsum(mine.to(tl.int32), axis=0) - 1
+        row = tl.where(e < num_local, e.to(tl.int64) * capacity + rank, -1)
+        tl.store(row_ptr + offs, row, mask=mine)
+        seen += tl.sum(mine.to(tl.int32), axis=0)
+    if e < num_local:
+        tl.store(count_ptr + e, seen)
 
 
 @triton.jit
@@ -109,9 +140,10 @@ def _unpermute_kernel(
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(K):
         r = tl.load(row_ptr + t * K + j)
-        w = tl.load(w_ptr + t * K + j)
-        v = tl.load(y_ptr + tl.maximum(r, 0).to(tl.int64) * H + cols, mask=m & (r >= 0), other=0.0)
-        acc += v.to(tl.float32) * w
+        if r >= 0:  # -1: an expert of another EP rank
+            w = tl.load(w_ptr + t * K + j)
+            v = tl.load(y_ptr + r.to(tl.int64) * H + cols, mask=m, other=0.0)
+            acc += v.to(tl.float32) * w
     if HAS_SHARED:
         g = tl.load(g_ptr + t).to(tl.float32)
         sv = tl.load(sh_ptr + t.to(tl.int64) * H + cols, mask=m, other=0.0).to(tl.float32)
@@ -177,14 +209,37 @@ def gather_quant_mx(x: torch.Tensor, row_of: torch.Tensor, num_rows: int, rows_p
     return q, sf
 
 
-def silu_mul_quant(h: torch.Tensor, rows_per_batch: int):
+def silu_mul_quant(h: torch.Tensor, rows_per_batch: int, row_of: torch.Tensor | None = None):
     m, inter = h.shape[0], h.shape[1] // 2
     nkb = triton.cdiv(inter, BLOCK_K)
     q = torch.empty(m, inter, dtype=torch.float8_e4m3fn, device=h.device)
     s = torch.empty(m // rows_per_batch, nkb, rows_per_batch, dtype=torch.float32, device=h.device)
-    if m:
-        _silu_mul_quant_kernel[(m, nkb)](h.contiguous(), q, s, inter, nkb, rows_per_batch, BLOCK=BLOCK_K)
+    n = m if row_of is None else row_of.numel()
+    if m and n:
+        rows = h if row_of is None else row_of.contiguous()  # any pointer when unread
+        _silu_mul_quant_kernel[(n, nkb)](
+            h.contiguous(), rows, q, s, inter, nkb, rows_per_batch, BY_PAIR=row_of is not None, BLOCK=BLOCK_K
+        )
     return q, s
+
+
+def permute_masked(topk_ids: torch.Tensor, num_local: int, capacity: int, expert_offset: int = 0):
+    """moe.routing.permute_masked in one kernel, for capacity >= T (no expert can overflow: a
+    token's k experts are distinct), so no check and no host sync; counts come as int32 (the
+    GEMMs' aux). token_of is not built (the FP8 decode pipeline never reads it)."""
+    from moe.routing import Permutation
+
+    t, k = topk_ids.shape
+    if capacity < t:
+        raise ValueError(f"capacity={capacity} < T={t}: the kernel path needs capacity >= T")
+    row = torch.empty(t, k, dtype=torch.int64, device=topk_ids.device)
+    counts = torch.empty(num_local, dtype=torch.int32, device=topk_ids.device)
+    n = t * k
+    block = min(1024, max(16, triton.next_power_of_2(max(n, 1))))
+    _permute_masked_kernel[(num_local + 1,)](
+        topk_ids.contiguous(), row, counts, n, num_local, expert_offset, capacity, BLOCK=block
+    )
+    return Permutation("masked", row, None, counts, num_local * capacity, 1, capacity=capacity)
 
 
 def unpermute(y, row_of, topk_weights, shared=None, shared_gate=None):

@@ -1,0 +1,111 @@
+"""The Triton data-path kernels of the FP8 decode path against the torch references: on a GPU, or
+through Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA).
+
+The interpreter's fp32 -> e4m3 cast does not round as the hardware does, so quantized values are
+compared exactly only kernel against kernel; scales (from the block amax) exactly against the
+reference; dequantized values against the reference within the interpreter's cast error."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moe import backend, reference
+from moe.routing import permute_masked
+
+triton_moe = pytest.importorskip("moe.kernels.triton_moe")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DEQ_TOL = 1e-2 if DEV == "cuda" else 0.1
+
+
+def _ids(t, e, k, gen):
+    """[T, k] distinct experts per token, random."""
+    return torch.rand(t, e, generator=gen).argsort(1)[:, :k].to(DEV)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize(
+    "t,e,k,num_local,offset",
+    [(1, 128, 8, 128, 0), (5, 8, 2, 8, 0), (64, 128, 8, 128, 0), (300, 16, 4, 8, 8), (257, 32, 4, 16, 0)],
+)
+def test_permute_masked_kernel_matches_torch(t, e, k, num_local, offset):
+    """Rows (stable rank inside each expert), counts and -1 for other ranks' experts, bit for bit;
+    300 x 4 pairs span two of the kernel's 1024-pair chunks."""
+    gen = torch.Generator().manual_seed(t + e)
+    ids = _ids(t, e, k, gen)
+    cap = -(-t // backend.DECODE_ALIGN) * backend.DECODE_ALIGN
+    got = triton_moe.permute_masked(ids, num_local, cap, offset)
+    want = permute_masked(ids, num_local, cap, offset)
+    assert torch.equal(got.row_of, want.row_of)
+    assert got.counts.dtype == torch.int32 and torch.equal(got.counts.long(), want.counts)
+    assert (got.num_rows, got.capacity, got.layout) == (want.num_rows, want.capacity, "masked")
+    if offset or num_local < e:
+        assert bool((got.row_of == -1).any())
+
+
+def test_permute_masked_kernel_refuses_small_capacity():
+    ids = _ids(40, 8, 2, torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="capacity=32 < T=40"):
+        triton_moe.permute_masked(ids, 8, 32)
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice")  # the all-rows launch reads the NaN rows
+@pytest.mark.parametrize("t,e,k,inter", [(1, 16, 4, 256), (20, 8, 2, 384)])
+def test_silu_mul_quant_routed_rows(t, e, k, inter):
+    """By-pair launch (routed rows only) == the all-rows launch on every routed row; scales == the
+    reference; rows nobody routed to are NaN in h and must not leak into routed rows."""
+    gen = torch.Generator().manual_seed(t * 7 + inter)
+    ids = _ids(t, e, k, gen)
+    cap = -(-t // backend.DECODE_ALIGN) * backend.DECODE_ALIGN
+    p = permute_masked(ids, e, cap)
+    h = torch.randn(e * cap, 2 * inter, generator=gen).to(DEV) * 2
+    rows = p.row_of[p.row_of >= 0]
+    unrouted = torch.ones(e * cap, dtype=torch.bool, device=DEV)
+    unrouted[rows] = False
+    h[unrouted] = float("nan")
+    q, s = triton_moe.silu_mul_quant(h, cap, p.row_of)
+    q_all, s_all = triton_moe.silu_mul_quant(h, cap)
+    rq, rs = reference.silu_mul_quant(h, cap, p.row_of)
+
+    def per_row(sc):  # [E, K/128, cap] -> [E * cap, K/128]
+        return sc.permute(0, 2, 1).reshape(-1, sc.shape[1])
+
+    assert torch.equal(q[rows].view(torch.uint8), q_all[rows].view(torch.uint8))
+    assert torch.equal(per_row(s)[rows], per_row(rs)[rows])
+    deq = q[rows].float() * per_row(s)[rows].repeat_interleave(128, 1)
+    rdeq = rq[rows].float() * per_row(rs)[rows].repeat_interleave(128, 1)
+    assert torch.isfinite(deq).all() and _rel(deq, rdeq) < DEQ_TOL
+
+
+@pytest.mark.parametrize("tokens,ep", [(1, False), (6, False), (9, True)])
+def test_fp8_pipeline_with_triton_ops_matches_emulated(tokens, ep):
+    """The decode (masked) FP8 pipeline with every Triton data-path kernel (route, permute, gather
+    + quantize, SiLU-and-mul + quantize on routed rows, un-permute with the shared expert) and the
+    reference grouped GEMM == the all-reference pipeline (mxfp8-emulated), EP slice included."""
+    torch.manual_seed(tokens)
+    hidden, e, k, inter, num_local = 256, 16, 4, 128, 8 if ep else 16
+    offset = 8 if ep else 0
+    w13 = torch.randn(num_local, 2 * inter, hidden, device=DEV) * 0.05
+    w2 = torch.randn(num_local, hidden, inter, device=DEV) * 0.05
+    x = torch.randn(tokens, hidden, device=DEV)
+    logits = torch.randn(tokens, e, device=DEV)
+    shared, gate = torch.randn(tokens, hidden, device=DEV), torch.randn(tokens, 1, device=DEV)
+    emulated = backend.Fp8PipelineBackend("mxfp8-emulated", backend._reference_ops())
+    ops = SimpleNamespace(
+        route=triton_moe.route,
+        permute_masked=triton_moe.permute_masked,
+        gather_quant=triton_moe.gather_quant,
+        silu_mul_quant=triton_moe.silu_mul_quant,
+        grouped_gemm=reference.grouped_gemm,
+        unpermute=triton_moe.unpermute,
+    )
+    kernels = backend.Fp8PipelineBackend("triton-ops", ops)
+    wts = emulated.prepare(w13, w2)
+    w, ids = kernels.route(logits, k, True)
+    rw, rids = emulated.route(logits, k, True)
+    assert torch.equal(ids, rids) and torch.allclose(w, rw, rtol=1e-5, atol=1e-6)
+    got = kernels.run(x, w, ids, wts, offset, shared, gate)
+    want = emulated.run(x, rw, rids, wts, offset, shared, gate)
+    assert torch.isfinite(got).all() and _rel(got, want) < DEQ_TOL
