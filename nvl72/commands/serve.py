@@ -16,6 +16,7 @@ log = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "triton", "flashinfer", "torch")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-cache-memory", default=None,
       help="KV cache size, e.g. 4GiB or 512MiB (default: 90%% of free GPU memory; on CPU enough for max-num-seqs)")
     a("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    a("--attention-backend", default="auto",
+      help="auto (triton on GPU, torch on CPU; $NVL72_ATTN_BACKEND overrides), triton, flashinfer or torch")
+    a("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    a("--cuda-graph-sizes", default=None,
+      help="decode batch sizes captured in CUDA graphs, comma-separated (default: 1,2,4,8,16,...,max-num-seqs)")
     a("--data-parallel-size", default="1",
       help="engines behind this front, one per GPU (cuda:0..N-1), requests routed to the least loaded")
     a("--engine", default="auto",
@@ -71,6 +77,9 @@ class ServeOptions:
     max_body_bytes: int
     engine: str = "thread"  # thread | process
     data_parallel_size: int = 1
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
 
     def engine_devices(self) -> list[str]:
         """One device per data-parallel engine."""
@@ -84,7 +93,9 @@ class ServeOptions:
                     max_model_len=self.max_model_len, num_speculative_tokens=self.num_speculative_tokens,
                     max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                     page_size=self.page_size, num_pages=self.num_pages, kv_cache_bytes=self.kv_cache_bytes,
-                    enable_prefix_caching=self.enable_prefix_caching, seed=self.seed)
+                    enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
+                    attention_backend=self.attention_backend, enforce_eager=self.enforce_eager,
+                    cuda_graph_batch_sizes=self.cuda_graph_sizes)
 
 
 def _int(name: str, value: str | None, lo: int, hi: int | None = None) -> int | None:
@@ -145,6 +156,18 @@ def _engine_mode(mode: str, device: str) -> str:
     return "process" if device.startswith("cuda") else "thread"
 
 
+def _graph_sizes(text: str | None, max_num_seqs: int) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise CLIError(f"--cuda-graph-sizes={text!r} is not a comma-separated list of batch sizes") from None
+    if not sizes or sizes[0] < 1 or sizes[-1] > max_num_seqs:
+        raise CLIError(f"--cuda-graph-sizes={text!r}: sizes must lie in [1, --max-num-seqs={max_num_seqs}]")
+    return sizes
+
+
 def options(args: argparse.Namespace) -> ServeOptions:
     """Check every value; a bad one raises CLIError naming it."""
     model = args.model
@@ -180,18 +203,22 @@ def options(args: argparse.Namespace) -> ServeOptions:
         name = os.path.basename(os.path.normpath(model)) if model else DEFAULT_MODEL_NAME
     if not name.strip():
         raise CLIError(f"--served-model-name={name!r} is empty")
+    if args.attention_backend not in ATTENTION_BACKENDS:
+        raise CLIError(f"--attention-backend={args.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    max_num_seqs = _int("max-num-seqs", args.max_num_seqs, 1, 65536)
     return ServeOptions(
         model=model, load_format=args.load_format, host=_check_host(args.host), port=_int("port", args.port, 1, 65535),
         api_key=args.api_key, served_model_name=name, max_model_len=_int("max-model-len", args.max_model_len, 16),
         dtype=args.dtype, device=device,
         num_speculative_tokens=_int("num-speculative-tokens", args.num_speculative_tokens, 0, 16),
-        max_num_seqs=_int("max-num-seqs", args.max_num_seqs, 1, 65536),
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=_int("max-num-batched-tokens", args.max_num_batched_tokens, 1),
         page_size=_int("page-size", args.page_size, 1, 4096), num_pages=_int("num-pages", args.num_pages, 1),
         kv_cache_bytes=parse_bytes("kv-cache-memory", args.kv_cache_memory),
         enable_prefix_caching=not args.no_prefix_caching, seed=_int("seed", args.seed, 0, 2**63 - 1),
         max_body_bytes=_int("max-body-bytes", args.max_body_bytes, 1024), engine=_engine_mode(args.engine, device),
-        data_parallel_size=dp)
+        data_parallel_size=dp, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+        cuda_graph_sizes=_graph_sizes(args.cuda_graph_sizes, max_num_seqs))
 
 
 def load_tokenizer(model: str | None):

@@ -48,7 +48,8 @@ def build_engine(model: str | None = None, *, load_format: str = "auto", dtype: 
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, page_size: int = 16,
                  num_pages: int | None = None, kv_cache_bytes: int | None = None, num_state_slots: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True, seed: int = 0,
-                 parallel=None) -> LLMEngine:
+                 attention_backend: str | None = None, enforce_eager: bool = False,
+                 cuda_graph_batch_sizes: tuple[int, ...] | None = None, parallel=None) -> LLMEngine:
     """An engine from plain arguments. `model=None`: the embedded default config with dummy weights.
     `parallel`: this rank's `ParallelLayout` (TP/EP ranks running one engine in lockstep)."""
     from nvl72.config import ModelConfig
@@ -79,7 +80,8 @@ def build_engine(model: str | None = None, *, load_format: str = "auto", dtype: 
                        page_size=page_size, num_pages=num_pages, kv_cache_bytes=kv_cache_bytes,
                        num_state_slots=num_state_slots, num_speculative_tokens=num_speculative_tokens,
                        enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
-                       seed=seed)
+                       seed=seed, attention_backend=attention_backend, enforce_eager=enforce_eager,
+                       cuda_graph_batch_sizes=None if cuda_graph_batch_sizes is None else tuple(cuda_graph_batch_sizes))
     log.info("engine model %s (%s, %s on %s), drafter %s", model or "<embedded default>", config.model_type, dtype,
              device, type(drafter).__name__ if drafter else "none")
     return LLMEngine(net, cfg, drafter=drafter, eos_token_ids=list(config.eos_token_id))

@@ -82,6 +82,14 @@ def graph_sizes_from_env() -> tuple[int, ...]:
         raise ValueError(f"NVL72_CUDA_GRAPHS={text!r} is not a comma-separated list of batch sizes") from None
 
 
+def default_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then every 8 up to 64 and every 32 beyond, and max_num_seqs: a decode batch pads
+    to the next size, so the steps between sizes bound the wasted rows (vLLM spaces them alike)."""
+    sizes = [b for b in (1, 2, 4) if b < max_num_seqs]
+    sizes += list(range(8, min(max_num_seqs, 64) + 1, 8)) + list(range(96, max_num_seqs + 1, 32))
+    return tuple(sorted(set(sizes) | {max_num_seqs}))
+
+
 @dataclass
 class EngineConfig:
     max_model_len: int = 4096
@@ -99,12 +107,22 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0  # seeds the generators of requests that sample without their own seed
-    # Attention backend (nvl72.model.attn_backends): None = $NVL72_ATTN_BACKEND, else "torch" (the
-    # references); "auto" = by capability (triton, flashinfer, torch).
+    # Attention backend (nvl72.model.attn_backends): None or "auto" = $NVL72_ATTN_BACKEND, else by
+    # capability (triton on CUDA, the torch reference on CPU).
     attention_backend: str | None = None
-    # Decode batch sizes captured in CUDA graphs (needs a graph-safe backend: triton); () =
-    # $NVL72_CUDA_GRAPHS (e.g. "1,2,4,8,16,32,64"), else eager.
-    cuda_graph_batch_sizes: tuple[int, ...] = ()
+    # Decode batch sizes captured in CUDA graphs (needs a graph-safe backend: triton). None =
+    # $NVL72_CUDA_GRAPHS (e.g. "1,2,4,8,16,32,64"), else on CUDA `default_graph_sizes(max_num_seqs)`;
+    # () or enforce_eager: eager.
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    enforce_eager: bool = False
+
+    def graph_sizes(self, device: torch.device) -> tuple[int, ...]:
+        """Sizes to capture; asked-for sizes are tried on any device (and refused with a warning)."""
+        if self.enforce_eager:
+            return ()
+        if self.cuda_graph_batch_sizes is not None:
+            return tuple(self.cuda_graph_batch_sizes)
+        return graph_sizes_from_env() or (default_graph_sizes(self.max_num_seqs) if device.type == "cuda" else ())
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
@@ -142,13 +160,13 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config(), self.pages, config.page_size, self.prefix, self.slots,
                                    zero_slot=lambda s: zero_slots(self.caches, [s]))
         if hasattr(model, "attn_backend"):
-            name = config.attention_backend or os.environ.get(attn_backends.ENV) or "torch"
+            name = config.attention_backend or os.environ.get(attn_backends.ENV) or "auto"
             model.attn_backend = attn_backends.select(attn_backends.AttentionShape.of(model), self.device,
                                                       None if name == "auto" else name)
         self.runner = ModelRunner(model, self.caches, config.page_size, self.hybrid, self.device)
         # DP+EP rank (MoE layers through a dispatch): its passes are collectives with the EP group.
         self.dp_ep = getattr(getattr(model, "parallel", None), "dispatch", None) is not None
-        sizes = config.cuda_graph_batch_sizes or graph_sizes_from_env()
+        sizes = config.graph_sizes(self.device)
         if sizes and self.dp_ep:
             log.info("engine: no decode CUDA graphs on a DP+EP rank (host-synced expert path)")
         elif sizes:

@@ -240,6 +240,8 @@ def select(shape: AttentionShape, device: torch.device | str, name: str | None =
     """The backend for `device`: `name`, else $NVL72_ATTN_BACKEND, else `default_name`; logged."""
     device = torch.device(device)
     requested = name or os.environ.get(ENV) or None
+    if requested == "auto":
+        requested = None
     chosen = requested or default_name(device)
     reason = available(chosen, device)
     if reason is not None:

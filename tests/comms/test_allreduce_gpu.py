@@ -162,6 +162,8 @@ def _heap_lifecycle_body(rank, world):
         assert got == [10 * i + r + 1 if (r + 1) % world == rank else 0 for r in range(world)], got
         heap.barrier()
         heap.destroy()
+    # A heap's pages go back only when every peer has released its import of them too.
+    dist.barrier()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     free1 = torch.cuda.mem_get_info(dev)[0]

@@ -43,7 +43,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(1, 96, (int(m),), generator=g).tolist() for m in torch.randint(3, 40, (n,), generator=g)]
 
 
-def greedy(model, attention: str, graphs=(), **kw) -> tuple[dict[str, list[int]], LLMEngine]:
+def greedy(model, attention: str, graphs=None, **kw) -> tuple[dict[str, list[int]], LLMEngine]:
     cfg = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, page_size=16, num_pages=80,
                attention_backend=attention, cuda_graph_batch_sizes=graphs)
     cfg.update(kw)

@@ -28,8 +28,34 @@ def test_options_parse(tmp_path):
     assert o.engine_kwargs()["num_speculative_tokens"] == 2 and not o.enable_prefix_caching
 
 
+def test_graph_and_backend_options():
+    o = _opts("--attention-backend", "triton", "--cuda-graph-sizes", "8,1,4", "--enforce-eager")
+    kw = o.engine_kwargs()
+    assert (kw["attention_backend"], kw["cuda_graph_batch_sizes"], kw["enforce_eager"]) == ("triton", (1, 4, 8), True)
+    assert _opts().engine_kwargs()["cuda_graph_batch_sizes"] is None  # the engine's default sizes
+
+
+def test_engine_graph_sizes_default_on_cuda_only():
+    import torch
+
+    from nvl72.engine.engine import EngineConfig, default_graph_sizes
+
+    assert default_graph_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert default_graph_sizes(6) == (1, 2, 4, 6)
+    assert default_graph_sizes(200) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128, 160, 192, 200)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert EngineConfig(max_num_seqs=16).graph_sizes(cuda) == (1, 2, 4, 8, 16)
+    assert EngineConfig(max_num_seqs=16).graph_sizes(cpu) == ()
+    assert EngineConfig(enforce_eager=True).graph_sizes(cuda) == ()
+    assert EngineConfig(cuda_graph_batch_sizes=()).graph_sizes(cuda) == ()
+    assert EngineConfig(cuda_graph_batch_sizes=(2, 4)).graph_sizes(cuda) == (2, 4)
+
+
 @pytest.mark.parametrize("argv,named", [
     (["--port", "70000"], "70000"),
+    (["--attention-backend", "flash"], "'flash'"),
+    (["--cuda-graph-sizes", "1,x"], "'1,x'"),
+    (["--cuda-graph-sizes", "1,128"], "--max-num-seqs=64"),
     (["--port", "http"], "'http'"),
     (["--model", "/no/such/dir"], "/no/such/dir"),
     (["--load-format", "gguf"], "'gguf'"),
