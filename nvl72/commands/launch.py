@@ -402,8 +402,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--front-port", type=int, default=0, help="port of the front's control socket (0: any)")
     parser.add_argument("--front-host", help="address ranks use to reach the front (default: this host's)")
     parser.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats (default 1)")
-    parser.add_argument("--heartbeat-timeout", type=float, default=15.0,
-                        help="a rank (or the front) silent this long is lost: shut down (default 15)")
+    # Serving ranks heartbeat between engine steps, and a rank's first forwards JIT-compile kernels
+    # for seconds (the H200 run's first 1K prefill outlasted a 5 s limit): the defaults allow that.
+    parser.add_argument("--heartbeat-timeout", type=float, default=60.0,
+                        help="a rank (or the front) silent this long is lost: shut down (default 60)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for all ranks to be ready")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds for all ranks to leave")
     parser.add_argument("--run-seconds", type=float, help="shut down this long after all ranks are ready")
@@ -414,8 +416,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=8000, help="serve: HTTP port of the front (0: any)")
     parser.add_argument("--served-model-name", default="nvl72", help="serve: the model name clients use")
     parser.add_argument("--transfer-timeout", type=float, default=60.0, help="serve: seconds for one KV transfer")
-    parser.add_argument("--rank-lost-timeout", type=float, default=5.0,
-                        help="serve: a decode rank without a load report this long is dead (default 5)")
+    parser.add_argument("--rank-lost-timeout", type=float, default=60.0,
+                        help="serve: a rank without a load report this long is dead (default 60)")
 
 
 def _fabric_cluster(index: int) -> str | None:

@@ -7,7 +7,8 @@
 # cuda:0 + decode cuda:1 under `python -m launch` (two ranks spawned with torchrun-style variables)
 # with each request's KV transfer as the decode rank measured it. MoE experts: torch-grouped (no
 # CuTeDSL bundle); NVL72_MOE_BACKEND=sm90-fp8 with .gpucarry-runner carried uses that bundle instead.
-# Logs under $OUT (disagg.log, run/*.log, disagg.json); the table comes last. About 3-4 minutes.
+# Logs under $OUT (disagg.log, rank_logs.txt: the rank logs' tails, disagg.json; few files: the device
+# tool returns only a handful); the table comes last. About 3-4 minutes.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/disagg-out}
@@ -25,9 +26,10 @@ timeout 60 python3 -c "import torch, fastapi, uvicorn, zmq, openai, msgpack
 print('torch', torch.__version__, torch.cuda.device_count(), 'GPUs, peer access 0->1:', torch.cuda.can_device_access_peer(0, 1))" \
   || { echo "IMPORTS FAILED"; exit 1; }
 timeout -k 20 220 python3 -m perf.disagg --device cuda --layers 8 --prompt-lens 1024,4096,8192 --requests 3 \
-  --start-timeout 90 --request-timeout 30 --peer-timeout 40 --out-dir "$OUT/run" --json "$OUT/disagg.json" \
+  --start-timeout 90 --request-timeout 30 --peer-timeout 40 --out-dir /tmp/disagg-run --json "$OUT/disagg.json" \
   > "$OUT/disagg.log" 2>&1
 echo "perf.disagg rc=$? (MoE $NVL72_MOE_BACKEND)"
-grep -hE "MoE expert backend|attention backend|KV transfer failed|Traceback|Error" "$OUT"/run/*.log | sort | uniq -c | head -12
-grep -hE "KV transfer of" "$OUT"/run/disagg-rank1.log | tail -3
+grep -hE "MoE expert backend|attention backend|KV transfer failed|Traceback|Error" /tmp/disagg-run/*.log | sort | uniq -c | head -12
+grep -hE "KV transfer of" /tmp/disagg-run/disagg-rank1.log | tail -3
 grep -A6 "^DISAGG" "$OUT/disagg.log" || tail -40 "$OUT/disagg.log"
+for f in /tmp/disagg-run/*.log; do echo "=== $f"; tail -n 80 "$f"; done > "$OUT/rank_logs.txt" 2>&1
