@@ -29,6 +29,7 @@ CHUNK_BYTES = 2048
 MAX_WORLD, MAX_LOCAL, MAX_PAIRS = 128, 512, 1024
 TOPK_VARIANTS = (1, 2, 4, 6, 8, 10)
 _ERR_KINDS = {1: "dispatch wait", 2: "combine wait", 3: "capacity"}
+REGION_ALIGN = 256
 
 
 @dataclass
@@ -40,12 +41,18 @@ class FusedHandle:
     topk_ids: torch.Tensor
 
 
-def heap_bytes(world: int, num_experts: int, top_k: int, hidden: int, max_tokens: int) -> int:
-    """Symmetric-heap bytes one fused DispatchCombine takes (with 256-byte region alignment)."""
+def heap_regions(world: int, num_experts: int, top_k: int, hidden: int, max_tokens: int) -> list[tuple[str, int]]:
+    """(name, bytes) of the kernels' heap regions in allocation order (see comms.kernels.dispatch)."""
     rows, L = world * max_tokens, num_experts // world
-    sizes = (rows * hidden * 2, rows * top_k * 4, rows * top_k * 4, rows * top_k * 4, rows * 4, world * 4,
-             world * L * 4, world * 4, rows * hidden * 2, world * 4, 16)
-    return sum(-(-s // 256) * 256 for s in sizes)
+    return [("rx", rows * hidden * 2), ("rid", rows * top_k * 4), ("rw", rows * top_k * 4),
+            ("rslot", rows * top_k * 4), ("rstamp", rows * 4), ("rntok", world * 4), ("recnt", world * L * 4),
+            ("dcnt", world * 4), ("cx", rows * hidden * 2), ("ccnt", world * 4), ("state", 16)]
+
+
+def heap_bytes(world: int, num_experts: int, top_k: int, hidden: int, max_tokens: int) -> int:
+    """Symmetric-heap bytes one fused DispatchCombine takes (with REGION_ALIGN-byte region alignment)."""
+    return sum(-(-n // REGION_ALIGN) * REGION_ALIGN
+               for _, n in heap_regions(world, num_experts, top_k, hidden, max_tokens))
 
 
 class FusedDispatch:
@@ -65,10 +72,8 @@ class FusedDispatch:
         self.cfg, self.heap, self.device = cfg, heap, torch.device(heap.device)
         self.timeout_ns = int(timeout_s * 1e9)
         rows = R * M
-        self.off = {name: heap.alloc(nbytes, align=256) for name, nbytes in (
-            ("rx", rows * H * 2), ("rid", rows * K * 4), ("rw", rows * K * 4), ("rslot", rows * K * 4),
-            ("rstamp", rows * 4), ("rntok", R * 4), ("recnt", R * L * 4), ("dcnt", R * 4),
-            ("cx", rows * H * 2), ("ccnt", R * 4), ("state", 16))}
+        self.off = {name: heap.alloc(nbytes, align=REGION_ALIGN)
+                    for name, nbytes in heap_regions(R, cfg.num_experts, K, H, M)}
         heap.barrier()
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         n = torch.tensor([nblocks or sms], dtype=torch.int64, device=self.device)

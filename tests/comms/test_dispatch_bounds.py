@@ -1,0 +1,227 @@
+"""Every memory access of the fused dispatch/combine kernels lies inside its buffer (CPU emulation).
+
+The kernels (comms/kernels/dispatch.py) address peers' heaps and local tensors through raw byte
+offsets, so an index error is an illegal address on the GPU and nothing on a CPU. This emulates
+their address arithmetic per phase, vectorised over work units, with the host's real region
+layout (`comms.dispatch_fused.heap_regions`) and buffer sizes (`DispatchCombine.packed_rows`),
+and asserts each access's [first byte, last byte] lies inside the region or tensor it addresses.
+It also checks the 32-bit products the kernels form (work-unit counts, table indices) and the
+shared-memory table bounds. Configs: the GPU test's, the perf sweep's (up to 4096 tokens,
+hidden 7168, 256 experts, top-8) and EP sizes up to 72."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comms import dispatch_fused as host
+
+CHUNK = host.CHUNK_BYTES          # bytes per (row, chunk) work unit: 32 lanes x 4 vectors x 16 B
+INT32_MAX = 2**31 - 1
+
+
+class Region:
+    """A byte range [lo, hi) of one buffer; `check` asserts accesses [start, start + width) fit."""
+
+    def __init__(self, name: str, lo: int, nbytes: int):
+        self.name, self.lo, self.hi = name, lo, lo + nbytes
+
+    def check(self, start: torch.Tensor, width: int, what: str) -> None:
+        start = torch.as_tensor(start, dtype=torch.int64).flatten()
+        if not start.numel():
+            return
+        a, b = int(start.min()), int(start.max()) + width
+        assert a >= self.lo and b <= self.hi, (
+            f"{what}: bytes [{a}, {b}) outside {self.name} [{self.lo}, {self.hi})")
+
+
+def _heap(world, E, K, H, M):
+    """The host's regions at the offsets its bump allocator gives them (REGION_ALIGN aligned)."""
+    out, off = {}, 0
+    for name, nbytes in host.heap_regions(world, E, K, H, M):
+        off = -(-off // host.REGION_ALIGN) * host.REGION_ALIGN
+        out[name] = Region(name, off, nbytes)
+        off += nbytes
+    assert off <= host.heap_bytes(world, E, K, H, M), "regions overrun heap_bytes (the heap's size)"
+    return out
+
+
+def _unit_vectors(row_bytes_off: torch.Tensor, nchunk: int) -> torch.Tensor:
+    """First byte of every 16-byte vector a (row, chunk) unit touches, given each row's byte offset:
+    chunk c, lane l, vector q -> row + c*2048 + l*16 + q*512 (comms.kernels.dispatch)."""
+    c = torch.arange(nchunk) * CHUNK
+    lanes = torch.arange(32) * 16
+    q = torch.arange(4) * 512
+    per_unit = (c[:, None, None] + lanes[None, :, None] + q[None, None, :]).flatten()
+    return (row_bytes_off.flatten()[:, None] + per_unit[None, :]).flatten()
+
+
+def _routing(world, E, K, toks, gen):
+    return [torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(t)]) if t else
+            torch.empty(0, K, dtype=torch.long) for t in toks]
+
+
+def emulate(world, E, K, H, M, toks, layout, ids=None, cap=None, gen=None):
+    """Run every phase's address arithmetic for all ranks; returns the number of accesses checked."""
+    L = E // world
+    assert world <= host.MAX_WORLD and L <= host.MAX_LOCAL and world * L <= host.MAX_PAIRS, \
+        f"world={world} L={L} exceed the kernels' shared-memory tables"
+    assert H % (CHUNK // 2) == 0 and K in host.TOPK_VARIANTS
+    nvec, row_bytes = H // 8, H * 2
+    nchunk = nvec // (CHUNK // 16)
+    rows_in = M * world
+    cap = rows_in if cap is None else cap
+    nrows = L * cap if layout == "masked" else min(L * cap, rows_in * min(K, L))
+    heap = _heap(world, E, K, H, M)
+    ids = ids if ids is not None else _routing(world, E, K, toks, gen)
+    n = 0
+    # 32-bit work-unit counts and table products (Int32 in the kernels)
+    for v, what in ((max(toks) * nchunk, "ntok * nchunk"), (rows_in * nchunk, "received rows * nchunk"),
+                    (world * L, "nlocal * world"), (rows_in * K, "row_pos entries"),
+                    (nrows * nvec, "packed row vectors (o_* indices)")):
+        assert v <= INT32_MAX, f"{what} = {v} overflows int32"
+    # ---- dispatch A1 (sender s -> owner d of expert g): rslot[(s*M + t)*K + hit], recnt[s*L + e]
+    recnt = torch.zeros(world, world, L, dtype=torch.long)  # [dest, source, local expert]
+    rslot = [torch.full((world * M, K), -1, dtype=torch.long) for _ in range(world)]
+    for s, ids_s in enumerate(ids):
+        T = ids_s.shape[0]
+        assert T <= M
+        t_idx = torch.arange(T)[:, None].expand(T, K)
+        dest = ids_s // L
+        # index of each hit among source s's tokens of the same expert (ballot + popc order)
+        order = torch.zeros_like(ids_s)
+        for g in ids_s.unique().tolist():
+            hit = ids_s == g
+            order[hit] = torch.cumsum(hit.any(1).long(), 0)[hit.any(1)] - 1
+        for d in range(world):
+            sel = dest == d
+            row = s * M + t_idx[sel]
+            heap["rslot"].check(((row * K + torch.nonzero(sel)[:, 1]) * 4) + heap["rslot"].lo, 4, "A1 rslot")
+            rslot[d][row, torch.nonzero(sel)[:, 1]] = order[sel]
+            e = ids_s[sel] - d * L
+            recnt[d, s] = torch.bincount(e, minlength=L)
+            heap["recnt"].check((s * L + torch.arange(L)) * 4 + heap["recnt"].lo, 4, "A1 recnt")
+            n += int(sel.sum()) + L
+    # ---- dispatch A2: x rows read, rx / rid / rw / rstamp written once per destination rank
+    rntok = torch.tensor(toks)
+    for s, ids_s in enumerate(ids):
+        T = ids_s.shape[0]
+        Region("x", 0, T * row_bytes).check(_unit_vectors(torch.arange(T) * row_bytes, nchunk), 16, "A2 x read")
+        for d in range(world):
+            t = torch.nonzero((ids_s // L == d).any(1)).flatten()
+            row = s * M + t
+            heap["rx"].check(_unit_vectors(heap["rx"].lo + row * row_bytes, nchunk), 16, "A2 rx write")
+            for name in ("rid", "rw"):
+                heap[name].check(heap[name].lo + ((row[:, None] * K + torch.arange(K)) * 4), 4, f"A2 {name}")
+            heap["rstamp"].check(heap["rstamp"].lo + row * 4, 4, "A2 rstamp")
+            heap["rntok"].check(heap["rntok"].lo + torch.tensor([s * 4]), 4, "A2 rntok")
+            heap["dcnt"].check(heap["dcnt"].lo + torch.tensor([s * 4]), 4, "signal dcnt")
+            n += row.numel() * (nchunk * 128 + 2 * K + 1)
+    # ---- dispatch C and combine, per receiving rank
+    for r in range(world):
+        heap["state"].check(heap["state"].lo + torch.arange(4) * 4, 4, "epoch state")
+        rstart = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(rntok, 0)])
+        assert world + 1 <= host.MAX_WORLD + 1
+        total = int(rstart[world])
+        rr = torch.arange(total)
+        s = torch.searchsorted(rstart[1:world + 1], rr, right=True)  # largest s with rstart[s] <= rr
+        assert bool((s < world).all())
+        t = rr - rstart[s]
+        row = s * M + t
+        assert bool((t < M).all()), "received row index past max_tokens"
+        heap["rstamp"].check(heap["rstamp"].lo + row * 4, 4, "C rstamp read")
+        for name in ("rid", "rw", "rslot"):
+            heap[name].check(heap[name].lo + (row[:, None] * K + torch.arange(K)) * 4, 4, f"C {name} read")
+        heap["rx"].check(_unit_vectors(heap["rx"].lo + row * row_bytes, nchunk), 16, "C rx read")
+        ids_rows = torch.stack([ids[int(a)][int(b)] for a, b in zip(s, t)]) if total else torch.empty(0, K,
+                                                                                                      dtype=torch.long)
+        sent = (ids_rows // L == r).any(1)  # stamp == epoch
+        lid = ids_rows - r * L
+        local = sent[:, None] & (lid >= 0) & (lid < L)
+        pre = torch.cumsum(recnt[r], 0) - recnt[r]  # [source, local expert], exclusive over sources
+        totals = recnt[r].sum(0)
+        base = torch.arange(L) * cap if layout == "masked" else torch.cumsum(totals, 0) - totals
+        lid_c = lid.clamp(0, L - 1)
+        p = pre[s[:, None].expand_as(lid_c), lid_c] + rslot[r][row]
+        posv = torch.where(local & (p < cap), base[lid_c] + p, torch.full_like(p, -1))
+        posv = torch.where(posv >= nrows, torch.full_like(posv, -1), posv)
+        assert bool((rslot[r][row][local] >= 0).all()), "a local slot without its slot index"
+        ok = posv >= 0
+        assert int(ok.sum()) == int(local.sum()), "entries dropped although capacity suffices"
+        Region("out_x", 0, nrows * row_bytes).check(_unit_vectors(posv[ok] * row_bytes, nchunk), 16, "C out_x write")
+        for name, width in (("o_rank", 4), ("o_tok", 4), ("o_w", 4)):
+            Region(name, 0, nrows * width).check(posv[ok] * width, width, f"C {name} write")
+        row_pos_idx = row[:, None] * K + torch.arange(K)
+        Region("row_pos", 0, rows_in * K * 4).check(row_pos_idx[ok] * 4, 4, "C row_pos write")
+        Region("counts", 0, L * 4).check(torch.arange(L) * 4, 4, "C counts")
+        Region("offsets", 0, (L + 1) * 4).check(torch.arange(L + 1) * 4, 4, "C offsets")
+        # packed positions are distinct (no two entries share a row)
+        assert posv[ok].unique().numel() == int(ok.sum()), "two entries packed into one row"
+        # ---- combine A: y rows read at row_pos, partial written to the source's cx[r, t]
+        Region("row_pos", 0, rows_in * K * 4).check(row_pos_idx[sent] * 4, 4, "combine row_pos read")
+        Region("y", 0, nrows * row_bytes).check(_unit_vectors(posv[ok] * row_bytes, nchunk), 16, "combine y read")
+        heap["cx"].check(_unit_vectors(heap["cx"].lo + (r * M + t[sent]) * row_bytes, nchunk), 16,
+                         "combine cx write (peer)")
+        heap["ccnt"].check(heap["ccnt"].lo + torch.tensor([r * 4]), 4, "signal ccnt")
+        # ---- combine B: own tokens sum cx[d, t] over their distinct ranks d, write out[t]
+        T = toks[r]
+        d = ids[r] // L
+        heap["cx"].check(_unit_vectors(heap["cx"].lo + (d * M + torch.arange(T)[:, None]) * row_bytes, nchunk),
+                         16, "combine cx read")
+        Region("out", 0, T * row_bytes).check(_unit_vectors(torch.arange(T) * row_bytes, nchunk), 16, "combine out")
+        Region("ids", 0, T * K * 4).check((torch.arange(T)[:, None] * K + torch.arange(K)) * 4, 4, "ids read")
+        n += total * K * 4 + int(ok.sum()) * (nchunk * 128 * 2 + 4) + T * nchunk * 128
+    return n
+
+
+# (experts, top_k, hidden, max_tokens, tokens per rank, layouts): tests/comms/test_dispatch_gpu.py CONFIGS
+GPU_TEST = [
+    (16, 4, 1024, 64, (37, 64), ("masked", "contiguous")),
+    (16, 4, 1024, 64, (0, 1), ("masked",)),
+    (128, 8, 4096, 128, (128, 100), ("masked", "contiguous")),
+    (256, 8, 7168, 32, (32, 17), ("contiguous",)),
+]
+
+
+@pytest.mark.parametrize("E,K,H,M,toks,layouts", GPU_TEST)
+def test_gpu_test_configs_stay_in_bounds(E, K, H, M, toks, layouts):
+    gen = torch.Generator().manual_seed(E + K + M)
+    for layout in layouts:
+        assert emulate(2, E, K, H, M, toks, layout, gen=gen) > 0
+
+
+@pytest.mark.parametrize("E,H", [(128, 4096), (256, 7168)])
+@pytest.mark.parametrize("T", [1, 512, 4096])
+def test_perf_sweep_stays_in_bounds(E, H, T):
+    """perf.comms dispatch: max_tokens = the largest swept count (4096), contiguous, top-8."""
+    gen = torch.Generator().manual_seed(T)
+    assert emulate(2, E, 8, H, 4096, (T, T), "contiguous", gen=gen) > 0
+
+
+@pytest.mark.parametrize("world,E", [(4, 256), (8, 256), (16, 256), (36, 288), (72, 288), (72, 576)])
+def test_large_ep_stays_in_bounds(world, E):
+    """EP sizes up to 72: per-rank tables live in device memory / shared memory sized by MAX_*."""
+    gen = torch.Generator().manual_seed(world)
+    toks = tuple(int(v) for v in torch.randint(0, 17, (world,), generator=gen))
+    for layout in ("masked", "contiguous"):
+        assert emulate(world, E, 8, 1024, 16, toks, layout, gen=gen) > 0
+
+
+def test_largest_heap_offsets_fit_int64_and_tables():
+    """72 ranks x 4096 tokens x hidden 7168: offsets exceed 2**32 (kernels form them in Int64) and
+    the unit counts still fit the kernels' Int32 loop variables."""
+    R, M, H, K, E = 72, 4096, 7168, 8, 288
+    nbytes = host.heap_bytes(R, E, K, H, M)
+    assert nbytes > 2**32
+    heap = _heap(R, E, K, H, M)
+    assert heap["state"].hi <= nbytes
+    assert R * M * (H // 1024) <= INT32_MAX
+
+
+def test_bounds_checker_catches_an_overrun():
+    """The checker itself must fail on an out-of-range index (here: a token past max_tokens)."""
+    gen = torch.Generator().manual_seed(0)
+    ids = _routing(2, 16, 4, (5, 5), gen)
+    with pytest.raises(AssertionError):
+        emulate(2, 16, 4, 1024, 4, (5, 5), "masked", ids=ids)
+    with pytest.raises(AssertionError, match="outside"):
+        Region("x", 0, 32).check(torch.tensor([0, 17]), 16, "probe")
