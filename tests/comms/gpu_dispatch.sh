@@ -15,9 +15,15 @@ export NVL72_KERNEL_BUNDLE=$PWD/.gpucarry-all
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 timeout 20 nvidia-smi -L
 CUDA_LAUNCH_BLOCKING=1 timeout -k 5 120 python3 tests/comms/dispatch_gpu_debug.py 2 > "$OUT/debug.log" 2>&1
-echo "debug (dispatch / combine alone, CUDA_LAUNCH_BLOCKING=1) rc=$?"
+debug_rc=$?
+echo "debug (dispatch / combine alone, CUDA_LAUNCH_BLOCKING=1) rc=$debug_rc"
 grep -E "^(FAULT|BAD|FAIL|PASS)" "$OUT/debug.log" | head -30
 grep -E "^INFO" "$OUT/debug.log" | head -4
+if [ "$debug_rc" -ne 0 ]; then  # same with a 16-block grid: does the fault depend on the work split?
+  CUDA_LAUNCH_BLOCKING=1 timeout -k 5 90 python3 tests/comms/dispatch_gpu_debug.py 2 16 > "$OUT/debug16.log" 2>&1
+  echo "debug, 16 blocks rc=$?"
+  grep -E "^(FAULT|BAD|FAIL|PASS)" "$OUT/debug16.log" | head -12
+fi
 timeout -k 5 150 python3 tests/comms/test_dispatch_gpu.py 2 "$OUT/test_summary.log" > "$OUT/test.log" 2>&1
 echo "correctness test rc=$?"
 grep -E "^(PASS|FAIL)" "$OUT/test.log" | head -30
