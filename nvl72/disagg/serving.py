@@ -236,6 +236,14 @@ class _Lockstep:
         return [bool(x) for x in t.tolist()]
 
 
+def _connect_transfer_pairs(ctx, caches) -> None:
+    from nvl72.disagg.transport import caches_device, connect_pairs
+
+    ranks = {role: [x for i in ctx.plan.of_role(role) for x in i.ranks] for role in ("prefill", "decode")}
+    connect_pairs(ctx.groups.transfer, ctx.groups.role.rank, ranks["prefill"], ranks["decode"], caches_device(caches),
+                  ctx.timeout)
+
+
 def prefill_role(ctx, opts: ServingOptions, ready) -> int:
     """A prefill instance (TP ranks in lockstep): prefill-only requests, then every TP rank sends its
     shard to the front's chosen decode rank, then the request is released once all sends completed
@@ -268,6 +276,7 @@ def prefill_role(ctx, opts: ServingOptions, ready) -> int:
         if link is not None:
             link.send(msg)
 
+    _connect_transfer_pairs(ctx, caches)
     ready()
     last, handed = 0.0, 0
     while True:
@@ -414,6 +423,7 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
     caches, groups = caches_of(eng.caches), _layer_groups(eng)
     receiving: dict[str, Receiver] = {}
     tokens: dict[str, int] = {}  # KV tokens of each transfer in flight (for its log line)
+    _connect_transfer_pairs(ctx, caches)
     ready()
     last, received, others_busy = 0.0, 0, False
     try:

