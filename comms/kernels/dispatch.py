@@ -39,6 +39,8 @@ combine (one launch):
 K is a compile-time constant (one export per top-k in TOPK_VARIANTS) so the per-slot loads are
 unrolled and in flight together.
 """
+import os
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
@@ -431,7 +433,14 @@ def _make_dispatch(K: int):
 
 
 # ------------------------------------------------------------------------------- combine
-def _make_combine(K: int):
+# Fault-isolation variants of combine (compiled only with NVL72_DISPATCH_DEBUG_VARIANTS=1; see
+# tests/comms/dispatch_gpu_debug.py): each bit removes one group of memory accesses.
+SKIP_A_LOADS, SKIP_A_STORES, SKIP_B_LOADS, SKIP_B_STORES, SKIP_FLAGS = 1, 2, 4, 8, 16
+DEBUG_SKIPS = (SKIP_A_LOADS | SKIP_A_STORES | SKIP_B_LOADS | SKIP_B_STORES | SKIP_FLAGS, SKIP_A_LOADS | SKIP_A_STORES,
+               SKIP_B_LOADS | SKIP_B_STORES, SKIP_A_LOADS, SKIP_A_STORES, SKIP_B_LOADS, SKIP_B_STORES, SKIP_FLAGS)
+
+
+def _make_combine(K: int, skip: int = 0):
     @cute.kernel
     def kernel(y: cute.Tensor, ids: cute.Tensor, out: cute.Tensor, row_pos: cute.Tensor, peers: cute.Tensor,
                rank: Int32, world: Int32, ntok: Int32, nvec: Int32, nlocal: Int32, maxt: Int32, off_rid: Int64,
@@ -495,20 +504,23 @@ def _make_combine(K: int):
                         pj = pfirst
                     wj = ptx.i32_as_f32(cute.arch.shuffle_sync(wv, j))
                     a = ya + _i64(pj) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
-                    for q in cutlass.range_constexpr(4):
-                        dq = ptx.ld_v4(a + q * 512)
-                        for h in cutlass.range_constexpr(4):
-                            lo, hi = fma_bf16x2_sel(acc[8 * q + 2 * h], acc[8 * q + 2 * h + 1], dq[h], wj, okj)
-                            acc[8 * q + 2 * h] = lo
-                            acc[8 * q + 2 * h + 1] = hi
+                    if cutlass.const_expr(not skip & SKIP_A_LOADS):
+                        for q in cutlass.range_constexpr(4):
+                            dq = ptx.ld_v4(a + q * 512)
+                            for h in cutlass.range_constexpr(4):
+                                lo, hi = fma_bf16x2_sel(acc[8 * q + 2 * h], acc[8 * q + 2 * h + 1], dq[h], wj, okj)
+                                acc[8 * q + 2 * h] = lo
+                                acc[8 * q + 2 * h + 1] = hi
                 dst = peers[s] + off_cx + (_i64(rank) * maxt + t) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
-                for q in cutlass.range_constexpr(4):
-                    ptx.st_v4(dst + q * 512, [ptx.f32_to_bf16x2(acc[8 * q + 2 * h], acc[8 * q + 2 * h + 1])
-                                              for h in range(4)])
+                if cutlass.const_expr(not skip & SKIP_A_STORES):
+                    for q in cutlass.range_constexpr(4):
+                        ptx.st_v4(dst + q * 512, [ptx.f32_to_bf16x2(acc[8 * q + 2 * h], acc[8 * q + 2 * h + 1])
+                                                  for h in range(4)])
             u = u + nw
         cute.arch.sync_threads()
-        _signal_all(peers, tid, world, off_ccnt, rank)
-        _wait_all(me, tid, world, off_ccnt, wrap_mul(epoch, nb), err_addr, timeout_ns, ERR_COMBINE_TIMEOUT)
+        if cutlass.const_expr(not skip & SKIP_FLAGS):
+            _signal_all(peers, tid, world, off_ccnt, rank)
+            _wait_all(me, tid, world, off_ccnt, wrap_mul(epoch, nb), err_addr, timeout_ns, ERR_COMBINE_TIMEOUT)
         cute.arch.sync_threads()
 
         # ---- B. sum the partials of each own token in ascending rank order
@@ -546,16 +558,18 @@ def _make_combine(K: int):
                     oki = Int32(1)
                     di = cute.arch.shuffle_sync(dv, lowest_lane(mi))
                 a = me + off_cx + (_i64(di) * maxt + t) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
-                for q in cutlass.range_constexpr(4):
-                    dq = ptx.ld_v4_cg(a + q * 512)
-                    for h in cutlass.range_constexpr(4):
-                        lo, hi = add_bf16x2_sel(acc[8 * q + 2 * h], acc[8 * q + 2 * h + 1], dq[h], oki)
-                        acc[8 * q + 2 * h] = lo
-                        acc[8 * q + 2 * h + 1] = hi
+                if cutlass.const_expr(not skip & SKIP_B_LOADS):
+                    for q in cutlass.range_constexpr(4):
+                        dq = ptx.ld_v4_cg(a + q * 512)
+                        for h in cutlass.range_constexpr(4):
+                            lo, hi = add_bf16x2_sel(acc[8 * q + 2 * h], acc[8 * q + 2 * h + 1], dq[h], oki)
+                            acc[8 * q + 2 * h] = lo
+                            acc[8 * q + 2 * h + 1] = hi
             dst = oa + _i64(t) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
-            for q in cutlass.range_constexpr(4):
-                ptx.st_v4(dst + q * 512, [ptx.f32_to_bf16x2(acc[8 * q + 2 * h], acc[8 * q + 2 * h + 1])
-                                          for h in range(4)])
+            if cutlass.const_expr(not skip & SKIP_B_STORES):
+                for q in cutlass.range_constexpr(4):
+                    ptx.st_v4(dst + q * 512, [ptx.f32_to_bf16x2(acc[8 * q + 2 * h], acc[8 * q + 2 * h + 1])
+                                              for h in range(4)])
             u = u + nw
         ptx.advance_epoch(me, off_state + 8, tid, nb, epoch)
 
@@ -622,7 +636,9 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
             options=opts)
         y = ten(cutlass.BFloat16, (cute.sym_int(), hid), 16)
         o = ten(cutlass.BFloat16, (ntok, hid), 16)
-        out[f"combine_k{K}"] = cute.compile(
-            _make_combine(K), y, ids, o, row_pos, peers, i32, i32, i32, i32, i64, i64, i64, i64, i64, i64,
-            i64, i64, i64, i32, stream, options=opts)
+        skips = (0,) + (DEBUG_SKIPS if os.environ.get("NVL72_DISPATCH_DEBUG_VARIANTS") == "1" and K == 4 else ())
+        for skip in skips:
+            out[f"combine_k{K}" + (f"_skip{skip}" if skip else "")] = cute.compile(
+                _make_combine(K, skip), y, ids, o, row_pos, peers, i32, i32, i32, i32, i64, i64, i64, i64, i64,
+                i64, i64, i64, i64, i32, stream, options=opts)
     return out

@@ -7,6 +7,11 @@ counts), then combine alone then synchronize. Every step prints one line naming 
 the rank, so a fault reads as "FAULT dispatch" or "FAULT combine".
 
     CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] [num_blocks]
+    CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] skips
+
+`skips`: config 0 with each fault-isolation variant of combine (combine_k4_skip{bits}, in a bundle
+built with NVL72_DISPATCH_DEBUG_VARIANTS=1; bits in comms.kernels.dispatch): which group of
+accesses faults ("OK combine" with the A-loads removed and FAULT otherwise names the y reads).
 """
 from __future__ import annotations
 
@@ -67,7 +72,7 @@ def _inspect(rank, world, fused, x, M, tag):
     return problems
 
 
-def _worker(rank, world, store, cfg_index, num_blocks):
+def _worker(rank, world, store, cfg_index, num_blocks, skip=0):
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -84,8 +89,13 @@ def _worker(rank, world, store, cfg_index, num_blocks):
             heap = make_heap("comms", dist.group.WORLD, DispatchCombine.heap_size_hint(world, E, K, H, M), dev)
             fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", layout=layout, timeout_s=5.0,
                                     num_blocks=num_blocks)
+            if skip:
+                import aot
+
+                fused._fused._combine = aot.function("comms.kernels.dispatch", f"combine_k{K}_skip{skip}")
             for it in range(2):
-                tag = f"E={E} K={K} H={H} M={M} T={T} {layout} blocks={fused._fused.nblocks} epoch {it + 1}"
+                tag = (f"E={E} K={K} H={H} M={M} T={T} {layout} blocks={fused._fused.nblocks} epoch {it + 1}"
+                       + (f" skip={skip}" if skip else ""))
                 x, ids, w = _inputs(cases[0], rank, world, T, E, K, H, gen, dev)
                 dist.barrier()
                 recv, h = _step(rank, tag, "dispatch", lambda: fused.dispatch(x, ids, w))
@@ -102,13 +112,15 @@ def _worker(rank, world, store, cfg_index, num_blocks):
         raise AssertionError(f"rank {rank}: {bad[0]}")
 
 
-def main(world: int, num_blocks: int | None) -> int:
+def main(world: int, num_blocks: int | None, skips: tuple[int, ...] = ()) -> int:
     if os.environ.get("CUDA_LAUNCH_BLOCKING") != "1":
         print("note: CUDA_LAUNCH_BLOCKING is not 1; faults may be reported one kernel late", flush=True)
     failed = 0
-    for i in range(len(CONFIGS)):
+    runs = [(0, s) for s in skips] if skips else [(i, 0) for i in range(len(CONFIGS))]
+    for i, skip in runs:
         with tempfile.TemporaryDirectory() as d:
-            ctx = mp.spawn(_worker, args=(world, os.path.join(d, "store"), i, num_blocks), nprocs=world, join=False)
+            ctx = mp.spawn(_worker, args=(world, os.path.join(d, "store"), i, num_blocks, skip), nprocs=world,
+                           join=False)
             t0 = time.monotonic()
             try:
                 while not ctx.join(timeout=2):
@@ -116,14 +128,22 @@ def main(world: int, num_blocks: int | None) -> int:
                         for p in ctx.processes:
                             p.kill()
                         raise TimeoutError(f"config {i} did not finish within {TIMEOUT_S} s")
-                print(f"PASS  config {i}: {CONFIGS[i][:5]}", flush=True)
+                print(f"PASS  config {i}: {CONFIGS[i][:5]}" + (f" skip={skip}" if skip else ""), flush=True)
             except Exception as e:  # noqa: BLE001  (next config in fresh processes)
                 failed += 1
-                print(f"FAIL  config {i}: {CONFIGS[i][:5]}: {type(e).__name__}: {str(e).strip().splitlines()[-1]}",
-                      flush=True)
+                print(f"FAIL  config {i}: {CONFIGS[i][:5]}" + (f" skip={skip}" if skip else "")
+                      + f": {type(e).__name__}: {str(e).strip().splitlines()[-1]}", flush=True)
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else torch.cuda.device_count(),
-                  int(sys.argv[2]) if len(sys.argv) > 2 else None))
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else torch.cuda.device_count()
+    if len(sys.argv) > 2 and sys.argv[2] == "skips":  # the variants the bundle holds (no CuTeDSL import here)
+        import aot
+
+        names = aot.read_manifest(aot.bundle_dir(aot.device_arch(0)))["modules"]["comms.kernels.dispatch"]["exports"]
+        skips = tuple(int(e.rsplit("_skip", 1)[1]) for e in names if e.startswith("combine_k4_skip"))
+        if not skips:
+            sys.exit("the bundle has no combine_k4_skip* exports: build it with NVL72_DISPATCH_DEBUG_VARIANTS=1")
+        sys.exit(main(n, None, skips))
+    sys.exit(main(n, int(sys.argv[2]) if len(sys.argv) > 2 else None))
