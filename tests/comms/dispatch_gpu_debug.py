@@ -8,6 +8,10 @@ the rank, so a fault reads as "FAULT dispatch" or "FAULT combine".
 
     CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] [num_blocks]
     CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] skips
+    CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] config N
+
+`config N`: that config alone (short enough to run under compute-sanitizer, which names the
+faulting instruction's offset and address).
 
 `skips`: config 0 with each fault-isolation variant of combine (combine_k4_skip{bits}, in a bundle
 built with NVL72_DISPATCH_DEBUG_VARIANTS=1; bits in comms.kernels.dispatch): which group of
@@ -27,7 +31,7 @@ import torch.multiprocessing as mp
 
 from tests.comms.test_dispatch_gpu import CONFIGS, _inputs
 
-TIMEOUT_S = 60
+TIMEOUT_S = float(os.environ.get("NVL72_DISPATCH_DEBUG_TIMEOUT_S", "60"))  # per config (raise it under a sanitizer)
 
 
 def _step(rank, tag, name, fn):
@@ -112,11 +116,11 @@ def _worker(rank, world, store, cfg_index, num_blocks, skip=0):
         raise AssertionError(f"rank {rank}: {bad[0]}")
 
 
-def main(world: int, num_blocks: int | None, skips: tuple[int, ...] = ()) -> int:
+def main(world: int, num_blocks: int | None, skips: tuple[int, ...] = (), configs=None) -> int:
     if os.environ.get("CUDA_LAUNCH_BLOCKING") != "1":
         print("note: CUDA_LAUNCH_BLOCKING is not 1; faults may be reported one kernel late", flush=True)
     failed = 0
-    runs = [(0, s) for s in skips] if skips else [(i, 0) for i in range(len(CONFIGS))]
+    runs = [(0, s) for s in skips] if skips else [(i, 0) for i in (configs or range(len(CONFIGS)))]
     for i, skip in runs:
         with tempfile.TemporaryDirectory() as d:
             ctx = mp.spawn(_worker, args=(world, os.path.join(d, "store"), i, num_blocks, skip), nprocs=world,
@@ -146,4 +150,6 @@ if __name__ == "__main__":
         if not skips:
             sys.exit("the bundle has no combine_k4_skip* exports: build it with NVL72_DISPATCH_DEBUG_VARIANTS=1")
         sys.exit(main(n, None, skips))
+    if len(sys.argv) > 3 and sys.argv[2] == "config":
+        sys.exit(main(n, None, configs=[int(sys.argv[3])]))
     sys.exit(main(n, int(sys.argv[2]) if len(sys.argv) > 2 else None))
