@@ -6,7 +6,7 @@
 
 Algorithms (kernels in `comms.kernels.allreduce`, loaded from the `aot` bundle):
   lamport   one-shot whose data is its own flag (sentinel-filled slots, 3 rotating buffers):
-            no flags, no fences; up to 4 MiB                           (latency-bound sizes)
+            no flags, no fences, no grid-wide hand-off, PDL launch; up to 4 MiB   (latency-bound)
   oneshot   push x to every peer, flag per block, each rank reduces all copies
   twoshot   reduce-scatter + all-gather over NVLink                    (bandwidth-bound sizes);
             when x and out both live in the heap (`symmetric_empty`), a staging-free variant:
@@ -60,6 +60,7 @@ VEC_BYTES = 16
 ONESHOT_MAX_BYTES = 16 << 20   # flagged one-shot above the Lamport cap, up to here
 LAMPORT_MAX_BYTES = 4 << 20   # per-slot capacity of the Lamport buffers
 LAMPORT_SENTINEL = -1          # int32 word of an empty Lamport slot
+LAMPORT_EPOCHS = 4             # Lamport state: [3 dirty counts, -, MAX_BLOCKS per-block epochs]
 DEFAULT_MAX_BYTES = 64 << 20
 
 
@@ -108,10 +109,13 @@ class AllReduce:
         algo: one of ALGOS; "auto" picks per size.
         max_bytes: largest message the kernels handle (workspace = (2W + 2) * max_bytes on the heap).
         timeout_s: bound on each wait for a peer inside a kernel.
+        pdl: launch the Lamport kernels with programmatic dependent launch on non-default streams
+            (CUDA-graph capture included): their blocks become resident while the previous kernel
+            on the stream finishes and wait for it on the device. False: ordinary launches.
     """
 
     def __init__(self, heap: SymmetricHeap, algo: str = "auto", *, max_bytes: int = DEFAULT_MAX_BYTES,
-                 timeout_s: float = 10.0):
+                 timeout_s: float = 10.0, pdl: bool = True):
         if algo not in ALGOS:
             raise AllReduceError(f"algo={algo!r}: expected one of {ALGOS}")
         if max_bytes <= 0 or max_bytes % VEC_BYTES:
@@ -122,6 +126,7 @@ class AllReduce:
         self.device = heap.device
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self.pdl = bool(pdl)
         self.multicast = heap.capabilities.multicast_enabled
         self._chosen: dict = {}
         if self.device.type == "cpu":
@@ -143,11 +148,11 @@ class AllReduce:
         self.flag_off = heap.alloc(2 * MAX_WORLD * MAX_BLOCKS * 4)
         self.state_off = heap.alloc(64)
         # Lamport one-shot: 3 rotating buffers [3][W][lam_cap] of sentinel words + its own state
-        # [epoch, ticket, -, -, dirty vectors of buffer 0..2] (its rotation must not see other calls)
+        # [dirty vectors of buffer 0..2, -, per-block epoch copies] (its rotation must not see other calls)
         self.lam_cap = min(max_bytes, LAMPORT_MAX_BYTES)
         self.lam_off = heap.alloc(3 * self.world * self.lam_cap)
         heap.buffer(self.lam_off, (3 * self.world * self.lam_cap // 4,), torch.int32).fill_(LAMPORT_SENTINEL)
-        self.lam_state_off = heap.alloc(64)
+        self.lam_state_off = heap.alloc(4 * (LAMPORT_EPOCHS + MAX_BLOCKS))
         self._err = torch.zeros(4, dtype=torch.int32, pin_memory=True)  # written by kernels (UVA)
         self._kernels: dict = {}
         heap.barrier()
@@ -276,6 +281,11 @@ class AllReduce:
         with tvm_ffi.use_torch_stream():
             return fn(*args)
 
+    def _pdl(self) -> int:
+        """1: launch with PDL; only on a real stream (capture and side streams), never on the
+        legacy default stream, whose implicit synchronisation PDL is not defined against."""
+        return int(self.pdl and torch.cuda.current_stream(self.device).cuda_stream != 0)
+
     def _launch(self, algo: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         epv = VEC_BYTES // x.element_size()
         n = x.numel()
@@ -295,7 +305,10 @@ class AllReduce:
                     self.state_off, self._err.data_ptr(), int(self.timeout_s * 1e9)]
         if algo in ("twoshot", "multimem"):
             args.append(self.heap.multicast_ptr)
-        self._call(self._kernel(algo, x.dtype), *args, nblocks)
+        args.append(nblocks)
+        if algo == "lamport":
+            args.append(self._pdl())
+        self._call(self._kernel(algo, x.dtype), *args)
         if of.data_ptr() != out.data_ptr():
             out.view(-1).copy_(of[:n])
         return out
@@ -317,8 +330,9 @@ class AllReduce:
             name, region = "lamport_rmsnorm", (self.lam_off, self.lam_cap, 0, self.lam_state_off)
         else:
             name, region = "rmsnorm", (self.ws_off, self.max_bytes, self.flag_off, self.state_off)
+        pdl = self._pdl() if algo == "lamport" else 0
         self._call(
             self._kernel(name, x.dtype), x.view(-1), residual.view(-1), weight, out.view(-1), res_out.view(-1),
             self.heap.peer_ptrs, self.rank, self.world, *region, self._err.data_ptr(), int(self.timeout_s * 1e9),
-            float(eps), 1.0 if zero_centered else 0.0, nblocks)
+            float(eps), 1.0 if zero_centered else 0.0, nblocks, pdl)
         return out, res_out

@@ -11,7 +11,7 @@ Heap regions (offsets chosen by `comms.allreduce.AllReduce`, identical on every 
                 at which rank s's block b finished phase p towards rank r (monotonic, never reset)
   state  int32: [epoch, ticket] (this rank only)
   lam    Lamport buffers [3][W src][lcap] of sentinel words, and their own state
-                [epoch, ticket, -, -, dirty vectors of buffer 0, 1, 2]
+                [dirty vectors of buffer 0, 1, 2, -, epoch copy of block 0 .. MAX_BLOCKS-1]
 
 Flag synchronisation (oneshot, twoshot, multimem, rmsnorm), no separate barrier: every call has
 an epoch (state[0] + 1) read from device memory, so CUDA-graph replays advance it; senders
@@ -24,7 +24,10 @@ counter) advances the epoch.
 Lamport (lamport, lamport_rmsnorm): the data is its own flag. Slots hold the sentinel word
 0xFFFFFFFF; senders replace that word in their data by another NaN, receivers poll each 16-byte
 vector (volatile loads) until none of its words is the sentinel: no flag, no fence, one NVLink
-trip. Buffers rotate by epoch % 3 and each call re-fills the one used two calls back.
+trip. Buffers rotate by epoch % 3 and each call re-fills the one used two calls back. Each
+block keeps its own copy of the epoch, so no block waits for another (no ticket, no atomic), and
+the kernels are launched with programmatic dependent launch (PDL: `griddepcontrol.wait` first,
+then `launch_dependents`), so the next kernel's blocks are resident before this one ends.
 
 Every wait is bounded by `timeout_ns` of %globaltimer; on expiry the kernel writes `1 + peer` to
 the error word (pinned host memory) and carries on, so the host raises instead of the GPU hanging.
@@ -41,8 +44,8 @@ Algorithms (exported as allreduce_<algo>_<bf16|fp32>):
                    per block
 Sums are in fp32 in rank order, so every rank gets bitwise the same result. Bandwidth loops keep
 UNROLL 16-byte vectors in flight per thread and use up to MAX_BLOCKS blocks of THREADS threads.
-Measured on 2 x H200 (graph replay, bf16): lamport 3.67 us at 1 KiB, 5.01 us at 128 KiB; twoshot
-398.9 us at 128 MiB (perf/RESULTS.md).
+Measured on 2 x H200 (graph replay, bf16): lamport 3.67 us at 1 KiB, 5.01 us at 128 KiB (before the
+per-block epochs, PDL and the all-peer poll); twoshot 398.9 us at 128 MiB (perf/RESULTS.md).
 """
 import cutlass
 import cutlass.cute as cute
@@ -56,6 +59,7 @@ MAX_WORLD = 8
 VEC_BYTES = 16
 UNROLL = 4          # 16-byte vectors in flight per thread in the bandwidth loops
 LAMPORT_SENTINEL = -1  # 0xFFFFFFFF: an empty Lamport slot word
+LAMPORT_EPOCHS = 4     # Lamport state words: [3 dirty counts, -, MAX_BLOCKS per-block epoch copies]
 
 
 def _i64(v):
@@ -237,22 +241,61 @@ def _make_oneshot(is_bf16: bool):
 
 # ------------------------------------------------------------------------------------------ Lamport one-shot
 @cute.jit
-def _lamport_load(addr, src, err_addr, timeout_ns):
-    """Poll one 16-byte vector of a Lamport slot until no word is the sentinel (the peer's
-    store has landed) or the timeout passes (error word = 1 + src); returns the 4 words."""
-    d = ptx.ld_volatile_v4(addr)
-    w0, w1, w2, w3 = d[0], d[1], d[2], d[3]
+def _has_sentinel(stage, base: int):
+    """1 if a word of the vector stage[base:base+4] is the Lamport sentinel, else 0 (no branch)."""
     S = cutlass.Int32(LAMPORT_SENTINEL)
-    if (w0 == S) | (w1 == S) | (w2 == S) | (w3 == S):
+    return cutlass.Int32((stage[base] == S) | (stage[base + 1] == S) | (stage[base + 2] == S) | (stage[base + 3] == S))
+
+
+@cute.jit
+def _lamport_gather(stage, slots, lcap, off, rank, world, err_addr, timeout_ns):
+    """stage[4r:4r+4] = the vector at `off` of every peer's slot r (slots + r * lcap), polled until
+    none of its words is the sentinel. All W-1 volatile loads are issued before the first check,
+    so ranks that already arrived cost one memory trip in all, not one each; the retry loop
+    re-polls only the vectors still empty. On timeout the error word gets 1 + a missing peer."""
+    for r in cutlass.range_constexpr(MAX_WORLD):
+        if r < world:
+            if r != rank:
+                d = ptx.ld_volatile_v4(slots + r * lcap + off)
+                for j in cutlass.range_constexpr(4):
+                    stage[r * 4 + j] = d[j]
+    pend = cutlass.Int32(0)
+    for r in cutlass.range_constexpr(MAX_WORLD):
+        if r < world:
+            if r != rank:
+                pend = pend | _has_sentinel(stage, r * 4)
+    if pend != 0:
         t0 = ptx.globaltimer()
         late = cutlass.Int32(0)
-        while ((w0 == S) | (w1 == S) | (w2 == S) | (w3 == S)) & (late == 0):
-            d = ptx.ld_volatile_v4(addr)
-            w0, w1, w2, w3 = d[0], d[1], d[2], d[3]
-            if ptx.globaltimer() - t0 > timeout_ns:
-                late = cutlass.Int32(1)
-                ptx.st_release_sys(err_addr, src + 1)
-    return w0, w1, w2, w3
+        while (pend != 0) & (late == 0):
+            pend = cutlass.Int32(0)
+            who = cutlass.Int32(0)
+            for r in cutlass.range_constexpr(MAX_WORLD):
+                if r < world:
+                    if r != rank:
+                        if _has_sentinel(stage, r * 4) != 0:
+                            d = ptx.ld_volatile_v4(slots + r * lcap + off)
+                            for j in cutlass.range_constexpr(4):
+                                stage[r * 4 + j] = d[j]
+                            if _has_sentinel(stage, r * 4) != 0:
+                                pend = cutlass.Int32(1)
+                                who = cutlass.Int32(r)
+            if pend != 0:
+                if ptx.globaltimer() - t0 > timeout_ns:
+                    late = cutlass.Int32(1)
+                    ptx.st_release_sys(err_addr, who + 1)
+
+
+@cute.jit
+def _lamport_sum(acc, stage, own, rank, world, is_bf16: cutlass.Constexpr):
+    """acc[0:epv] += every rank's vector in rank order: ours from `own` (4 words, sentinel words
+    canonicalised as the peers' copies are), the peers' from `stage` (see _lamport_gather)."""
+    for r in cutlass.range_constexpr(MAX_WORLD):
+        if r < world:
+            if r == rank:
+                _accumulate(acc, [ptx.canon_word(own[j]) for j in range(4)], is_bf16)
+            else:
+                _accumulate(acc, [stage[r * 4 + j] for j in range(4)], is_bf16)
 
 
 @cute.jit
@@ -276,16 +319,34 @@ def _lamport_clear(my_base, lam_off, lcap, clr, dirty, rank, world, tid, bid, nb
 
 
 @cute.jit
-def _lamport_finish(my_base, state_off, tid, nb, cur, clr, nvec, target):
-    """The last block: buffer `clr` is clean, buffer `cur` holds nvec vectors, next epoch."""
+def _lamport_epoch(my_base, state_off, bid):
+    """This call's epoch: block `bid`'s own copy (state word LAMPORT_EPOCHS + bid)."""
+    return ptx.ld_relaxed_gpu(my_base + state_off + _i64(LAMPORT_EPOCHS + bid) * 4)
+
+
+@cute.jit
+def _lamport_finish(my_base, state_off, tid, bid, nb, cur, nvec, target):
+    """Advance the epoch without a grid-wide hand-off (no ticket, no atomic, no wait on other
+    blocks): every block keeps its own copy, and block b, once all its threads have read copy b,
+    writes `target` into copies b, b + nb, b + 2nb, ... so all MAX_BLOCKS copies advance whatever
+    the next grid's size. Block 0 records that buffer `cur` now holds nvec vectors per slot (the
+    next call clears it; this call reads only the count of buffer (cur + 2) % 3)."""
     cute.arch.sync_threads()
-    if tid == 0:
-        t = ptx.atom_add_acq_rel_gpu(my_base + state_off + 4, 1)
-        if t == nb - 1:
-            ptx.st_relaxed_gpu(my_base + state_off + 16 + _i64(clr) * 4, 0)
-            ptx.st_relaxed_gpu(my_base + state_off + 16 + _i64(cur) * 4, nvec)
-            ptx.st_relaxed_gpu(my_base + state_off + 4, 0)
-            ptx.st_relaxed_gpu(my_base + state_off, target)
+    s = bid + tid * nb
+    if s < MAX_BLOCKS:
+        ptx.st_relaxed_gpu(my_base + state_off + _i64(LAMPORT_EPOCHS + s) * 4, target)
+    if (bid == 0) & (tid == 0):
+        ptx.st_relaxed_gpu(my_base + state_off + _i64(cur) * 4, nvec)
+
+
+@cute.jit
+def _load_group(buf, xa, v, vend):
+    """buf[4u:4u+4] = vector v + u * THREADS of xa for the UNROLL of them below vend."""
+    for u in cutlass.range_constexpr(UNROLL):
+        if v + u * THREADS < vend:
+            d = ptx.ld_v4(xa + _i64(v + u * THREADS) * VEC_BYTES)
+            for j in cutlass.range_constexpr(4):
+                buf[u * 4 + j] = d[j]
 
 
 def _make_lamport(is_bf16: bool):
@@ -293,7 +354,10 @@ def _make_lamport(is_bf16: bool):
     0xFFFFFFFF; senders replace that word in their data by another NaN (`ptx.canon_word`), so a
     receiver polls each vector until no word is the sentinel. Three buffers rotate by epoch: call
     e writes buffer e%3 and clears buffer (e+2)%3 (read in call e-1; no peer writes it before call
-    e+2, which needs this call finished), over the vectors recorded for it in state[4 + b]."""
+    e+2, which needs this call finished), over the vector count recorded for it in state[b].
+    Critical path: griddepcontrol.wait (PDL), x loads issued together with the epoch load, the
+    peer stores, the clear (local, while the peers' stores travel), one poll per vector over
+    all peers, the reduce; no grid-wide synchronisation."""
     epv = 8 if is_bf16 else 4
 
     @cute.kernel
@@ -303,58 +367,63 @@ def _make_lamport(is_bf16: bool):
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nb, _, _ = cute.arch.grid_dim()
+        cute.arch.griddepcontrol_wait()  # PDL: the previous kernel's writes (x, our state) are visible
+        cute.arch.griddepcontrol_launch_dependents()
         my_base = peers[rank]
-        epoch = ptx.ld_relaxed_gpu(my_base + state_off)
-        target = epoch + 1
-        cur = (epoch & 0x3FFFFFFF) % 3
-        clr = (cur + 2) % 3
-        dirty = ptx.ld_relaxed_gpu(my_base + state_off + 16 + _i64(clr) * 4)  # vectors per slot
         xa = x.iterator.toint()
         oa = out.iterator.toint()
-        pr = _load_peers(peers, world)
-        buf_cur = lam_off + _i64(cur) * _i64(world) * lcap
         per = (nvec + nb - 1) // nb
         v0 = bid * per
         v1 = v0 + per
         if v1 > nvec:
             v1 = nvec
-        # push x (sentinel words replaced) into my slot of buffer `cur` on every peer
+        # the first x vectors are in flight while the epoch (needed for the slot address) loads
+        buf = cute.make_rmem_tensor(cute.make_layout(UNROLL * 4), cutlass.Int32)
         v = v0 + tid
+        _load_group(buf, xa, v, v1)
+        epoch = _lamport_epoch(my_base, state_off, bid)
+        target = epoch + 1
+        cur = (epoch & 0x3FFFFFFF) % 3
+        clr = (cur + 2) % 3
+        dirty = ptx.ld_relaxed_gpu(my_base + state_off + _i64(clr) * 4)  # vectors per slot
+        pr = _load_peers(peers, world)
+        buf_cur = lam_off + _i64(cur) * _i64(world) * lcap
+        # push x (sentinel words replaced) into my slot of buffer `cur` on every peer
         while v < v1:
-            d = ptx.ld_v4(xa + _i64(v) * VEC_BYTES)
-            c = [ptx.canon_word(d[j]) for j in range(4)]
-            for r in cutlass.range_constexpr(MAX_WORLD):
-                if r < world:
-                    if r != rank:
-                        ptx.st_v4(pr[r] + buf_cur + _i64(rank) * lcap + _i64(v) * VEC_BYTES, c)
-            v += THREADS
+            for u in cutlass.range_constexpr(UNROLL):
+                vv = v + u * THREADS
+                if vv < v1:
+                    c = [ptx.canon_word(buf[u * 4 + j]) for j in range(4)]
+                    for r in cutlass.range_constexpr(MAX_WORLD):
+                        if r < world:
+                            if r != rank:
+                                ptx.st_v4(pr[r] + buf_cur + _i64(rank) * lcap + _i64(vv) * VEC_BYTES, c)
+            v += UNROLL * THREADS
+            _load_group(buf, xa, v, v1)
         _lamport_clear(my_base, lam_off, lcap, clr, dirty, rank, world, tid, bid, nb)
         # reduce in rank order, polling the peers' slots
         acc = cute.make_rmem_tensor(cute.make_layout(epv), cutlass.Float32)
+        stage = cute.make_rmem_tensor(cute.make_layout(MAX_WORLD * 4), cutlass.Int32)
         v = v0 + tid
         while v < v1:
+            off = _i64(v) * VEC_BYTES
+            own = ptx.ld_v4(xa + off)  # issued before the polls, not after them
+            _lamport_gather(stage, my_base + buf_cur, lcap, off, rank, world, err_addr, timeout_ns)
             for e in cutlass.range_constexpr(epv):
                 acc[e] = cutlass.Float32(0.0)
-            for r in cutlass.range_constexpr(MAX_WORLD):
-                if r < world:
-                    if r == rank:
-                        d = ptx.ld_v4(xa + _i64(v) * VEC_BYTES)
-                        _accumulate(acc, [ptx.canon_word(d[j]) for j in range(4)], is_bf16)
-                    else:
-                        a = my_base + buf_cur + r * lcap + _i64(v) * VEC_BYTES
-                        w0, w1, w2, w3 = _lamport_load(a, cutlass.Int32(r), err_addr, timeout_ns)
-                        _accumulate(acc, [w0, w1, w2, w3], is_bf16)
-            ptx.st_v4(oa + _i64(v) * VEC_BYTES, _pack(acc, is_bf16))
+            _lamport_sum(acc, stage, own, rank, world, is_bf16)
+            ptx.st_v4(oa + off, _pack(acc, is_bf16))
             v += THREADS
-        _lamport_finish(my_base, state_off, tid, nb, cur, clr, nvec, target)
+        _lamport_finish(my_base, state_off, tid, bid, nb, cur, nvec, target)
 
     @cute.jit
     def launch(x: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, rank: cutlass.Int32,
                world: cutlass.Int32, lam_off: cutlass.Int64, lcap: cutlass.Int64, state_off: cutlass.Int64,
-               err_addr: cutlass.Int64, timeout_ns: cutlass.Int64, nblocks: cutlass.Int32, stream):
+               err_addr: cutlass.Int64, timeout_ns: cutlass.Int64, nblocks: cutlass.Int32, pdl: cutlass.Int32,
+               stream):
         nvec = x.shape[0] // epv
         kernel(x, out, peers, rank, world, lam_off, lcap, state_off, err_addr, timeout_ns, nvec).launch(
-            grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream)
+            grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=pdl)
 
     return launch
 
@@ -569,8 +638,14 @@ def _make_oneshot_rmsnorm(is_bf16: bool, lamport: bool):
         nb, _, _ = cute.arch.grid_dim()
         smem_alloc = cutlass.utils.SmemAllocator()
         smem = smem_alloc.allocate_tensor(cutlass.Float32, cute.make_layout(THREADS // 32), byte_alignment=16)
+        cute.arch.griddepcontrol_wait()  # PDL launch: the previous kernel's writes are visible
+        cute.arch.griddepcontrol_launch_dependents()
         my_base = peers[rank]
-        epoch = ptx.ld_relaxed_gpu(my_base + state_off)
+        epoch = cutlass.Int32(0)
+        if cutlass.const_expr(lamport):
+            epoch = _lamport_epoch(my_base, state_off, bid)
+        else:
+            epoch = ptx.ld_relaxed_gpu(my_base + state_off)
         target = epoch + 1
         cur = epoch & 1  # flagged: parity; Lamport: buffer epoch % 3
         clr = cur
@@ -600,7 +675,7 @@ def _make_oneshot_rmsnorm(is_bf16: bool, lamport: bool):
                 j += THREADS
             row += nb
         if cutlass.const_expr(lamport):
-            dirty = ptx.ld_relaxed_gpu(my_base + state_off + 16 + _i64(clr) * 4)
+            dirty = ptx.ld_relaxed_gpu(my_base + state_off + _i64(clr) * 4)
             _lamport_clear(my_base, ws_off, cap, clr, dirty, rank, world, tid, bid, nb)
         else:
             cute.arch.sync_threads()
@@ -608,6 +683,7 @@ def _make_oneshot_rmsnorm(is_bf16: bool, lamport: bool):
             _wait(my_base, tid, rank, world, flag_off + _i64(bid) * 4, target, err_addr, timeout_ns)
             cute.arch.sync_threads()
         acc = cute.make_rmem_tensor(cute.make_layout(epv), cutlass.Float32)
+        stage = cute.make_rmem_tensor(cute.make_layout(MAX_WORLD * 4), cutlass.Int32)
         inv_h = cutlass.Float32(1.0) / cutlass.Float32(hvec * epv)
         row = bid
         while row < rows:
@@ -618,17 +694,13 @@ def _make_oneshot_rmsnorm(is_bf16: bool, lamport: bool):
                 off = (_i64(row) * _i64(hvec) + _i64(j)) * VEC_BYTES
                 for e in cutlass.range_constexpr(epv):
                     acc[e] = cutlass.Float32(0.0)
-                for r in cutlass.range_constexpr(MAX_WORLD):
-                    if r < world:
-                        if cutlass.const_expr(lamport):
-                            if r == rank:
-                                d = ptx.ld_v4(xa + off)
-                                _accumulate(acc, [ptx.canon_word(d[k]) for k in range(4)], is_bf16)
-                            else:
-                                w0, w1, w2, w3 = _lamport_load(my_base + slots + r * cap + off, cutlass.Int32(r),
-                                                               err_addr, timeout_ns)
-                                _accumulate(acc, [w0, w1, w2, w3], is_bf16)
-                        else:
+                if cutlass.const_expr(lamport):
+                    own = ptx.ld_v4(xa + off)
+                    _lamport_gather(stage, my_base + slots, cap, off, rank, world, err_addr, timeout_ns)
+                    _lamport_sum(acc, stage, own, rank, world, is_bf16)
+                else:
+                    for r in cutlass.range_constexpr(MAX_WORLD):
+                        if r < world:
                             a = my_base + slots + r * cap + off
                             if r == rank:
                                 a = xa + off
@@ -660,7 +732,7 @@ def _make_oneshot_rmsnorm(is_bf16: bool, lamport: bool):
                 j += THREADS
             row += nb
         if cutlass.const_expr(lamport):
-            _lamport_finish(my_base, state_off, tid, nb, cur, clr, rows * hvec, target)
+            _lamport_finish(my_base, state_off, tid, bid, nb, cur, rows * hvec, target)
         else:
             ptx.advance_epoch(my_base, state_off, tid, nb, target)
 
@@ -669,12 +741,12 @@ def _make_oneshot_rmsnorm(is_bf16: bool, lamport: bool):
                res_out: cute.Tensor, peers: cute.Tensor, rank: cutlass.Int32, world: cutlass.Int32,
                ws_off: cutlass.Int64, cap: cutlass.Int64, flag_off: cutlass.Int64, state_off: cutlass.Int64,
                err_addr: cutlass.Int64, timeout_ns: cutlass.Int64, eps: cutlass.Float32,
-               w_shift: cutlass.Float32, nblocks: cutlass.Int32, stream):
+               w_shift: cutlass.Float32, nblocks: cutlass.Int32, pdl: cutlass.Int32, stream):
         hvec = weight.shape[0] // epv
         rows = x.shape[0] // weight.shape[0]
         kernel(x, residual, weight, out, res_out, peers, rank, world, ws_off, cap, flag_off, state_off,
                err_addr, timeout_ns, eps, w_shift, hvec, rows).launch(
-            grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream)
+            grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=pdl)
 
     return launch
 
@@ -703,7 +775,7 @@ def compile_for_export(arch: str) -> dict:
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         common = (x, y, peers, i32, i32, i64, i64, i64, i64, i64, i64)
         out[f"allreduce_lamport_{name}"] = cute.compile(_make_lamport(dt is cutlass.BFloat16), x, y, peers, i32, i32,
-                                                        i64, i64, i64, i64, i64, i32, stream, options=opts)
+                                                        i64, i64, i64, i64, i64, i32, i32, stream, options=opts)
         out[f"allreduce_twoshot_symm_{name}"] = cute.compile(_make_twoshot_symm(dt is cutlass.BFloat16), *common,
                                                              i32, stream, options=opts)
         out[f"allreduce_oneshot_{name}"] = cute.compile(_make_oneshot(dt is cutlass.BFloat16), *common, i32,
@@ -718,5 +790,5 @@ def compile_for_export(arch: str) -> dict:
         for tag, lam in (("rmsnorm", False), ("lamport_rmsnorm", True)):
             out[f"allreduce_{tag}_{name}"] = cute.compile(
                 _make_oneshot_rmsnorm(dt is cutlass.BFloat16, lam), rows_h[0], rows_h[1], w, rows_h[2], rows_h[3],
-                peers, i32, i32, i64, i64, i64, i64, i64, i64, f32, f32, i32, stream, options=opts)
+                peers, i32, i32, i64, i64, i64, i64, i64, i64, f32, f32, i32, i32, stream, options=opts)
     return out

@@ -10,6 +10,9 @@ algbw = bytes / time and busbw = algbw * 2(W-1)/W (the nccl-tests convention). P
 buffer (their best case: input already symmetric), NCCL `all_reduce`. Also: peer-copy bandwidth
 (a local tensor copied into a peer's heap, over NVLink) and the fused all-reduce + add + RMSNorm
 against the same steps as separate ops (the same all-reduce, torch add, torch rms_norm) at decode sizes. Multicast stays off (never created here).
+`lamport_nopdl` is the Lamport kernel launched without programmatic dependent launch
+(AllReduce(pdl=False)): the difference is what PDL saves. The output ends with a table of the
+graph-replay times, one row per size and one column per algorithm.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import torch.multiprocessing as mp
 
 from perf.comms.timing import capture_loop, events_time, loop, max_over_ranks, warm_on_side_stream
 
-OURS = ("lamport", "oneshot", "twoshot")
+OURS = ("lamport", "lamport_nopdl", "oneshot", "twoshot")  # lamport_nopdl: AllReduce(pdl=False)
 SYMM = ("twoshot_symm",)  # our two-shot with x and out in the heap (as torch's ops get)
 PEERS = ("nccl", "torch_one_shot", "torch_two_shot")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -88,7 +91,8 @@ def _worker(rank: int, world: int, init_file: str, cfg_json: str):
     copy_bytes = 64 << 20  # peer-copy bandwidth region, apart from the all-reduce workspaces
     symm_bytes = 2 * max_bytes + (1 << 20) if "twoshot_symm" in algos else 0
     heap = SymmetricHeap(group, n_ours * per_ar + symm_bytes + copy_bytes + (2 << 20), dev, timeout_s=120)
-    ars = {a: AllReduce(heap, a, max_bytes=max_bytes, timeout_s=10) for a in algos if a in OURS}
+    ars = {a: AllReduce(heap, a.removesuffix("_nopdl"), max_bytes=max_bytes, timeout_s=10, pdl=a != "lamport_nopdl")
+           for a in algos if a in OURS}
     if "twoshot_symm" in algos:
         ars["twoshot_symm"] = ars.get("twoshot") or AllReduce(heap, "twoshot", max_bytes=max_bytes, timeout_s=10)
         xs_all = ars["twoshot_symm"].symmetric_empty(max_bytes // es, dtype)
@@ -108,7 +112,7 @@ def _worker(rank: int, world: int, init_file: str, cfg_json: str):
         dist.all_reduce(ref)
         iters = 50 if nbytes <= (1 << 20) else (20 if nbytes <= (16 << 20) else 5)
         for algo in algos:
-            if algo == "lamport" and nbytes > ars[algo].lam_cap:
+            if algo.startswith("lamport") and nbytes > ars[algo].lam_cap:
                 continue
             if algo in OURS:
                 out = torch.empty_like(x)
@@ -167,7 +171,7 @@ def _worker(rank: int, world: int, init_file: str, cfg_json: str):
     heap.barrier()
     # fused all-reduce + residual add + RMSNorm vs separate ops at decode sizes
     fused = []
-    for algo in [a for a in ("lamport", "oneshot") if a in ars]:
+    for algo in [a for a in ("lamport", "lamport_nopdl", "oneshot") if a in ars]:
         ar = ars[algo]
         for t_tok, h in ((1, 4096), (8, 4096), (32, 4096), (128, 4096), (32, 7168)):
             xx = torch.randn(t_tok, h, device=dev).to(dtype)
@@ -219,11 +223,22 @@ def _fmt_table(res: dict) -> str:
     for k, v in res["peer_copy"].items():
         lines.append(f"# {k}: {v['bytes']} bytes in {v['us']:.1f} us = {v['GBps']:.1f} GB/s")
     if res["add_rmsnorm"]:
-        lines.append(f"{'algo':>8} {'tokens':>7} {'hidden':>7} {'fused_graph_us':>15} {'separate_graph_us':>18} "
+        lines.append(f"{'algo':>13} {'tokens':>7} {'hidden':>7} {'fused_graph_us':>15} {'separate_graph_us':>18} "
                      f"{'speedup':>8}")
         for r in res["add_rmsnorm"]:
-            lines.append(f"{r['algo']:>8} {r['tokens']:>7} {r['hidden']:>7} {r['fused_graph_us']:>15.2f} "
+            lines.append(f"{r['algo']:>13} {r['tokens']:>7} {r['hidden']:>7} {r['fused_graph_us']:>15.2f} "
                          f"{r['separate_graph_us']:>18.2f} {r['separate_graph_us'] / r['fused_graph_us']:>8.2f}")
+    return "\n".join(lines)
+
+
+def _fmt_graph_pivot(res: dict) -> str:
+    """Graph-replay us per all-reduce: a row per size, a column per algorithm ('-' = not run)."""
+    algos = list(dict.fromkeys(r["algo"] for r in res["allreduce"]))
+    t = {(r["bytes"], r["algo"]): r.get("graph_us") for r in res["allreduce"]}
+    lines = ["# graph replay, us per all-reduce", f"{'bytes':>9} " + " ".join(f"{a:>14}" for a in algos)]
+    for b in sorted({r["bytes"] for r in res["allreduce"]}):
+        lines.append(f"{b:>9} " + " ".join(f"{t[b, a]:>14.2f}" if t.get((b, a)) is not None else f"{'-':>14}"
+                                           for a in algos))
     return "\n".join(lines)
 
 
@@ -249,6 +264,7 @@ def run(args) -> int:
     with open(cfg["result_file"]) as f:
         res = json.load(f)
     print(_fmt_table(res))
+    print(_fmt_graph_pivot(res))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

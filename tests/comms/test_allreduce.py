@@ -90,3 +90,14 @@ def _body(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_allreduce_reference_matches_fp32_sum(world):
     run_ranks(_body, world)
+
+
+def test_perf_graph_pivot_has_a_row_per_size_and_a_column_per_algo():
+    from perf.comms.allreduce import _fmt_graph_pivot
+
+    rows = [{"bytes": 2048, "algo": "lamport", "graph_us": 4.25}, {"bytes": 1024, "algo": "lamport", "graph_us": 3.5},
+            {"bytes": 1024, "algo": "lamport_nopdl", "graph_us": None}, {"bytes": 1024, "algo": "nccl", "graph_us": 9.0}]
+    lines = _fmt_graph_pivot({"allreduce": rows}).splitlines()
+    assert lines[1].split() == ["bytes", "lamport", "lamport_nopdl", "nccl"]
+    assert lines[2].split() == ["1024", "3.50", "-", "9.00"]
+    assert lines[3].split() == ["2048", "4.25", "-", "-"]

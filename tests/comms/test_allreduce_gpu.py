@@ -39,7 +39,7 @@ def _algos_body(rank, world):
     from comms import AllReduce, AllReduceError, SymmetricHeap
 
     dev = torch.device("cuda", rank)
-    heap = SymmetricHeap(dist.group.WORLD, 512 << 20, dev, timeout_s=60)  # 5 AllReduce x 72 MiB + symm
+    heap = SymmetricHeap(dist.group.WORLD, 512 << 20, dev, timeout_s=60)  # 5 AllReduce x 72 MiB + 48 MiB + symm
     assert heap.capabilities.p2p and not heap.capabilities.multicast_enabled
     case = 0
     for algo in ("lamport", "oneshot", "twoshot", "nccl", "auto"):
@@ -91,6 +91,30 @@ def _algos_body(rank, world):
                 err = _rel(static_y, _ref(world, n, torch.bfloat16, case, dev))
                 assert err <= TOL[torch.bfloat16], f"{algo} graph replay {rep}: rel err {err:.3g}"
         ar.destroy()
+    # pdl=False (graph replays of the default AllReduce above launch with PDL): mixed grid sizes
+    # (1 to 123 blocks: the per-block epoch copies must stay equal), then graph replays through all
+    # three buffers
+    ar = AllReduce(heap, "lamport", max_bytes=4 << 20, timeout_s=5, pdl=False)
+    for n in (7, 1_000_003, 4097, 65537, 1000):
+        case += 1
+        x = _inputs(rank, n, torch.bfloat16, case, dev)
+        y = ar(x)
+        torch.cuda.synchronize()
+        ar.check()
+        assert _rel(y, _ref(world, n, torch.bfloat16, case, dev)) <= TOL[torch.bfloat16], f"lamport pdl=False n={n}"
+    static_x = torch.empty(5000, dtype=torch.bfloat16, device=dev)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_y = ar(static_x)
+    for rep in range(4):
+        case += 1
+        static_x.copy_(_inputs(rank, 5000, torch.bfloat16, case, dev))
+        g.replay()
+        torch.cuda.synchronize()
+        ar.check()
+        err = _rel(static_y, _ref(world, 5000, torch.bfloat16, case, dev))
+        assert err <= TOL[torch.bfloat16], f"lamport pdl=False graph replay {rep}: rel err {err:.3g}"
+    ar.destroy()
     heap.destroy()
 
 
