@@ -153,6 +153,7 @@ class AllReduce:
         self.lam_off = heap.alloc(3 * self.world * self.lam_cap)
         heap.buffer(self.lam_off, (3 * self.world * self.lam_cap // 4,), torch.int32).fill_(LAMPORT_SENTINEL)
         self.lam_state_off = heap.alloc(4 * (LAMPORT_EPOCHS + MAX_BLOCKS))
+        self._lam_state_addr = heap.buffer(self.lam_state_off, (LAMPORT_EPOCHS + MAX_BLOCKS,), torch.int32).data_ptr()
         self._err = torch.zeros(4, dtype=torch.int32, pin_memory=True)  # written by kernels (UVA)
         self._kernels: dict = {}
         heap.barrier()
@@ -299,7 +300,7 @@ class AllReduce:
         nblocks = max(1, min(MAX_BLOCKS, -(-per_block // THREADS)))
         if algo == "lamport":
             args = [xf, of, self.heap.peer_ptrs, self.rank, self.world, self.lam_off, self.lam_cap,
-                    self.lam_state_off, self._err.data_ptr(), int(self.timeout_s * 1e9)]
+                    self._lam_state_addr, self._err.data_ptr(), int(self.timeout_s * 1e9)]
         else:
             args = [xf, of, self.heap.peer_ptrs, self.rank, self.world, self.ws_off, self.max_bytes, self.flag_off,
                     self.state_off, self._err.data_ptr(), int(self.timeout_s * 1e9)]

@@ -319,13 +319,14 @@ def _lamport_clear(my_base, lam_off, lcap, clr, dirty, rank, world, tid, bid, nb
 
 
 @cute.jit
-def _lamport_epoch(my_base, state_off, bid):
-    """This call's epoch: block `bid`'s own copy (state word LAMPORT_EPOCHS + bid)."""
-    return ptx.ld_relaxed_gpu(my_base + state_off + _i64(LAMPORT_EPOCHS + bid) * 4)
+def _lamport_epoch(state, bid):
+    """This call's epoch: block `bid`'s own copy (word LAMPORT_EPOCHS + bid of the Lamport state
+    at address `state`)."""
+    return ptx.ld_relaxed_gpu(state + _i64(LAMPORT_EPOCHS + bid) * 4)
 
 
 @cute.jit
-def _lamport_finish(my_base, state_off, tid, bid, nb, cur, nvec, target):
+def _lamport_finish(state, tid, bid, nb, cur, nvec, target):
     """Advance the epoch without a grid-wide hand-off (no ticket, no atomic, no wait on other
     blocks): every block keeps its own copy, and block b, once all its threads have read copy b,
     writes `target` into copies b, b + nb, b + 2nb, ... so all MAX_BLOCKS copies advance whatever
@@ -334,9 +335,9 @@ def _lamport_finish(my_base, state_off, tid, bid, nb, cur, nvec, target):
     cute.arch.sync_threads()
     s = bid + tid * nb
     if s < MAX_BLOCKS:
-        ptx.st_relaxed_gpu(my_base + state_off + _i64(LAMPORT_EPOCHS + s) * 4, target)
+        ptx.st_relaxed_gpu(state + _i64(LAMPORT_EPOCHS + s) * 4, target)
     if (bid == 0) & (tid == 0):
-        ptx.st_relaxed_gpu(my_base + state_off + _i64(cur) * 4, nvec)
+        ptx.st_relaxed_gpu(state + _i64(cur) * 4, nvec)
 
 
 @cute.jit
@@ -355,14 +356,16 @@ def _make_lamport(is_bf16: bool):
     receiver polls each vector until no word is the sentinel. Three buffers rotate by epoch: call
     e writes buffer e%3 and clears buffer (e+2)%3 (read in call e-1; no peer writes it before call
     e+2, which needs this call finished), over the vector count recorded for it in state[b].
-    Critical path: griddepcontrol.wait (PDL), x loads issued together with the epoch load, the
+    `state` is the absolute address of this rank's Lamport state (not an offset: the epoch load
+    need not wait for the peer table). Critical path: griddepcontrol.wait (PDL), x loads issued
+    together with the epoch load, the
     peer stores, the clear (local, while the peers' stores travel), one poll per vector over
     all peers, the reduce; no grid-wide synchronisation."""
     epv = 8 if is_bf16 else 4
 
     @cute.kernel
     def kernel(x: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, rank: cutlass.Int32,
-               world: cutlass.Int32, lam_off: cutlass.Int64, lcap: cutlass.Int64, state_off: cutlass.Int64,
+               world: cutlass.Int32, lam_off: cutlass.Int64, lcap: cutlass.Int64, state: cutlass.Int64,
                err_addr: cutlass.Int64, timeout_ns: cutlass.Int64, nvec: cutlass.Int32):
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -381,11 +384,11 @@ def _make_lamport(is_bf16: bool):
         buf = cute.make_rmem_tensor(cute.make_layout(UNROLL * 4), cutlass.Int32)
         v = v0 + tid
         _load_group(buf, xa, v, v1)
-        epoch = _lamport_epoch(my_base, state_off, bid)
+        epoch = _lamport_epoch(state, bid)
         target = epoch + 1
         cur = (epoch & 0x3FFFFFFF) % 3
         clr = (cur + 2) % 3
-        dirty = ptx.ld_relaxed_gpu(my_base + state_off + _i64(clr) * 4)  # vectors per slot
+        dirty = ptx.ld_relaxed_gpu(state + _i64(clr) * 4)  # vectors per slot
         pr = _load_peers(peers, world)
         buf_cur = lam_off + _i64(cur) * _i64(world) * lcap
         # push x (sentinel words replaced) into my slot of buffer `cur` on every peer
@@ -414,15 +417,15 @@ def _make_lamport(is_bf16: bool):
             _lamport_sum(acc, stage, own, rank, world, is_bf16)
             ptx.st_v4(oa + off, _pack(acc, is_bf16))
             v += THREADS
-        _lamport_finish(my_base, state_off, tid, bid, nb, cur, nvec, target)
+        _lamport_finish(state, tid, bid, nb, cur, nvec, target)
 
     @cute.jit
     def launch(x: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, rank: cutlass.Int32,
-               world: cutlass.Int32, lam_off: cutlass.Int64, lcap: cutlass.Int64, state_off: cutlass.Int64,
+               world: cutlass.Int32, lam_off: cutlass.Int64, lcap: cutlass.Int64, state: cutlass.Int64,
                err_addr: cutlass.Int64, timeout_ns: cutlass.Int64, nblocks: cutlass.Int32, pdl: cutlass.Int32,
                stream):
         nvec = x.shape[0] // epv
-        kernel(x, out, peers, rank, world, lam_off, lcap, state_off, err_addr, timeout_ns, nvec).launch(
+        kernel(x, out, peers, rank, world, lam_off, lcap, state, err_addr, timeout_ns, nvec).launch(
             grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=pdl)
 
     return launch
@@ -643,7 +646,7 @@ def _make_oneshot_rmsnorm(is_bf16: bool, lamport: bool):
         my_base = peers[rank]
         epoch = cutlass.Int32(0)
         if cutlass.const_expr(lamport):
-            epoch = _lamport_epoch(my_base, state_off, bid)
+            epoch = _lamport_epoch(my_base + state_off, bid)
         else:
             epoch = ptx.ld_relaxed_gpu(my_base + state_off)
         target = epoch + 1
@@ -732,7 +735,7 @@ def _make_oneshot_rmsnorm(is_bf16: bool, lamport: bool):
                 j += THREADS
             row += nb
         if cutlass.const_expr(lamport):
-            _lamport_finish(my_base, state_off, tid, bid, nb, cur, rows * hvec, target)
+            _lamport_finish(my_base + state_off, tid, bid, nb, cur, rows * hvec, target)
         else:
             ptx.advance_epoch(my_base, state_off, tid, nb, target)
 
