@@ -6,7 +6,8 @@ Builds a Qwen3-30B-A3B-shaped model with dummy weights (`--layers` of its 48 dec
 loads and captures in seconds; the bound below is for the same layer count), drives the engine
 directly (no HTTP: `nvl72 bench` is the client for a running server) and reports
   - decode output tokens/s at batch 1 and 64 (ignore_eos, greedy): triton attention with CUDA
-    graphs, triton eager, and FlashInfer decode eager where it imports;
+    graphs, triton eager, and FlashInfer decode eager where it imports (`--modes`); async
+    scheduling on (the next step prepared while one runs) unless `--no-async`;
   - TTFT of one 1K and one 8K prompt on an idle engine (one prefill forward + first sample);
   - the decode floor: bytes one decode step must read (active weights: attention, router, the
     experts the batch touches in expectation under uniform routing, lm_head, plus KV) divided by
@@ -139,10 +140,18 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", default="triton", help="attention backend for the graphs / eager runs")
     ap.add_argument("--graph-batch-sizes", default="1,2,4,8,16,32,64")
     ap.add_argument("--decode-out", type=int, default=64, help="output tokens per decode request")
+    ap.add_argument("--modes", default="graphs,eager,flashinfer",
+                    help="decode modes to time: graphs (triton + CUDA graphs), eager (triton), flashinfer")
+    ap.add_argument("--no-async", action="store_true",
+                    help="synchronous scheduling (each step scheduled after the previous one's read-back)")
+    ap.add_argument("--no-ttft", action="store_true", help="skip the 1K/8K TTFT rows (and their warm-up)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="also profile decode at batch 1 and 64 (graphs): kernel table printed, traces in DIR")
     args = ap.parse_args(argv)
+    want = set(args.modes.split(","))
+    if not want or want - {"graphs", "eager", "flashinfer"}:
+        ap.error(f"--modes={args.modes!r}: a comma-separated subset of graphs, eager, flashinfer")
     torch.manual_seed(0)
     bw = hbm_copy_bandwidth()
     cfg = ModelConfig.from_dict(dict(QWEN3_30B_A3B, num_hidden_layers=args.layers))
@@ -152,7 +161,7 @@ def main(argv=None) -> int:
     sizes = tuple(int(x) for x in args.graph_batch_sizes.split(","))
     ecfg = EngineConfig(max_model_len=8192 + 256, max_num_seqs=64, max_num_batched_tokens=8192, page_size=16,
                         kv_cache_bytes=8 << 30, enable_prefix_caching=False, attention_backend=args.attention,
-                        cuda_graph_batch_sizes=sizes)
+                        cuda_graph_batch_sizes=sizes, async_scheduling=not args.no_async)
     t = time.perf_counter()
     engine = LLMEngine(model, ecfg, eos_token_ids=[])
     capture_s = time.perf_counter() - t
@@ -160,14 +169,16 @@ def main(argv=None) -> int:
     moe_backend = model.model.layers[0].mlp._ready().name
     res: dict = {"gpu": torch.cuda.get_device_name(), "layers": args.layers, "hbm_copy_GBps": bw / 1e9,
                  "attention": engine.model.attn_backend.name, "moe_backend": moe_backend,
-                 "graphs": graphs is not None, "load_s": load_s, "engine_init_s": capture_s, "rows": []}
+                 "graphs": graphs is not None, "async_scheduling": engine.overlap, "load_s": load_s, "engine_init_s": capture_s, "rows": []}
     decode_rate(engine, 4, 64, 8, seed=99)  # warm-up: kernels compiled / autotuned for these shapes
-    for n in (1024, 8192):
+    ttft_lens = () if args.no_ttft else (1024, 8192)
+    for n in ttft_lens:
         ttft(engine, n, seed=n + 1)  # warm-up of the prefill shapes
     triton = engine.model.attn_backend
-    modes = [(f"{triton.name}+graphs", triton, graphs)] if graphs is not None else []
-    modes.append((triton.name, triton, None))
-    if attn_backends.available("flashinfer", model.device) is None:
+    modes = [(f"{triton.name}+graphs", triton, graphs)] if graphs is not None and "graphs" in want else []
+    if "eager" in want:
+        modes.append((triton.name, triton, None))
+    if "flashinfer" in want and attn_backends.available("flashinfer", model.device) is None:
         fi = attn_backends.select(attn_backends.AttentionShape.of(model), model.device, "flashinfer")
         engine.model.attn_backend = fi
         decode_rate(engine, 4, 64, 8, seed=98)  # warm-up of the FlashInfer decode module
@@ -186,7 +197,7 @@ def main(argv=None) -> int:
     if args.profile:
         for b in (1, 64):
             profile_decode(engine, b, args.profile)
-    for n in (1024, 8192):
+    for n in ttft_lens:
         s = ttft(engine, n, seed=n)
         res["rows"].append({"what": f"TTFT {n // 1024}K", "mode": triton.name, "ms": s * 1e3})
     if args.json:
@@ -194,7 +205,8 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
     print(f"\nSERVE {res['gpu']}: Qwen3-30B-A3B shape, {args.layers}/48 layers, {model.dtype}, attention {res['attention']}, "
-          f"MoE {moe_backend}, HBM copy {bw / 1e9:.0f} GB/s, graphs {'on' if graphs else 'off'}")
+          f"MoE {moe_backend}, HBM copy {bw / 1e9:.0f} GB/s, graphs {'on' if graphs else 'off'}, "
+          f"async scheduling {'on' if engine.overlap else 'off'}")
     print(f"{'what':<14} {'mode':<14} {'tok/s':>9} {'step ms':>8} {'bound ms':>9} {'% of bound':>10} {'TTFT ms':>8}")
     for r in res["rows"]:
         if "tok_s" in r:

@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--attention-backend", default="auto",
       help="auto (triton on GPU, torch on CPU; $NVL72_ATTN_BACKEND overrides), triton, flashinfer or torch")
     a("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    a("--no-async-scheduling", action="store_true",
+      help="schedule each step after the previous one's tokens are read back (default: the next step is "
+           "prepared while one runs, with CUDA graphs)")
     a("--cuda-graph-sizes", default=None,
       help="decode batch sizes captured in CUDA graphs, comma-separated (default: 1,2,4,8,16,...,max-num-seqs)")
     a("--data-parallel-size", default="1",
@@ -80,6 +83,7 @@ class ServeOptions:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
+    async_scheduling: bool | None = None  # None: the engine's default (on with CUDA graphs)
 
     def engine_devices(self) -> list[str]:
         """One device per data-parallel engine."""
@@ -95,7 +99,7 @@ class ServeOptions:
                     page_size=self.page_size, num_pages=self.num_pages, kv_cache_bytes=self.kv_cache_bytes,
                     enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
                     attention_backend=self.attention_backend, enforce_eager=self.enforce_eager,
-                    cuda_graph_batch_sizes=self.cuda_graph_sizes)
+                    cuda_graph_batch_sizes=self.cuda_graph_sizes, async_scheduling=self.async_scheduling)
 
 
 def _int(name: str, value: str | None, lo: int, hi: int | None = None) -> int | None:
@@ -218,7 +222,8 @@ def options(args: argparse.Namespace) -> ServeOptions:
         enable_prefix_caching=not args.no_prefix_caching, seed=_int("seed", args.seed, 0, 2**63 - 1),
         max_body_bytes=_int("max-body-bytes", args.max_body_bytes, 1024), engine=_engine_mode(args.engine, device),
         data_parallel_size=dp, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-        cuda_graph_sizes=_graph_sizes(args.cuda_graph_sizes, max_num_seqs))
+        cuda_graph_sizes=_graph_sizes(args.cuda_graph_sizes, max_num_seqs),
+        async_scheduling=False if args.no_async_scheduling else None)
 
 
 def load_tokenizer(model: str | None):

@@ -49,7 +49,8 @@ def build_engine(model: str | None = None, *, load_format: str = "auto", dtype: 
                  num_pages: int | None = None, kv_cache_bytes: int | None = None, num_state_slots: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True, seed: int = 0,
                  attention_backend: str | None = None, enforce_eager: bool = False,
-                 cuda_graph_batch_sizes: tuple[int, ...] | None = None, parallel=None) -> LLMEngine:
+                 cuda_graph_batch_sizes: tuple[int, ...] | None = None, async_scheduling: bool | None = None,
+                 parallel=None) -> LLMEngine:
     """An engine from plain arguments. `model=None`: the embedded default config with dummy weights.
     `parallel`: this rank's `ParallelLayout` (TP/EP ranks running one engine in lockstep)."""
     from nvl72.config import ModelConfig
@@ -81,7 +82,8 @@ def build_engine(model: str | None = None, *, load_format: str = "auto", dtype: 
                        num_state_slots=num_state_slots, num_speculative_tokens=num_speculative_tokens,
                        enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
                        seed=seed, attention_backend=attention_backend, enforce_eager=enforce_eager,
-                       cuda_graph_batch_sizes=None if cuda_graph_batch_sizes is None else tuple(cuda_graph_batch_sizes))
+                       cuda_graph_batch_sizes=None if cuda_graph_batch_sizes is None else tuple(cuda_graph_batch_sizes),
+                       async_scheduling=async_scheduling)
     log.info("engine model %s (%s, %s on %s), drafter %s", model or "<embedded default>", config.model_type, dtype,
              device, type(drafter).__name__ if drafter else "none")
     return LLMEngine(net, cfg, drafter=drafter, eos_token_ids=list(config.eos_token_id))

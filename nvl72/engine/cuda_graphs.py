@@ -159,8 +159,10 @@ class DecodeGraphs:
         return (0 < num_seqs <= self.batch_sizes[-1] and num_tokens == num_seqs * self.query_len
                 and max_pages <= self.max_pages)
 
-    def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, ForwardBatch]:
+    def run(self, batch: ForwardBatch, patch=None) -> tuple[torch.Tensor, ForwardBatch]:
         """Replay for a host-side (CPU) batch; returns (hidden [T, H], the batch on the device).
+        `patch(input_ids)` edits the device input ids before the replay (async scheduling writes
+        the previous step's sampled tokens there, never read back to the host).
 
         The returned tensors are views of static buffers: valid until the next `run`."""
         b, t = batch.num_seqs, batch.num_tokens
@@ -175,10 +177,12 @@ class DecodeGraphs:
             m = st.lengths(name, b, bs)[1]
             getattr(self.dev, name)[:m].copy_(getattr(st.host, name)[:m], non_blocking=True)
         self.copied.record()
+        if patch is not None:
+            patch(self.dev.input_ids)
         self.graphs[bs].replay()
         self.replays += 1
         view = self.dev.view(b, self.query_len)
-        view.logits_indices = None if batch.logits_indices is None else batch.logits_indices.to(
+        view.logits_indices = None if batch.logits_indices is None else batch.logits_indices.pin_memory().to(
             view.input_ids.device, non_blocking=True)
         return self.outputs[bs][:t], view
 

@@ -1,4 +1,12 @@
-"""`LLMEngine`: the step loop (schedule -> run -> postprocess), single-threaded and synchronous.
+"""`LLMEngine`: the step loop (schedule -> run -> postprocess), single-threaded.
+
+Synchronous, or with async scheduling (vLLM V1's): step n+1 is scheduled and launched while step n
+runs on the device, feeding step n's sampled tokens from device memory (a placeholder in
+`all_ids` until they are read back); step n's tokens are read back (non-blocking copy, event)
+after step n+1 is launched, so outputs and stop conditions come one step late, and a finished
+sequence's extra token is dropped. Steps after one that sampled for a sequence with penalties
+(which read the host history) or a prefill-only one are scheduled after its read-back; spec
+decoding and DP+EP ranks stay synchronous.
 
 The clients in `nvl72.engine.client` drive it from a background thread or a separate process.
 """
@@ -15,9 +23,10 @@ from nvl72.cache.pool import OutOfCapacity, RefPool
 from nvl72.cache.prefix import PrefixCache
 from nvl72.cache.tensors import num_pages_for_budget, zero_slots
 from nvl72.engine.protocol import AddRequest, RequestOutput, SamplingParams, TokenLogprob
-from nvl72.engine.runner import ModelRunner
-from nvl72.engine.scheduler import Scheduler, SchedulerConfig
-from nvl72.engine.sequence import Sequence, Status
+from nvl72.engine.runner import ModelRunner, PriorTokens
+from nvl72.engine.sampler import DeviceSample, has_penalty
+from nvl72.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from nvl72.engine.sequence import PENDING_TOKEN, Sequence, Status
 from nvl72.engine.spec import DraftInput, Drafter
 from nvl72.model import attn_backends
 
@@ -42,6 +51,16 @@ class KVHandoff:
     state_slot: int
     num_tokens: int
     token_ids: list[int]  # prompt, plus the first token on the prefill side
+
+
+@dataclass
+class InFlight:
+    """Async scheduling: a launched step whose sampled tokens are not read back yet."""
+
+    sample: DeviceSample  # host copies under way (`sample.result()` waits for them)
+    device_tokens: torch.Tensor  # the same tokens on the device, fed to the next step
+    rows: dict[Sequence, int]  # row of each sequence that sampled
+    sync: bool  # the next step needs them on the host first (penalties, prefill-only parking)
 
 
 def validate_request(req: AddRequest, max_model_len: int, vocab_size: int | None) -> None:
@@ -115,6 +134,9 @@ class EngineConfig:
     # () or enforce_eager: eager.
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     enforce_eager: bool = False
+    # Schedule step n+1 while step n runs (see the module docstring). None: on when decode runs in
+    # CUDA graphs; True also works eagerly and on a CPU (where nothing overlaps: for tests).
+    async_scheduling: bool | None = None
 
     def graph_sizes(self, device: torch.device) -> tuple[int, ...]:
         """Sizes to capture; asked-for sizes are tried on any device (and refused with a warning)."""
@@ -185,6 +207,12 @@ class LLMEngine:
         self.drafter = drafter
         if drafter is not None:
             drafter.bind(model, self.caches, config.page_size, self.device)
+        self.overlap = (config.async_scheduling if config.async_scheduling is not None
+                        else self.runner.graphs is not None)
+        if self.overlap and (drafter is not None or self.dp_ep):
+            log.info("engine: async scheduling off (%s)", "speculative decoding" if drafter else "DP+EP rank")
+            self.overlap = False
+        self._inflight: InFlight | None = None
         self.eos_token_ids = set(eos_token_ids or [])
         self.vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
         self.seqs: dict[str, Sequence] = {}
@@ -192,9 +220,11 @@ class LLMEngine:
         self._rng = torch.Generator().manual_seed(config.seed)
         self.counters = dict(generation_tokens=0, spec_decode_num_drafts=0,
                              spec_decode_num_draft_tokens=0, spec_decode_num_accepted_tokens=0, num_steps=0)
-        log.info("engine: %d KV pages of %d tokens (%.1f MiB), %d GDN slots, spec k=%d, prefix cache %s, device %s",
+        log.info("engine: %d KV pages of %d tokens (%.1f MiB), %d GDN slots, spec k=%d, prefix cache %s, "
+                 "async scheduling %s, device %s",
                  num_pages, config.page_size, num_pages * spec.kv_bytes_per_page(config.page_size) / 2**20,
-                 num_slots, k, "on" if config.enable_prefix_caching else "off", self.device)
+                 num_slots, k, "on" if config.enable_prefix_caching else "off", "on" if self.overlap else "off",
+                 self.device)
 
     def set_pass_sync(self, sync) -> None:
         """DP+EP: keep this rank's forwards (runner, MTP drafter) in lockstep with its EP group via
@@ -301,29 +331,101 @@ class LLMEngine:
         return self._output(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
+        return self._step_async() if self.overlap else self._step_sync()
+
+    def _fail(self, scheduled: list[ScheduledSeq], e: Exception) -> list[RequestOutput]:
+        """The model failed: fail this step's requests, keep the engine alive (not on a DP+EP
+        rank, whose EP group's collectives are now out of step: fatal)."""
+        if self.dp_ep:
+            raise
+        log.exception("model step failed")
+        outputs = []
+        for s in scheduled:
+            self.scheduler.release_step(s)
+            if s.seq.status == Status.FINISHED:  # ended by the step before (async scheduling)
+                continue
+            self.seqs.pop(s.seq.request_id, None)
+            self.scheduler.remove(s.seq)
+            s.seq.finish_reason = "error"
+            o = self._output(s.seq)
+            o.error = f"{type(e).__name__}: {e}"
+            outputs.append(o)
+        return outputs
+
+    def _step_async(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        prev, self._inflight = self._inflight, None
+        if prev is not None and prev.sync:
+            outputs += self._resolve(prev)
+            prev = None
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return outputs + (self._resolve(prev) if prev is not None else [])
+        prior = PriorTokens(prev.device_tokens, prev.rows) if prev is not None else None
+        try:
+            result = self.runner.run(out.scheduled, prior, readback=False)
+        except Exception as e:
+            if prev is not None:
+                outputs += self._resolve(prev)
+            return outputs + self._fail(out.scheduled, e)
+        sample = result.pending.copy_to_host() if result.pending is not None else None
+        if prev is not None:
+            outputs += self._resolve(prev)  # while this step runs on the device
+        self.counters["num_steps"] += 1
+        rows: dict[Sequence, int] = {}
+        sync = False
+        for r, (i, _) in enumerate(result.sample_rows):
+            rows[out.scheduled[i].seq] = r
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.status == Status.FINISHED:  # ended by the previous step's tokens: this one is dropped
+                self.scheduler.release_step(s)
+                rows.pop(seq, None)
+                continue
+            if s.samples:
+                seq.all_ids.append(PENDING_TOKEN)
+                seq.pending = True
+                p = seq.params
+                seq.final_pending = seq.num_output >= p.max_tokens or seq.num_tokens >= self.config.max_model_len
+                sync |= seq.prefill_only or has_penalty(p)
+            self.scheduler.commit(s, s.num_new)
+        if rows:
+            self._inflight = InFlight(sample, result.pending.token_ids, rows, sync)
+        return outputs
+
+    def _resolve(self, flight: InFlight) -> list[RequestOutput]:
+        """Read back a launched step's tokens (waits for that step only) and postprocess them."""
+        sampled = flight.sample.result()
+        outputs = []
+        for seq, row in flight.rows.items():
+            if seq.status == Status.FINISHED:  # aborted meanwhile: its token is dropped
+                continue
+            if not seq.pending or seq.all_ids[-1] != PENDING_TOKEN:
+                raise RuntimeError(f"{seq.request_id}: no placeholder for the token read back")
+            seq.pending = seq.final_pending = False
+            seq.all_ids[-1] = sampled.token_ids[row]
+            self._check_stop(seq, sampled, row)
+            self.counters["generation_tokens"] += 1
+            if seq.finish_reason is not None:
+                self.seqs.pop(seq.request_id, None)
+                self.scheduler.remove(seq)
+            elif seq.prefill_only:
+                self.scheduler.park(seq)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _step_sync(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
         try:
             result = self.runner.run(out.scheduled)
-        except Exception as e:  # the model failed: fail this step's requests, keep the engine alive
-            if self.dp_ep:  # unless the EP group's collectives are now out of step: fatal
-                raise
-            log.exception("model step failed")
-            outputs = []
-            for s in out.scheduled:
-                self.scheduler.release_step(s)
-                self.seqs.pop(s.seq.request_id, None)
-                self.scheduler.remove(s.seq)
-                s.seq.finish_reason = "error"
-                o = self._output(s.seq)
-                o.error = f"{type(e).__name__}: {e}"
-                outputs.append(o)
-            return outputs
+        except Exception as e:
+            return self._fail(out.scheduled, e)
         self.counters["num_steps"] += 1
         tokens = result.sampled.token_ids if result.sampled else []
         by_seq: dict[int, list[int]] = {}
@@ -373,8 +475,13 @@ class LLMEngine:
         return outputs
 
     def _append(self, seq: Sequence, token: int, sampled, row: int) -> None:
-        p = seq.params
         seq.all_ids.append(token)
+        self._check_stop(seq, sampled, row)
+
+    def _check_stop(self, seq: Sequence, sampled, row: int) -> None:
+        """After the last of all_ids (sampled row `row`) became known: logprobs, finish reason."""
+        p = seq.params
+        token = seq.all_ids[-1]
         if p.logprobs is not None:
             seq.pending_logprobs.append(TokenLogprob(token, sampled.logprobs[row], sampled.top_logprobs[row]))
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
@@ -383,8 +490,9 @@ class LLMEngine:
             seq.finish_reason = "length"
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        new = seq.all_ids[seq.num_prompt + seq.num_sent:]
-        seq.num_sent = seq.num_output
+        end = seq.num_tokens - seq.pending  # a placeholder is never sent
+        new = seq.all_ids[seq.num_prompt + seq.num_sent:end]
+        seq.num_sent = end - seq.num_prompt
         lps = None
         if seq.params.logprobs is not None:
             lps, seq.pending_logprobs = seq.pending_logprobs, []
@@ -422,4 +530,5 @@ class LLMEngine:
         """Abort everything and release the prefix tree (all pages and slots return to the pools)."""
         for rid in list(self.seqs):
             self.abort_request(rid)
+        self._inflight = None
         self.prefix.clear()

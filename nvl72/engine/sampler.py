@@ -76,15 +76,57 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)
 
 
+class DeviceSample:
+    """A step's sampled tokens (and wanted logprobs) as tensors, before any read-back: async
+    scheduling feeds `token_ids` to the next step on the device and reads them one step later."""
+
+    def __init__(self, token_ids: torch.Tensor, want_lp: list[int | None], chosen: torch.Tensor | None = None,
+                 top_ids: torch.Tensor | None = None, top_vals: torch.Tensor | None = None):
+        self.token_ids, self.want_lp, self.chosen, self.top_ids, self.top_vals = token_ids, want_lp, chosen, top_ids, top_vals
+        self.event = None
+
+    def _tensors(self) -> list[torch.Tensor | None]:
+        return [self.token_ids, self.chosen, self.top_ids, self.top_vals]
+
+    def copy_to_host(self) -> "DeviceSample":
+        """Start non-blocking copies into pinned host memory (CUDA); `result()` of the returned
+        sample waits for them alone. On a CPU the tensors are already host tensors."""
+        if not self.token_ids.is_cuda:
+            return self
+        host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in self._tensors()]
+        for h, t in zip(host, self._tensors()):
+            if t is not None:
+                h.copy_(t, non_blocking=True)
+        out = DeviceSample(host[0], self.want_lp, *host[1:])
+        out.event = torch.cuda.Event()
+        out.event.record()
+        return out
+
+    def result(self) -> SampleResult:
+        if self.event is not None:
+            self.event.synchronize()
+        token_list = self.token_ids.tolist()
+        if self.chosen is None:
+            return SampleResult(token_list, None, None)
+        top: list[list[tuple[int, float]]] = []
+        for i, n in enumerate(self.want_lp):
+            top.append([] if not n else list(zip(self.top_ids[i, :n].tolist(), self.top_vals[i, :n].tolist())))
+        return SampleResult(token_list, self.chosen.tolist(), top)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
-        """Pick one token per row of `logits` [N, V] (fp32)."""
+        """Pick one token per row of `logits` [N, V] (fp32), read back to the host."""
+        return self.sample(logits, rows).result()
+
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> DeviceSample:
+        """Pick one token per row of `logits` [N, V] (fp32) without reading anything back."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"logits has {logits.shape[0]} rows for {len(rows)} sample rows")
         logits = logits.float()
         want_lp = [r.params.logprobs for r in rows]
         raw_lp = logits.log_softmax(-1) if any(n is not None for n in want_lp) else None
-        x = apply_penalties(logits, rows) if any(_has_penalty(r.params) for r in rows) else logits
+        x = apply_penalties(logits, rows) if any(has_penalty(r.params) for r in rows) else logits
         tokens = x.argmax(-1)
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
         if rand:
@@ -104,17 +146,13 @@ class Sampler:
                     raise ValueError(f"sample row {i} (temperature {rows[i].params.temperature}) has no generator")
                 q[j].exponential_(generator=rows[i].generator)
             tokens[idx] = (probs / q).argmax(-1)
-        token_list = tokens.tolist()
         if raw_lp is None:
-            return SampleResult(token_list, None, None)
-        chosen = raw_lp.gather(1, tokens[:, None])[:, 0].tolist()
-        top: list[list[tuple[int, float]]] = []
+            return DeviceSample(tokens, want_lp)
+        chosen = raw_lp.gather(1, tokens[:, None])[:, 0]
         nmax = max((n or 0) for n in want_lp)
         vals, ids = raw_lp.topk(min(nmax, raw_lp.shape[1]), -1) if nmax > 0 else (None, None)
-        for i, n in enumerate(want_lp):
-            top.append([] if not n else list(zip(ids[i, :n].tolist(), vals[i, :n].tolist())))
-        return SampleResult(token_list, chosen, top)
+        return DeviceSample(tokens, want_lp, chosen, ids, vals)
 
 
-def _has_penalty(p: SamplingParams) -> bool:
+def has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0

@@ -227,8 +227,8 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         for seq in list(self.running):
-            if seq.status != Status.RUNNING:
-                continue  # preempted for an older sequence earlier in this loop
+            if seq.status != Status.RUNNING or seq.final_pending:
+                continue  # preempted for an older sequence earlier in this loop, or done but for a read-back
             sched = self._plan_running(seq, budget)
             if sched is None:
                 continue

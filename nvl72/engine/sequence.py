@@ -10,6 +10,10 @@ import torch
 from nvl72.engine.protocol import SamplingParams, TokenLogprob
 
 
+# Async scheduling: the value in `all_ids` of a token the step in flight is still sampling.
+PENDING_TOKEN = -1
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -48,6 +52,11 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     queue_time: float | None = None  # arrival -> first scheduling, set once by the scheduler
     queue_time_sent: bool = False
+    # Async scheduling: the last of all_ids is PENDING_TOKEN, sampled by the step in flight and read
+    # back one step later; `final_pending`: that token ends the sequence whatever its value (a
+    # length limit), so it is not scheduled again.
+    pending: bool = False
+    final_pending: bool = False
 
     @property
     def num_tokens(self) -> int:

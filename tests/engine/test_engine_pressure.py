@@ -38,8 +38,10 @@ def reference(fam, reqs):
 
 
 @pytest.mark.parametrize("fam", ["qwen3_moe", "qwen3_next"])
-@pytest.mark.parametrize("fill,spec", [(0.7, 0), (0.9, 0), (0.98, 0), (0.9, 2)])
-def test_pressure(fam, fill, spec):
+@pytest.mark.parametrize("fill,spec,overlap", [(0.7, 0, False), (0.9, 0, False), (0.98, 0, False), (0.9, 2, False),
+                                               (0.9, 0, True), (0.98, 0, True)])
+def test_pressure(fam, fill, spec, overlap):
+    """`overlap`: async scheduling (aborts and preemptions hit sequences whose token is in flight)."""
     rnd = random.Random(int(fill * 100))
     num_pages = 40
     capacity = num_pages * PAGE
@@ -64,7 +66,7 @@ def test_pressure(fam, fill, spec):
         drafter = HistoryDrafter(spec, lambda toks, k: next((f[len(toks):len(toks) + k] for f in full
                                                              if f[:len(toks)] == toks), []))
     e = make_engine(fam, drafter=drafter, num_speculative_tokens=spec, num_pages=num_pages, max_model_len=64,
-                    max_num_seqs=32, max_num_batched_tokens=24, num_state_slots=48)
+                    max_num_seqs=32, max_num_batched_tokens=24, num_state_slots=48, async_scheduling=overlap)
     for rid, p, sp in reqs:
         e.add_request(AddRequest(rid, p, sp))
     res, aborted, forced = {}, set(), 0

@@ -91,10 +91,12 @@ class EagerReplay:
         self.staging = Staging(max(sizes), 1, self.max_pages, engine.hybrid, engine.pages.alloc(1)[0], slot,
                                pin=False)
 
-    def run(self, batch):
+    def run(self, batch, patch=None):
         b, t = batch.num_seqs, batch.num_tokens
         bs = next(s for s in self.batch_sizes if s >= b)
         self.staging.fill(batch, bs)
+        if patch is not None:
+            patch(self.staging.host.input_ids)
         hidden = self.model(self.staging.host.view(bs, 1), self.caches, check=False)
         self.replays += 1
         view = self.staging.host.view(b, 1)
@@ -106,13 +108,15 @@ INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="CPU runs of triton need TRITON_INTERPRET=1")
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("attention", ["torch", pytest.param("triton", marks=INTERPRETED)])
 @pytest.mark.parametrize("name", ["qwen3_moe_sparse", "qwen3_next"])
-def test_padded_replay_rows_match_eager_cpu(name, attention):
+def test_padded_replay_rows_match_eager_cpu(name, attention, overlap):
+    """`overlap`: async scheduling, the previous step's tokens patched into the staged input ids."""
     model = tiny(name, "cpu")
     ref, _ = greedy(model, "torch")
     cfg = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, page_size=16, num_pages=80,
-               attention_backend=attention)
+               attention_backend=attention, async_scheduling=overlap)
     engine = LLMEngine(model, EngineConfig(**cfg), eos_token_ids=[])
     engine.runner.graphs = replay = EagerReplay(engine, (2, 4, 8))
     for i, p in enumerate(prompts(7, seed=5)):

@@ -33,6 +33,8 @@ def test_graph_and_backend_options():
     kw = o.engine_kwargs()
     assert (kw["attention_backend"], kw["cuda_graph_batch_sizes"], kw["enforce_eager"]) == ("triton", (1, 4, 8), True)
     assert _opts().engine_kwargs()["cuda_graph_batch_sizes"] is None  # the engine's default sizes
+    assert _opts().engine_kwargs()["async_scheduling"] is None  # the engine's default: on with graphs
+    assert _opts("--no-async-scheduling").engine_kwargs()["async_scheduling"] is False
 
 
 def test_engine_graph_sizes_default_on_cuda_only():
