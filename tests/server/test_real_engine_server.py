@@ -22,9 +22,13 @@ from nvl72.server.runner import ServerThread
 MODEL = DEFAULT_MODEL_NAME
 
 
-@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.fixture(scope="module", params=["cpu", "cpu-async", pytest.param("cuda", marks=pytest.mark.gpu)])
 def engine(request):
-    eng = start_local_engine(device=request.param, max_model_len=512, max_num_seqs=8)
+    """cpu-async: async scheduling forced on (stop strings, streams, disconnects one step late);
+    on CUDA it is on by default (CUDA graphs)."""
+    device, _, mode = request.param.partition("-")
+    eng = start_local_engine(device=device, max_model_len=512, max_num_seqs=8,
+                             async_scheduling=True if mode == "async" else None)
     yield eng
     asyncio.run(eng.shutdown())
 
