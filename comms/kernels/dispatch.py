@@ -436,16 +436,26 @@ def _make_dispatch(K: int):
 # Fault-isolation variants of combine (compiled only with NVL72_DISPATCH_DEBUG_VARIANTS=1; see
 # tests/comms/dispatch_gpu_debug.py): each bit removes one group of memory accesses.
 SKIP_A_LOADS, SKIP_A_STORES, SKIP_B_LOADS, SKIP_B_STORES, SKIP_FLAGS = 1, 2, 4, 8, 16
+# Error-word kinds of the checked variant (combine_k4_checked): which index left its buffer.
+CHECK_A_ROW, CHECK_A_Y, CHECK_B_RANK, CHECK_B_OUT = 8, 9, 10, 11
 DEBUG_SKIPS = (SKIP_A_LOADS | SKIP_A_STORES | SKIP_B_LOADS | SKIP_B_STORES | SKIP_FLAGS, SKIP_A_LOADS | SKIP_A_STORES,
                SKIP_B_LOADS | SKIP_B_STORES, SKIP_A_LOADS, SKIP_A_STORES, SKIP_B_LOADS, SKIP_B_STORES, SKIP_FLAGS)
 
 
-def _make_combine(K: int, skip: int = 0):
+@cute.jit
+def _record(err_addr, kind, value):
+    """Checked variants: an index left its buffer; (kind << 16 | value) into the error word."""
+    ptx.st_release_sys(err_addr, (kind << 16) | (value & 0xFFFF))
+
+
+def _make_combine(K: int, skip: int = 0, check: bool = False):
+    """`check`: every computed index is tested against its buffer; a violation is recorded in the
+    error word as (CHECK_* kind << 16 | index) and the access skipped (fault localisation only)."""
     @cute.kernel
     def kernel(y: cute.Tensor, ids: cute.Tensor, out: cute.Tensor, row_pos: cute.Tensor, peers: cute.Tensor,
                rank: Int32, world: Int32, ntok: Int32, nvec: Int32, nlocal: Int32, maxt: Int32, off_rid: Int64,
                off_rw: Int64, off_rstamp: Int64, off_rntok: Int64, off_cx: Int64, off_ccnt: Int64,
-               off_state: Int64, err_addr: Int64, timeout_ns: Int64):
+               off_state: Int64, err_addr: Int64, timeout_ns: Int64, yrows: Int32):
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nb, _, _ = cute.arch.grid_dim()
@@ -474,6 +484,11 @@ def _make_combine(K: int, skip: int = 0):
             c = u - rr * nchunk
             s = _find_source(rstart, world, rr)
             t = rr - rstart[s]
+            if cutlass.const_expr(check):
+                if (s < 0) | (s >= world) | (t < 0) | (t >= maxt):
+                    _record(err_addr, CHECK_A_ROW, rr)
+                    s = Int32(0)
+                    t = Int32(0)
             row = _i64(s) * maxt + t
             stamp = ld_b32_cg(me + off_rstamp + row * 4)
             idl = Int32(-1)
@@ -503,6 +518,10 @@ def _make_combine(K: int, skip: int = 0):
                     if okj == 0:
                         pj = pfirst
                     wj = ptx.i32_as_f32(cute.arch.shuffle_sync(wv, j))
+                    if cutlass.const_expr(check):
+                        if (pj < 0) | (pj >= yrows):
+                            _record(err_addr, CHECK_A_Y, pj)
+                            pj = Int32(0)
                     a = ya + _i64(pj) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
                     if cutlass.const_expr(not skip & SKIP_A_LOADS):
                         for q in cutlass.range_constexpr(4):
@@ -557,6 +576,10 @@ def _make_combine(K: int, skip: int = 0):
                 if mi != 0:
                     oki = Int32(1)
                     di = cute.arch.shuffle_sync(dv, lowest_lane(mi))
+                if cutlass.const_expr(check):
+                    if (di < 0) | (di >= world):
+                        _record(err_addr, CHECK_B_RANK, di)
+                        di = Int32(0)
                 a = me + off_cx + (_i64(di) * maxt + t) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
                 if cutlass.const_expr(not skip & SKIP_B_LOADS):
                     for q in cutlass.range_constexpr(4):
@@ -566,6 +589,10 @@ def _make_combine(K: int, skip: int = 0):
                             acc[8 * q + 2 * h] = lo
                             acc[8 * q + 2 * h + 1] = hi
             dst = oa + _i64(t) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
+            if cutlass.const_expr(check):
+                if (t >= ntok) | (c >= nchunk):
+                    _record(err_addr, CHECK_B_OUT, t)
+                    dst = oa
             if cutlass.const_expr(not skip & SKIP_B_STORES):
                 for q in cutlass.range_constexpr(4):
                     ptx.st_v4(dst + q * 512, [ptx.f32_to_bf16x2(acc[8 * q + 2 * h], acc[8 * q + 2 * h + 1])
@@ -581,7 +608,7 @@ def _make_combine(K: int, skip: int = 0):
         ntok = out.shape[0]
         nvec = out.shape[1] // 8
         kernel(y, ids, out, row_pos, peers, rank, world, ntok, nvec, nlocal, maxt, off_rid, off_rw, off_rstamp,
-               off_rntok, off_cx, off_ccnt, off_state, err_addr, timeout_ns).launch(
+               off_rntok, off_cx, off_ccnt, off_state, err_addr, timeout_ns, y.shape[0]).launch(
             grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     return launch
@@ -637,8 +664,11 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
         y = ten(cutlass.BFloat16, (cute.sym_int(), hid), 16)
         o = ten(cutlass.BFloat16, (ntok, hid), 16)
         skips = (0,) + (DEBUG_SKIPS if os.environ.get("NVL72_DISPATCH_DEBUG_VARIANTS") == "1" and K == 4 else ())
-        for skip in skips:
-            out[f"combine_k{K}" + (f"_skip{skip}" if skip else "")] = cute.compile(
-                _make_combine(K, skip), y, ids, o, row_pos, peers, i32, i32, i32, i32, i64, i64, i64, i64, i64,
-                i64, i64, i64, i64, i32, stream, options=opts)
+        variants = [(f"combine_k{K}" + (f"_skip{skip}" if skip else ""), skip, False) for skip in skips]
+        if len(skips) > 1:
+            variants.append((f"combine_k{K}_checked", 0, True))
+        for name, skip, check in variants:
+            out[name] = cute.compile(
+                _make_combine(K, skip, check), y, ids, o, row_pos, peers, i32, i32, i32, i32, i64, i64, i64, i64,
+                i64, i64, i64, i64, i64, i32, stream, options=opts)
     return out

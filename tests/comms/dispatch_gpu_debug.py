@@ -8,11 +8,15 @@ the rank, so a fault reads as "FAULT dispatch" or "FAULT combine".
 
     CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] [num_blocks]
     CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] skips
+    CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] checked
     CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] config N
 
 `config N`: that config alone (short enough to run under compute-sanitizer, which names the
 faulting instruction's offset and address).
 
+`checked`: configs 0 and 1 with combine_k4_checked (every computed index tested on the device; a
+violation is recorded in the error word as comms.kernels.dispatch.CHECK_* << 16 | index, reported as
+"unknown error", and the access skipped).
 `skips`: config 0 with each fault-isolation variant of combine (combine_k4_skip{bits}, in a bundle
 built with NVL72_DISPATCH_DEBUG_VARIANTS=1; bits in comms.kernels.dispatch): which group of
 accesses faults ("OK combine" with the A-loads removed and FAULT otherwise names the y reads).
@@ -116,14 +120,15 @@ def _worker(rank, world, store, cfg_index, num_blocks, skip=0):
         raise AssertionError(f"rank {rank}: {bad[0]}")
 
 
-def main(world: int, num_blocks: int | None, skips: tuple[int, ...] = (), configs=None) -> int:
+def main(world: int, num_blocks: int | None, runs: list[tuple[int, str]] | None = None) -> int:
+    """`runs`: (config index, combine export suffix) pairs; default every config with combine_kK."""
     if os.environ.get("CUDA_LAUNCH_BLOCKING") != "1":
         print("note: CUDA_LAUNCH_BLOCKING is not 1; faults may be reported one kernel late", flush=True)
     failed = 0
-    runs = [(0, s) for s in skips] if skips else [(i, 0) for i in (configs or range(len(CONFIGS)))]
-    for i, skip in runs:
+    for i, variant in runs or [(i, "") for i in range(len(CONFIGS))]:
+        label = f"config {i}: {CONFIGS[i][:5]}" + (f" {variant[1:]}" if variant else "")
         with tempfile.TemporaryDirectory() as d:
-            ctx = mp.spawn(_worker, args=(world, os.path.join(d, "store"), i, num_blocks, skip), nprocs=world,
+            ctx = mp.spawn(_worker, args=(world, os.path.join(d, "store"), i, num_blocks, variant), nprocs=world,
                            join=False)
             t0 = time.monotonic()
             try:
@@ -132,24 +137,31 @@ def main(world: int, num_blocks: int | None, skips: tuple[int, ...] = (), config
                         for p in ctx.processes:
                             p.kill()
                         raise TimeoutError(f"config {i} did not finish within {TIMEOUT_S} s")
-                print(f"PASS  config {i}: {CONFIGS[i][:5]}" + (f" skip={skip}" if skip else ""), flush=True)
+                print(f"PASS  {label}", flush=True)
             except Exception as e:  # noqa: BLE001  (next config in fresh processes)
                 failed += 1
-                print(f"FAIL  config {i}: {CONFIGS[i][:5]}" + (f" skip={skip}" if skip else "")
-                      + f": {type(e).__name__}: {str(e).strip().splitlines()[-1]}", flush=True)
+                print(f"FAIL  {label}: {type(e).__name__}: {str(e).strip().splitlines()[-1]}", flush=True)
     return 1 if failed else 0
+
+
+def _bundle_variants(prefix: str) -> list[str]:
+    """Suffixes of the bundle's combine exports starting with `prefix` (no CuTeDSL import here)."""
+    import aot
+
+    names = aot.read_manifest(aot.bundle_dir(aot.device_arch(0)))["modules"]["comms.kernels.dispatch"]["exports"]
+    found = [e[len("combine_k4"):] for e in names if e.startswith(prefix)]
+    if not found:
+        sys.exit(f"the bundle has no {prefix}* exports: build it with NVL72_DISPATCH_DEBUG_VARIANTS=1")
+    return found
 
 
 if __name__ == "__main__":
     n = int(sys.argv[1]) if len(sys.argv) > 1 else torch.cuda.device_count()
-    if len(sys.argv) > 2 and sys.argv[2] == "skips":  # the variants the bundle holds (no CuTeDSL import here)
-        import aot
-
-        names = aot.read_manifest(aot.bundle_dir(aot.device_arch(0)))["modules"]["comms.kernels.dispatch"]["exports"]
-        skips = tuple(int(e.rsplit("_skip", 1)[1]) for e in names if e.startswith("combine_k4_skip"))
-        if not skips:
-            sys.exit("the bundle has no combine_k4_skip* exports: build it with NVL72_DISPATCH_DEBUG_VARIANTS=1")
-        sys.exit(main(n, None, skips))
-    if len(sys.argv) > 3 and sys.argv[2] == "config":
-        sys.exit(main(n, None, configs=[int(sys.argv[3])]))
-    sys.exit(main(n, int(sys.argv[2]) if len(sys.argv) > 2 else None))
+    mode = sys.argv[2] if len(sys.argv) > 2 else ""
+    if mode == "skips":
+        sys.exit(main(n, None, [(0, v) for v in _bundle_variants("combine_k4_skip")]))
+    if mode == "checked":  # the K=4 configs with every index checked on the device
+        sys.exit(main(n, None, [(i, v) for i in (0, 1) for v in _bundle_variants("combine_k4_checked")]))
+    if mode == "config":
+        sys.exit(main(n, None, [(int(sys.argv[3]), "")]))
+    sys.exit(main(n, int(mode) if mode else None))
