@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     bw = hbm_copy_bandwidth(1 << 30)
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s (read + write); "
-          f"torch {torch.__version__}; NVL72_MOE_SM90_KERNELS={os.environ.get('NVL72_MOE_SM90_KERNELS', 'classic')}",
+          f"torch {torch.__version__}; NVL72_MOE_SM90_KERNELS={os.environ.get('NVL72_MOE_SM90_KERNELS', 'auto')}",
           flush=True)
     rows = []
     for name in a.models.split(","):

@@ -134,8 +134,8 @@ def test_triton_route_and_quant_ops():
     assert _rel(got, want) < 1e-2
 
 
-@pytest.mark.parametrize("kernels", ["classic", "ws"])
-@pytest.mark.parametrize("tokens", [5, 300])
+@pytest.mark.parametrize("kernels", ["classic", "ws", "auto"])
+@pytest.mark.parametrize("tokens", [5, 200, 300])
 def test_moe_layer_sm90_matches_reference(tokens, kernels, monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("sm90 backend")

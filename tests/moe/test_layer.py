@@ -122,3 +122,11 @@ def test_sm90_gemm_variant_dispatch():
         backend.Sm90Gemm(classic, ws, "fast")
     with pytest.raises(ValueError, match="needs the module"):
         backend.Sm90Gemm(classic, None, "ws")
+    # auto: ws for every contiguous FP8 call and for masked ones from WS_MASKED_MIN_ROWS rows per expert
+    auto = backend.Sm90Gemm(classic, ws, "auto")
+    big, small = auto.WS_MASKED_MIN_ROWS, auto.WS_MASKED_MIN_ROWS - 32
+    assert auto.kernel(auto.default_variant(True, False, 64)) == "ws-contig"
+    assert auto.kernel(auto.default_variant(True, True, big)) == "ws-masked"
+    assert auto.kernel(auto.default_variant(True, True, small)) == "classic-masked"
+    assert auto.kernel(auto.default_variant(False, False, 4096)) == "bf16"
+    assert plain.default_variant(True, False, 4096) == "grouped_gemm_fp8_contig_serial"
