@@ -80,7 +80,7 @@ def _inspect(rank, world, fused, x, M, tag):
     return problems
 
 
-def _worker(rank, world, store, cfg_index, num_blocks, skip=0):
+def _worker(rank, world, store, cfg_index, num_blocks, variant=""):
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -97,13 +97,13 @@ def _worker(rank, world, store, cfg_index, num_blocks, skip=0):
             heap = make_heap("comms", dist.group.WORLD, DispatchCombine.heap_size_hint(world, E, K, H, M), dev)
             fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", layout=layout, timeout_s=5.0,
                                     num_blocks=num_blocks)
-            if skip:
+            if variant:  # a debug export of combine (see main)
                 import aot
 
-                fused._fused._combine = aot.function("comms.kernels.dispatch", f"combine_k{K}_skip{skip}")
+                fused._fused._combine = aot.function("comms.kernels.dispatch", f"combine_k{K}{variant}")
             for it in range(2):
                 tag = (f"E={E} K={K} H={H} M={M} T={T} {layout} blocks={fused._fused.nblocks} epoch {it + 1}"
-                       + (f" skip={skip}" if skip else ""))
+                       + (f" {variant[1:]}" if variant else ""))
                 x, ids, w = _inputs(cases[0], rank, world, T, E, K, H, gen, dev)
                 dist.barrier()
                 recv, h = _step(rank, tag, "dispatch", lambda: fused.dispatch(x, ids, w))
