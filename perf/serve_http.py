@@ -57,6 +57,8 @@ def start_server(model_dir: str, args, log) -> subprocess.Popen:
            "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs)]
     if args.kv_cache_memory:
         cmd += ["--kv-cache-memory", args.kv_cache_memory]
+    if args.no_async_scheduling:
+        cmd += ["--no-async-scheduling"]
     if args.device == "cpu":
         cmd += ["--dtype", "float32"]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -95,6 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=16384)
     ap.add_argument("--max-num-seqs", type=int, default=64, help="also the high decode concurrency")
     ap.add_argument("--kv-cache-memory", default=None)
+    ap.add_argument("--no-async-scheduling", action="store_true", help="serve with the engine's synchronous loop")
     ap.add_argument("--decode-prompt-len", type=int, default=128)
     ap.add_argument("--decode-out", type=int, default=128)
     ap.add_argument("--decode-rounds", type=int, default=2, help="requests per concurrency slot")
