@@ -50,8 +50,9 @@ def build_engine(model: str | None = None, *, load_format: str = "auto", dtype: 
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True, seed: int = 0,
                  attention_backend: str | None = None, enforce_eager: bool = False,
                  cuda_graph_batch_sizes: tuple[int, ...] | None = None, async_scheduling: bool | None = None,
-                 parallel=None) -> LLMEngine:
+                 warmup: bool | None = None, parallel=None) -> LLMEngine:
     """An engine from plain arguments. `model=None`: the embedded default config with dummy weights.
+    `warmup` (default: on CUDA, except DP+EP ranks): `LLMEngine.warmup()` before returning.
     `parallel`: this rank's `ParallelLayout` (TP/EP ranks running one engine in lockstep)."""
     from nvl72.config import ModelConfig
     from nvl72.model.loader import load_model
@@ -86,7 +87,13 @@ def build_engine(model: str | None = None, *, load_format: str = "auto", dtype: 
                        async_scheduling=async_scheduling)
     log.info("engine model %s (%s, %s on %s), drafter %s", model or "<embedded default>", config.model_type, dtype,
              device, type(drafter).__name__ if drafter else "none")
-    return LLMEngine(net, cfg, drafter=drafter, eos_token_ids=list(config.eos_token_id))
+    engine = LLMEngine(net, cfg, drafter=drafter, eos_token_ids=list(config.eos_token_id))
+    if warmup if warmup is not None else (device.startswith("cuda") and not engine.dp_ep):
+        t0 = time.perf_counter()
+        engine.warmup()
+        log.info("engine warm-up (one %d-token prefill + decode) took %.1f s", min(
+            cfg.max_num_batched_tokens, cfg.max_model_len - 3), time.perf_counter() - t0)
+    return engine
 
 
 class EngineCore:

@@ -93,6 +93,9 @@ def validate_request(req: AddRequest, max_model_len: int, vocab_size: int | None
             raise InvalidRequest(f"request {rid!r}: {name}={value!r} is out of range")
 
 
+WARMUP_REQUEST_ID = "nvl72-warmup"
+
+
 def graph_sizes_from_env() -> tuple[int, ...]:
     text = os.environ.get("NVL72_CUDA_GRAPHS", "")
     try:
@@ -332,6 +335,26 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
+
+    def warmup(self, num_tokens: int | None = None) -> None:
+        """One dummy request (a `num_tokens` prefill, default one full chunk, then two decode steps)
+        before serving, so no real request pays for kernel JIT: Triton specialises on shapes and the
+        first long prompt on an H200 took 745 ms instead of 33 (its contiguous MoE path compiled then).
+        Afterwards its pages leave the prefix cache and the counters it moved are zeroed. Every rank of
+        a TP instance must call it (its forwards are collectives); not for DP+EP ranks (their passes
+        pair with the EP group's)."""
+        if self.dp_ep:
+            raise RuntimeError("warmup() on a DP+EP rank: its forwards pair with the other EP ranks'")
+        if self.seqs:
+            raise RuntimeError(f"warmup() with {len(self.seqs)} requests in the engine")
+        n = num_tokens or min(self.config.max_num_batched_tokens, self.config.max_model_len - 3)
+        self.add_request(AddRequest(WARMUP_REQUEST_ID, [1] * n,
+                                    SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)))
+        while self.has_unfinished():
+            self.step()
+        self.prefix.clear()
+        self.scheduler.prefix_queries = self.scheduler.prefix_hits = 0
+        self.counters = dict.fromkeys(self.counters, 0)
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:

@@ -172,3 +172,20 @@ def test_ngram_drafter_exact(reference):
     e = make_engine(fam, drafter=HistoryDrafter(3, ngram_proposal), num_speculative_tokens=3)
     assert tokens(run_all(e, reps, GREEDY)) == want
     assert e.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("fam", ["qwen3_moe", "qwen3_next"])
+def test_warmup_leaves_no_trace(fam):
+    """After warmup(): no pages or slots held, prefix cache and counters empty, and the same greedy
+    tokens as an engine that never warmed up (prefix cache on: no stale hit from the dummy)."""
+    ps = prompts(3, seed=5)
+    cold = make_engine(fam)
+    want = run_all(cold, ps, GREEDY)
+    warm = make_engine(fam)
+    warm.warmup(num_tokens=40)
+    assert warm.pages.num_used == 0 and (warm.slots is None or warm.slots.num_used == 0)
+    assert warm.stats()["prefix_cache_queries"] == 0 and warm.counters["num_steps"] == 0
+    assert run_all(warm, ps, GREEDY) == want
+    with pytest.raises(RuntimeError, match="requests in the engine"):
+        warm.add_request(AddRequest("x", [1, 2, 3], GREEDY))
+        warm.warmup()
