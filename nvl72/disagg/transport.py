@@ -23,6 +23,7 @@ clock on CPU).
 from __future__ import annotations
 
 import datetime
+import logging
 import queue
 import threading
 import time
@@ -34,6 +35,8 @@ import torch.distributed as dist
 
 from nvl72.disagg.plan import AXIS, KINDS, TransferPlan
 from nvl72.model.batch import ModelCaches
+
+log = logging.getLogger("nvl72.disagg")
 
 MAGIC = 0x6E766C3732  # "nvl72"
 MAX_GROUPS = 80
@@ -85,6 +88,11 @@ class _Piece:
 
     def gather(self) -> torch.Tensor:
         return self.cache.narrow(self.axis, self.lo, self.length).index_select(0, self.index).reshape(-1)
+
+    def gather_into(self, flat: torch.Tensor) -> None:
+        """`gather()` written into `flat` (a ring slot, maybe a peer's memory) instead of a new buffer."""
+        src = self.cache.narrow(self.axis, self.lo, self.length)
+        torch.index_select(src, 0, self.index, out=flat.view((self.index.numel(),) + tuple(src.shape[1:])))
 
     def scatter(self, flat: torch.Tensor) -> None:
         dst = self.cache.narrow(self.axis, self.lo, self.length)
@@ -392,6 +400,9 @@ class Receiver:
             self._finish(*self._take(block=True))
         return self.receipt
 
+    def close(self) -> None:
+        """Give the request up (nothing to release: late parts land in its buffers, then time out)."""
+
     def measured(self) -> tuple[dict[str, int], float]:
         """(payload bytes per cache kind, seconds from posting the receives to the last arrival) of a
         complete transfer."""
@@ -401,3 +412,50 @@ class Receiver:
         start, end = self._events
         end.synchronize()  # every receive completed already: nothing left to wait for but the marker
         return dict(self._bytes), start.elapsed_time(end) / 1e3
+
+
+TRANSPORTS = ("auto", "p2p", "sendrecv")
+RING_SLOTS = 4
+
+
+class SendRecvTransport:
+    """`Sender`/`Receiver` over the transfer group's point-to-point ops (the pairs connected)."""
+
+    name = describe = "sendrecv"
+
+    def __init__(self, group):
+        self.group = group
+
+    def sender(self, seq, plan, tp_rank, src_ranks, dst_ranks, caches, groups) -> Sender:
+        return Sender(seq, plan, tp_rank, src_ranks, dst_ranks, caches, groups, self.group)
+
+    def receiver(self, seq, plan, tp_rank, src_ranks, dst_ranks, caches, groups, timeout) -> Receiver:
+        return Receiver(seq, plan, tp_rank, src_ranks, dst_ranks, caches, groups, timeout, self.group)
+
+    def close(self) -> None:
+        pass
+
+
+def open_transport(kind: str, group, rank: int, prefill_ranks: Sequence[int], decode_ranks: Sequence[int],
+                   device: torch.device, timeout: float, ring_bytes: int):
+    """The KV transport of this prefill or decode rank, chosen the same on every one of them (every
+    prefill and decode rank calls this at start-up; it is collective over them):
+      p2p       staging rings in a symmetric heap (`nvl72.disagg.ring`), `ring_bytes` per
+                (prefill rank, decode rank) link; fails if the heap cannot be made
+      sendrecv  torch.distributed point-to-point over `group` (NCCL on GPU, gloo on CPU)
+      auto      p2p on CUDA when every rank's heap maps its peers, else sendrecv."""
+    if kind not in TRANSPORTS:
+        raise ValueError(f"KV transport {kind!r} is not one of {TRANSPORTS}")
+    device = torch.device(device)
+    chosen, why = None, "chosen" if kind == "sendrecv" else "auto on cpu"
+    if kind == "p2p" or (kind == "auto" and device.type == "cuda"):
+        from nvl72.disagg.ring import open_rings
+
+        chosen, why = open_rings(group, rank, prefill_ranks, decode_ranks, device, timeout, ring_bytes,
+                                 RING_SLOTS, required=kind == "p2p")
+    if chosen is None:
+        connect_pairs(group, rank, prefill_ranks, decode_ranks, device, timeout)
+        chosen = SendRecvTransport(group)
+    log.info("rank %d: KV transport %s (--kv-transport %s: %s)", rank, chosen.describe,
+                                           kind, why)
+    return chosen

@@ -21,13 +21,16 @@ def _mpiexec() -> str:
 
 
 @pytest.mark.mp
-def test_transfer_over_gloo_with_mpiexec():
+@pytest.mark.parametrize("transport", ["sendrecv", "p2p"])
+def test_transfer_over_gloo_with_mpiexec(transport):
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    out = subprocess.run([_mpiexec(), "-n", "3", sys.executable, str(HERE / "transport_worker.py")],
-                         capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run([_mpiexec(), "-n", "3", sys.executable, str(HERE / "transport_worker.py"),
+                          "--transport", transport], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "TRANSFER_OK" in out.stdout
+    assert f"TRANSFER_OK TP2->TP1 on cpu over {transport}" in out.stdout
     assert "TIMEOUT_OK" in out.stdout
+    if transport == "p2p":
+        assert out.stdout.count("SENDER_TIMEOUT_OK") == 2, out.stdout
 
 
 def test_receipt_requires_everything_and_the_first_token():
@@ -54,12 +57,14 @@ def test_layer_groups():
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @pytest.mark.mp
-def test_transfer_over_nccl_with_torchrun():
-    """The same transfer between two GPUs over NCCL (TP1 -> TP1), through the is_completed() poll path."""
+@pytest.mark.parametrize("transport", ["sendrecv", "p2p"])
+def test_transfer_over_nccl_with_torchrun(transport):
+    """The same transfer between two GPUs (TP1 -> TP1): NCCL through the is_completed() poll path, or
+    the rings in NVLink peer memory."""
     root = HERE.parents[1]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          str(HERE / "transport_worker.py"), "--device", "cuda"],
+                          str(HERE / "transport_worker.py"), "--device", "cuda", "--transport", transport],
                          capture_output=True, text=True, timeout=300, env=env, cwd=root)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "TRANSFER_OK TP1->TP1 on cuda:1" in out.stdout
+    assert f"TRANSFER_OK TP1->TP1 on cuda:1 over {transport}" in out.stdout

@@ -1,13 +1,15 @@
 """Worker of test_transport_mp: the last rank is a TP1 decode rank, the others a prefill instance
 (`mpiexec -n 3`: TP2 -> TP1 over gloo; `torchrun --nproc-per-node 2 ... --device cuda`: TP1 -> TP1 over
-NCCL); a request's KV pages and GDN states must arrive bit-exactly, and the first token last."""
+NCCL) through `--transport sendrecv` or `p2p` (rings of 4 slots of 256 bytes on CPU, 512 on GPU, the
+smallest that hold a row: parts are cut into chunks and the ring wraps); a request's KV pages and GDN states must arrive bit-exactly, and the first
+token last."""
 import sys
 import time
 
 import torch
 
 from nvl72.disagg.plan import CacheLayout, build_transfer_plan, shard
-from nvl72.disagg.transport import Receiver, Sender, TransferTimeout, caches_of, layer_groups
+from nvl72.disagg.transport import TransferTimeout, caches_of, layer_groups, open_transport
 from nvl72.model.batch import ModelCaches
 from nvl72.parallel import init_distributed
 from nvl72.topology import launch_env
@@ -35,6 +37,7 @@ def sharded(full, tp, rank, device="cpu"):
 def main():
     env = launch_env()
     device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cpu"
+    transport = sys.argv[sys.argv.index("--transport") + 1] if "--transport" in sys.argv else "sendrecv"
     control = init_distributed(env, device, TIMEOUT)  # gloo: the "go" signal below (CPU)
     dev = f"cuda:{env.local_rank}" if device == "cuda" else "cpu"
     src_tp = env.world_size - 1
@@ -42,8 +45,11 @@ def main():
     plan = build_transfer_plan(LAYOUT, src_tp, 1, SRC_PAGES, DST_PAGES, SRC_SLOT, DST_SLOT)
     groups = layer_groups(LAYERS, 2)
     src_ranks, dst_ranks = list(range(src_tp)), [src_tp]
+    tr = open_transport(transport, torch.distributed.group.WORLD, env.rank, src_ranks, dst_ranks, torch.device(dev), TIMEOUT,
+                        4 * (512 if device == "cuda" else 256))
+    assert tr.name == transport, (tr.name, transport)
     if env.rank < src_tp:
-        s = Sender(11, plan, env.rank, src_ranks, dst_ranks, sharded(full, src_tp, env.rank, dev), groups)
+        s = tr.sender(11, plan, env.rank, src_ranks, dst_ranks, sharded(full, src_tp, env.rank, dev), groups)
         s.send_group(0)
         if device == "cuda":  # the second layer group is "still computing"
             time.sleep(1.0)
@@ -56,7 +62,7 @@ def main():
         gen = torch.Generator().manual_seed(99)
         mine = {k: [None if t is None else torch.randn(t.shape, generator=gen).to(t.dtype).to(dev) for t in ts]
                 for k, ts in sharded(full, 1, 0).items()}
-        r = Receiver(11, plan, 0, src_ranks, dst_ranks, mine, groups, TIMEOUT)
+        r = tr.receiver(11, plan, 0, src_ranks, dst_ranks, mine, groups, TIMEOUT)
         if device != "cuda":
             assert not r.poll(), "complete before the last layer group and the first token were sent"
             for src in src_ranks:
@@ -71,8 +77,22 @@ def main():
         for kind in ("conv", "recurrent"):
             for l in (1, 2):
                 assert torch.equal(mine[kind][l][DST_SLOT], want[kind][l][SRC_SLOT]), (kind, l)
-        print(f"TRANSFER_OK TP{src_tp}->TP1 on {dev}", flush=True)
+        print(f"TRANSFER_OK TP{src_tp}->TP1 on {dev} over {transport}", flush=True)
+    if transport == "p2p":  # a request nobody receives fails its sender within the bound
+        torch.distributed.barrier(group=control)
+        if env.rank < src_tp:
+            s = tr.sender(13, plan, env.rank, src_ranks, dst_ranks, sharded(full, src_tp, env.rank, dev), groups)
+            s.send_all()
+            s.send_first_token(1)
+            t0 = time.monotonic()
+            try:
+                s.wait(1.0)
+                raise SystemExit("a send nobody received completed")
+            except TransferTimeout as e:
+                print(f"SENDER_TIMEOUT_OK {time.monotonic() - t0:.1f}s {str(e)[:80]}", flush=True)
+        torch.distributed.barrier(group=control)
     if device == "cuda":  # a timed-out NCCL receive aborts the communicator: the bound is gloo's test
+        tr.close()
         torch.distributed.destroy_process_group()
         return 0
     # A request nobody sends must time out within its bound (this closes the gloo pairs, so it comes last
@@ -81,13 +101,14 @@ def main():
 
     if env.rank == 2:
         t0 = time.monotonic()
-        r = Receiver(12, plan, 0, src_ranks, dst_ranks, sharded(full, 1, 0), groups, timeout=1.0)
+        r = tr.receiver(12, plan, 0, src_ranks, dst_ranks, sharded(full, 1, 0), groups, timeout=1.0)
         try:
             r.wait()
             raise SystemExit("a request nobody sent completed")
         except TransferTimeout as e:
             print(f"TIMEOUT_OK {time.monotonic() - t0:.1f}s {str(e)[:80]}", flush=True)
     MPI.COMM_WORLD.Barrier()
+    tr.close()
     return 0
 
 
