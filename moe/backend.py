@@ -106,6 +106,18 @@ class Sm90Gemm:
         "grouped_gemm_fp8_masked_swapab": 32,
         "ws_fp8_masked_swapab": 32,
         "ws_fp8_masked_swapab_m64n16": 16,
+        "ws_fp8_masked_swapab_cp": 32,
+        "ws_fp8_masked_swapab_cpo": 32,
+        "ws_fp8_masked_swapab_m64n32_cp": 32,
+        "ws_fp8_masked_swapab_m64n16_cp": 16,
+    }
+    # masked variants with the compact tile walk: their shared prefix array holds this many experts
+    # (moe.kernels.sm90_grouped_gemm_ws.MAX_EXPERTS)
+    COMPACT_MAX_EXPERTS = {
+        "ws_fp8_masked_swapab_cp": 1024,
+        "ws_fp8_masked_swapab_cpo": 1024,
+        "ws_fp8_masked_swapab_m64n32_cp": 1024,
+        "ws_fp8_masked_swapab_m64n16_cp": 1024,
     }
 
     def __init__(self, module, ws_module=None, kernels: str = "classic"):
@@ -156,6 +168,8 @@ class Sm90Gemm:
                 f"capacity {a.shape[1]} is not a multiple of {variant}'s row tile "
                 f"{self.MASKED_ROW_TILE.get(variant, TILE_M)}"
             )
+        if masked and a.shape[0] > self.COMPACT_MAX_EXPERTS.get(variant, a.shape[0]):
+            raise ValueError(f"{a.shape[0]} experts: {variant} takes at most {self.COMPACT_MAX_EXPERTS[variant]}")
         fn = self.kernel(variant)
         fn(a3, b.permute(1, 2, 0), c3, sa, sb, aux.to(torch.int32))
         return out

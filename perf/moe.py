@@ -39,7 +39,14 @@ MODELS = {
     "qwen3.5-397b": dict(E=512, H=4096, I=1024, k=10),
 }
 DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-WS_MASKED = ["ws_fp8_masked_swapab", "ws_fp8_masked_swapab_m64n16"]
+WS_MASKED = [
+    "ws_fp8_masked_swapab",
+    "ws_fp8_masked_swapab_m64n16",
+    "ws_fp8_masked_swapab_cp",
+    "ws_fp8_masked_swapab_cpo",
+    "ws_fp8_masked_swapab_m64n32_cp",
+    "ws_fp8_masked_swapab_m64n16_cp",
+]
 WS_CONTIG = ["ws_fp8_contig", "ws_fp8_contig_serial"]
 WS_MAX_REL_ERR = 1e-2
 

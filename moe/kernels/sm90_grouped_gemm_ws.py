@@ -25,6 +25,20 @@ Variants: the swap-AB masked kernel (decode: weights are the 128- or 64-row M op
 tokens of an expert the N operand; token tiles outermost in the tile order, so every CTA first
 streams distinct weight tiles) and the contiguous kernel (prefill, 128 x 128 tiles, n-tiles
 innermost so concurrent CTAs share an expert's A rows and weights in L2).
+Decode options of the masked kernel (both off in the first variants, measured 2026-11-22: 62-65% of
+the copy bandwidth at 128 tokens, slower than the classic kernel at 1-8 tokens):
+  * compact: the tile walk covers only the active (expert, token tile) pairs. Each CTA first turns
+    counts into an exclusive prefix sum of token tiles per expert in shared memory (all threads
+    fill, one warp scans; at most MAX_EXPERTS experts), then maps its linear work index to
+    (expert, token tile, weight tile) by a 10-step binary search over that prefix. Without it a
+    CTA visits every (weight tile, expert, token tile) of the capacity: at 1 token with the
+    capacity 128 that is 93 + 124 visits per CTA for 8 active experts, each a counts load, and the
+    active tiles fall unevenly on the CTAs; compact ones are dealt out round-robin.
+  * prefetch (needs compact, not overlap): the scale factors of K step s + 1 (or of the next tile's
+    first K step) are loaded while the wgmma of step s runs and used one step later, so a K step's
+    critical path in the consumers is the wgmma and the promotion, not a global-memory round trip
+    for the scales. A decode K step moves only 16-20 KB, so that latency per step bounded the
+    streaming rate of each SM.
 NUM_SMS is H100/H200 SXM's 132: on a part with fewer SMs the extra CTAs wait for a free SM
 (correct, not optimal).
 """
@@ -42,6 +56,8 @@ ARCHS = ("sm_90a",)
 NUM_SMS = 132
 PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128 * 40 + 256 * 232 <= 64K registers per SM
 MAX_AB_STAGES = 16
+MAX_EXPERTS = 1024  # the compact walk's shared prefix array (experts per masked call)
+LOG_MAX_EXPERTS = 10
 
 
 class GroupedGemmSm90WS(GroupedGemmSm90):
@@ -50,12 +66,26 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
     masked: the swap-AB masked layout (decode) instead of the contiguous one.
     n_wg: consumer warpgroups (tile rows = 64 * n_wg). tile_n: tile columns (tokens for swap-AB).
     overlap: promotion of K tile t overlapped with the wgmma of K tile t+1 (two temporaries).
+    compact, prefetch: the decode options of the module docstring (masked only).
     """
 
-    def __init__(self, masked: bool, n_wg: int = 2, tile_n: int = 128, overlap: bool = False):
+    def __init__(
+        self,
+        masked: bool,
+        n_wg: int = 2,
+        tile_n: int = 128,
+        overlap: bool = False,
+        compact: bool = False,
+        prefetch: bool = False,
+    ):
         super().__init__(fp8=True, masked=masked, swap_ab=masked, overlap=overlap)
         if n_wg not in (1, 2) or tile_n % 8 or not 8 <= tile_n <= 256:
             raise ValueError(f"n_wg={n_wg}, tile_n={tile_n}: need n_wg in (1, 2) and tile_n a multiple of 8 in [8, 256]")
+        if compact and not masked:
+            raise ValueError(f"compact={compact}: the compact tile walk is for the masked layout only")
+        if prefetch and (overlap or not compact):
+            raise ValueError(f"prefetch={prefetch} needs compact=True and overlap=False (got {compact}, {overlap})")
+        self.compact, self.prefetch = compact, prefetch
         if not masked and tile_n != SCALE_BLOCK:
             raise ValueError(f"tile_n={tile_n}: the contiguous kernel needs tile_n == {SCALE_BLOCK} (one B scale per tile)")
         self.tile_m, self.tile_n, self.n_wg = 64 * n_wg, tile_n, n_wg
@@ -70,7 +100,9 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
         self.epi_stage = 2 if n_sub % 2 == 0 else 1  # buffer e % epi_stage restarts at 0 on each tile
         epi_bytes = m * n * self.epi_stage * self.c_dtype.width // 8
         stage_bytes = (self.tile_m + self.tile_n) * self.tile_mnk[2] * self.ab_dtype.width // 8
-        self.ab_stage = min(MAX_AB_STAGES, (self.smem_capacity - 2048 - epi_bytes) // stage_bytes)
+        self.n_prefix = MAX_EXPERTS + 1 if self.compact else 1
+        free = self.smem_capacity - 2048 - epi_bytes - 4 * self.n_prefix
+        self.ab_stage = min(MAX_AB_STAGES, free // stage_bytes)
         k_major = utils.LayoutEnum.ROW_MAJOR
         self.a_smem_staged = sm90_utils.make_smem_layout_a(k_major, self.tile_mnk, self.ab_dtype, self.ab_stage)
         self.b_smem_staged = sm90_utils.make_smem_layout_b(k_major, self.tile_mnk, self.ab_dtype, self.ab_stage)
@@ -101,6 +133,7 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)], 1024]
             sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_staged)], 1024]
+            prefix: cute.struct.MemRange[cutlass.Int32, self.n_prefix]
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -109,8 +142,19 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
             self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
         ).launch(grid=(cutlass.min(num_tiles, NUM_SMS), 1, 1), block=[self.threads, 1, 1], stream=stream)
 
-    def _tile(self, t, tiles_m, tiles_n, n_l, aux):
+    @cute.jit
+    def _tile(self, t, tiles_m, tiles_n, n_l, aux, sP):
         """Linear tile index -> (m tile, n tile, batch, expert, active)."""
+        if cutlass.const_expr(self.compact):  # t counts active tiles only: (weight tile fastest, token tile, expert)
+            pm = t % tiles_m
+            g = t // tiles_m
+            e = cutlass.Int32(0)  # the last expert whose first token tile is at or before g
+            for b in cutlass.range_constexpr(LOG_MAX_EXPERTS):
+                cand = e + (1 << (LOG_MAX_EXPERTS - 1 - b))
+                if cand < n_l:
+                    if sP[cand] <= g:
+                        e = cand
+            return pm, g - sP[e], e, e, True
         if cutlass.const_expr(self.masked):  # (weight tile fastest, expert, token tile outermost)
             pm = t % tiles_m
             pl = (t // tiles_m) % n_l
@@ -121,9 +165,40 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
         expert = aux[pm]
         return pm, pn, cutlass.Int32(0), expert, expert >= 0
 
-    def _scales(self, mSA, mSB, tCcC, kt, pm, pn, pl, expert):
-        """Per-element promotion factors of K tile kt (loaded before the wgmma wait)."""
-        f = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+    @cute.jit
+    def _prefix(self, sP, aux, n_l, tiles_n, tidx, warp_idx):
+        """sP[e] = token tiles of experts before e, sP[n_l] = all of them (counts -> exclusive scan);
+        ends with the CTA-wide sync that also completes the pipeline set-up."""
+        for e in cutlass.range(tidx, n_l, self.threads, unroll=1):
+            sP[e] = cutlass.min((aux[e] + self.tile_n - 1) // self.tile_n, tiles_n)
+        cute.arch.sync_threads()
+        if warp_idx == 0:  # each lane sums a block of experts, a warp scan gives the block offsets
+            lane = tidx % 32
+            per = (n_l + 31) // 32
+            lo = lane * per
+            own = cutlass.Int32(0)
+            for i in cutlass.range(per, unroll=1):
+                if lo + i < n_l:
+                    own = own + sP[lo + i]
+            incl = own
+            for b in cutlass.range_constexpr(5):
+                up = cute.arch.shuffle_sync_up(incl, 1 << b)
+                if lane >= (1 << b):
+                    incl = incl + up
+            run = incl - own
+            for i in cutlass.range(per, unroll=1):
+                if lo + i < n_l:
+                    c = sP[lo + i]
+                    sP[lo + i] = run
+                    run = run + c
+            if lane == 31:
+                sP[n_l] = incl
+        pipeline.pipeline_init_wait()
+
+    def _scales(self, mSA, mSB, tCcC, kt, pm, pn, pl, expert, f=None):
+        """Per-element promotion factors of K tile kt (loaded before the wgmma wait), into f if given."""
+        if cutlass.const_expr(f is None):
+            f = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
         if cutlass.const_expr(self.swap_ab):  # A = weights (one scale per 128 rows), B = tokens
             sw = mSA[(pm * self.tile_m // SCALE_BLOCK, kt, expert)]
             n0 = pn * self.tile_n
@@ -203,7 +278,12 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
         n_l = cute.size(gC, mode=[4])
         num_tiles = tiles_m * tiles_n * n_l
         k_tiles = cute.size(gA, mode=[3])
-        pipeline.pipeline_init_wait()
+        sP = storage.prefix.get_tensor(cute.make_layout(self.n_prefix))
+        if cutlass.const_expr(self.compact):
+            self._prefix(sP, aux, n_l, tiles_n, tidx, warp_idx)
+            num_tiles = sP[n_l] * tiles_m
+        else:
+            pipeline.pipeline_init_wait()
 
         wg = cute.arch.make_warp_uniform(warp_idx // 4)
         if wg == 0:
@@ -219,7 +299,7 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
                 )
                 prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
                 for t in cutlass.range(bid, num_tiles, n_ctas, unroll=1):
-                    pm, pn, pl, expert, active = self._tile(t, tiles_m, tiles_n, n_l, aux)
+                    pm, pn, pl, expert, active = self._tile(t, tiles_m, tiles_n, n_l, aux, sP)
                     if active:
                         tAgA_t = tAgA[(None, pm, None, pl)]
                         tBgB_t = tBgB[(None, pn, None, expert)]
@@ -260,11 +340,31 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
 
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            f_cur = cute.make_rmem_tensor(tCcC.shape if self.prefetch else 1, self.acc_dtype)
+            f_nxt = cute.make_rmem_tensor(tCcC.shape if self.prefetch else 1, self.acc_dtype)
+            if cutlass.const_expr(self.prefetch):  # the first tile's first scales
+                last = cutlass.max(num_tiles - 1, 0)
+                qm, qn, ql, _, _ = self._tile(cutlass.min(bid, last), tiles_m, tiles_n, n_l, aux, sP)
+                self._scales(mSA, mSB, tCcC, 0, qm, qn, ql, ql, f_cur)
             for t in cutlass.range(bid, num_tiles, n_ctas, unroll=1):
-                pm, pn, pl, expert, active = self._tile(t, tiles_m, tiles_n, n_l, aux)
+                pm, pn, pl, expert, active = self._tile(t, tiles_m, tiles_n, n_l, aux, sP)
                 if active:
                     acc.fill(0.0)
-                    if cutlass.const_expr(self.overlap):
+                    if cutlass.const_expr(self.prefetch):
+                        # the tile after this one (this one again if none), for the last step's prefetch
+                        qm, qn, ql, _, _ = self._tile(cutlass.min(t + n_ctas, num_tiles - 1), tiles_m, tiles_n, n_l, aux, sP)
+                        for kt in cutlass.range(k_tiles, unroll=1):
+                            cons = self._mma(ab_pipe, cons, mmas, part0, tCrA, tCrB, num_kb, True)
+                            same = cutlass.Int32(kt + 1 < k_tiles)  # 1: next K step of this tile, 0: next tile's first
+                            self._scales(
+                                mSA, mSB, tCcC, same * (kt + 1),
+                                same * pm + (1 - same) * qm, same * pn + (1 - same) * qn,
+                                same * pl + (1 - same) * ql, same * pl + (1 - same) * ql, f_nxt,
+                            )
+                            cute.nvgpu.warpgroup.wait_group(0)
+                            rel = self._promote(ab_pipe, rel, acc, part0, f_cur)
+                            f_cur.store(f_nxt.load())
+                    elif cutlass.const_expr(self.overlap):
                         # branch-free pairs, so ptxas can prove which temporary each wait retires
                         cons = self._mma(ab_pipe, cons, mmas, part0, tCrA, tCrB, num_kb, True)
                         for j in cutlass.range((k_tiles - 1) // 2, unroll=1):
@@ -325,6 +425,12 @@ VARIANTS = {
     "ws_fp8_contig_serial": dict(masked=False),
     "ws_fp8_masked_swapab": dict(masked=True, n_wg=2, tile_n=32),
     "ws_fp8_masked_swapab_m64n16": dict(masked=True, n_wg=1, tile_n=16),
+    # decode: compact walk + scale prefetch (module docstring); 128 and 64 weight rows per tile
+    "ws_fp8_masked_swapab_cp": dict(masked=True, n_wg=2, tile_n=32, compact=True, prefetch=True),
+    "ws_fp8_masked_swapab_m64n32_cp": dict(masked=True, n_wg=1, tile_n=32, compact=True, prefetch=True),
+    "ws_fp8_masked_swapab_m64n16_cp": dict(masked=True, n_wg=1, tile_n=16, compact=True, prefetch=True),
+    # compact walk with the overlapped promotion instead of the prefetch
+    "ws_fp8_masked_swapab_cpo": dict(masked=True, n_wg=2, tile_n=32, compact=True, overlap=True),
 }
 
 

@@ -26,6 +26,11 @@ def test_sm90_ws_grouped_gemm_compiles():
         mod.compile_for_export("sm_100a")
     with pytest.raises(ValueError, match="tile_n=64"):
         mod.GroupedGemmSm90WS(masked=False, tile_n=64)
+    assert {"ws_fp8_masked_swapab_cp", "ws_fp8_masked_swapab_m64n32_cp"} <= set(fns)
+    with pytest.raises(ValueError, match="compact=True"):
+        mod.GroupedGemmSm90WS(masked=False, compact=True)
+    with pytest.raises(ValueError, match="prefetch=True needs"):
+        mod.GroupedGemmSm90WS(masked=True, tile_n=32, compact=True, overlap=True, prefetch=True)
 
 
 def test_sm100_mxfp8_grouped_gemm_compiles():

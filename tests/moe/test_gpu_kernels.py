@@ -53,6 +53,10 @@ CONTIG = [
 MASKED = [
     "ws_fp8_masked_swapab",
     "ws_fp8_masked_swapab_m64n16",
+    "ws_fp8_masked_swapab_cp",
+    "ws_fp8_masked_swapab_cpo",
+    "ws_fp8_masked_swapab_m64n32_cp",
+    "ws_fp8_masked_swapab_m64n16_cp",
     "grouped_gemm_fp8_masked_swapab",
     "grouped_gemm_fp8_masked",
     "grouped_gemm_fp8_masked_serial",
@@ -83,7 +87,14 @@ def test_grouped_gemm_contiguous(gemm, variant, e, n, k, t, topk):
 @pytest.mark.parametrize("variant", MASKED)
 @pytest.mark.parametrize(
     "e,n,k,t,topk",
-    [(8, 256, 512, 100, 2), (4, 128, 384, 40, 2), (16, 512, 1024, 256, 4), (128, 1536, 4096, 128, 8)],
+    [
+        (8, 256, 512, 100, 2),
+        (4, 128, 384, 40, 2),
+        (16, 512, 1024, 256, 4),
+        (128, 1536, 4096, 128, 8),
+        (40, 384, 640, 3, 2),  # few active experts of many (decode), E not a multiple of 32, odd K steps
+        (128, 4096, 1536, 1, 8),  # Qwen3-235B w2 at one token
+    ],
 )
 def test_grouped_gemm_masked(gemm, variant, e, n, k, t, topk):
     """Random routing (odd counts, several token tiles per expert, expert 1 empty), NaN-poisoned output."""
