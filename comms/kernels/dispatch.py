@@ -442,15 +442,40 @@ DEBUG_SKIPS = (SKIP_A_LOADS | SKIP_A_STORES | SKIP_B_LOADS | SKIP_B_STORES | SKI
                SKIP_B_LOADS | SKIP_B_STORES, SKIP_A_LOADS, SKIP_A_STORES, SKIP_B_LOADS, SKIP_B_STORES, SKIP_FLAGS)
 
 
+TRACE_WORDS = 4  # trace variant, per warp after the error word: phase, work unit, address (low, high)
+TR_START, TR_A_META, TR_A_Y, TR_A_STORE, TR_A_DONE, TR_WAITED, TR_B_LOAD, TR_B_STORE, TR_B_DONE, TR_EXIT = range(1, 11)
+
+
+@dsl_user_op
+def st_b64(addr, val, *, loc=None, ip=None) -> None:
+    ptx._asm(None, [ptx._i64(addr, loc, ip), ptx._i64(val, loc, ip)], "st.global.b64 [$0], $1;",
+             "l,l,~{memory}", loc, ip)
+
+
+@cute.jit
+def _trace(err_addr, gw, lane, phase, unit, addr):
+    """Trace variant: lane 0 records (phase, unit, address about to be accessed) of its warp in the
+    pinned host buffer after the error word, then fences (membar.sys) so the record is on the host
+    before the access it names: after a fault the host reads where every warp stopped."""
+    if lane == 0:
+        rec = err_addr + _i64(gw + 1) * (TRACE_WORDS * 4)
+        st_b32(rec + 4, unit)
+        st_b64(rec + 8, addr)
+        ptx.st_release_sys(rec, phase)
+        ptx.fence_acq_rel_sys()
+
+
 @cute.jit
 def _record(err_addr, kind, value):
     """Checked variants: an index left its buffer; (kind << 16 | value) into the error word."""
     ptx.st_release_sys(err_addr, (kind << 16) | (value & 0xFFFF))
 
 
-def _make_combine(K: int, skip: int = 0, check: bool = False):
+def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = False):
     """`check`: every computed index is tested against its buffer; a violation is recorded in the
-    error word as (CHECK_* kind << 16 | index) and the access skipped (fault localisation only)."""
+    error word as (CHECK_* kind << 16 | index) and the access skipped (fault localisation only).
+    `trace`: every warp records its phase and next address in the pinned host buffer at err_addr
+    (TRACE_WORDS int32 per warp after the error word; see _trace)."""
     @cute.kernel
     def kernel(y: cute.Tensor, ids: cute.Tensor, out: cute.Tensor, row_pos: cute.Tensor, peers: cute.Tensor,
                rank: Int32, world: Int32, ntok: Int32, nvec: Int32, nlocal: Int32, maxt: Int32, off_rid: Int64,
@@ -472,6 +497,8 @@ def _make_combine(K: int, skip: int = 0, check: bool = False):
         lane_off = _i64(lane) * 16
         acc = cute.make_rmem_tensor(cute.make_layout(32), cutlass.Float32)
 
+        if cutlass.const_expr(trace):
+            _trace(err_addr, gw, lane, TR_START, bid, me + off_state)
         smem = SmemAllocator()
         rstart = smem.allocate_tensor(Int32, cute.make_layout(MAX_WORLD + 1))
         _row_starts(me, off_rntok, tid, world, rstart)
@@ -490,6 +517,8 @@ def _make_combine(K: int, skip: int = 0, check: bool = False):
                     s = Int32(0)
                     t = Int32(0)
             row = _i64(s) * maxt + t
+            if cutlass.const_expr(trace):
+                _trace(err_addr, gw, lane, TR_A_META, u, row_pos.iterator.toint() + (row * K) * 4)
             stamp = ld_b32_cg(me + off_rstamp + row * 4)
             idl = Int32(-1)
             pl = Int32(0)
@@ -523,6 +552,8 @@ def _make_combine(K: int, skip: int = 0, check: bool = False):
                             _record(err_addr, CHECK_A_Y, pj)
                             pj = Int32(0)
                     a = ya + _i64(pj) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
+                    if cutlass.const_expr(trace):
+                        _trace(err_addr, gw, lane, TR_A_Y, u, a)
                     if cutlass.const_expr(not skip & SKIP_A_LOADS):
                         for q in cutlass.range_constexpr(4):
                             dq = ptx.ld_v4(a + q * 512)
@@ -531,16 +562,22 @@ def _make_combine(K: int, skip: int = 0, check: bool = False):
                                 acc[8 * q + 2 * h] = lo
                                 acc[8 * q + 2 * h + 1] = hi
                 dst = peers[s] + off_cx + (_i64(rank) * maxt + t) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
+                if cutlass.const_expr(trace):
+                    _trace(err_addr, gw, lane, TR_A_STORE, u, dst)
                 if cutlass.const_expr(not skip & SKIP_A_STORES):
                     for q in cutlass.range_constexpr(4):
                         ptx.st_v4(dst + q * 512, [ptx.f32_to_bf16x2(acc[8 * q + 2 * h], acc[8 * q + 2 * h + 1])
                                                   for h in range(4)])
             u = u + nw
+        if cutlass.const_expr(trace):
+            _trace(err_addr, gw, lane, TR_A_DONE, 0, me + off_ccnt)
         cute.arch.sync_threads()
         if cutlass.const_expr(not skip & SKIP_FLAGS):
             _signal_all(peers, tid, world, off_ccnt, rank)
             _wait_all(me, tid, world, off_ccnt, wrap_mul(epoch, nb), err_addr, timeout_ns, ERR_COMBINE_TIMEOUT)
         cute.arch.sync_threads()
+        if cutlass.const_expr(trace):
+            _trace(err_addr, gw, lane, TR_WAITED, 0, oa)
 
         # ---- B. sum the partials of each own token in ascending rank order
         u = gw
@@ -581,6 +618,8 @@ def _make_combine(K: int, skip: int = 0, check: bool = False):
                         _record(err_addr, CHECK_B_RANK, di)
                         di = Int32(0)
                 a = me + off_cx + (_i64(di) * maxt + t) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
+                if cutlass.const_expr(trace):
+                    _trace(err_addr, gw, lane, TR_B_LOAD, u, a)
                 if cutlass.const_expr(not skip & SKIP_B_LOADS):
                     for q in cutlass.range_constexpr(4):
                         dq = ptx.ld_v4_cg(a + q * 512)
@@ -593,12 +632,18 @@ def _make_combine(K: int, skip: int = 0, check: bool = False):
                 if (t >= ntok) | (c >= nchunk):
                     _record(err_addr, CHECK_B_OUT, t)
                     dst = oa
+            if cutlass.const_expr(trace):
+                _trace(err_addr, gw, lane, TR_B_STORE, u, dst)
             if cutlass.const_expr(not skip & SKIP_B_STORES):
                 for q in cutlass.range_constexpr(4):
                     ptx.st_v4(dst + q * 512, [ptx.f32_to_bf16x2(acc[8 * q + 2 * h], acc[8 * q + 2 * h + 1])
                                               for h in range(4)])
             u = u + nw
+        if cutlass.const_expr(trace):
+            _trace(err_addr, gw, lane, TR_B_DONE, 0, me + off_state + 8)
         ptx.advance_epoch(me, off_state + 8, tid, nb, epoch)
+        if cutlass.const_expr(trace):
+            _trace(err_addr, gw, lane, TR_EXIT, 0, me)
 
     @cute.jit
     def launch(y: cute.Tensor, ids: cute.Tensor, out: cute.Tensor, row_pos: cute.Tensor, peers: cute.Tensor,
@@ -666,9 +711,9 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
         skips = (0,) + (DEBUG_SKIPS if os.environ.get("NVL72_DISPATCH_DEBUG_VARIANTS") == "1" and K == 4 else ())
         variants = [(f"combine_k{K}" + (f"_skip{skip}" if skip else ""), skip, False) for skip in skips]
         if len(skips) > 1:
-            variants.append((f"combine_k{K}_checked", 0, True))
+            variants += [(f"combine_k{K}_checked", 0, True), (f"combine_k{K}_trace", 0, "trace")]
         for name, skip, check in variants:
             out[name] = cute.compile(
-                _make_combine(K, skip, check), y, ids, o, row_pos, peers, i32, i32, i32, i32, i64, i64, i64, i64,
+                _make_combine(K, skip, check is True, check == "trace"), y, ids, o, row_pos, peers, i32, i32, i32, i32, i64, i64, i64, i64,
                 i64, i64, i64, i64, i64, i32, stream, options=opts)
     return out

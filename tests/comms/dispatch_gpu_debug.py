@@ -9,6 +9,7 @@ the rank, so a fault reads as "FAULT dispatch" or "FAULT combine".
     CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] [num_blocks]
     CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] skips
     CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] checked
+    CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] trace
     CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] config N
 
 `config N`: that config alone (short enough to run under compute-sanitizer, which names the
@@ -17,6 +18,9 @@ faulting instruction's offset and address).
 `checked`: configs 0 and 1 with combine_k4_checked (every computed index tested on the device; a
 violation is recorded in the error word as comms.kernels.dispatch.CHECK_* << 16 | index, reported as
 "unknown error", and the access skipped).
+`trace`: configs 0 and 1 with combine_k4_trace: every warp records (phase, work unit, next address)
+in pinned host memory before each group of accesses, so after a fault the host prints how many warps
+stopped in each phase and, for the unfinished ones, the address and the buffer it falls in.
 `skips`: config 0 with each fault-isolation variant of combine (combine_k4_skip{bits}, in a bundle
 built with NVL72_DISPATCH_DEBUG_VARIANTS=1; bits in comms.kernels.dispatch): which group of
 accesses faults ("OK combine" with the A-loads removed and FAULT otherwise names the y reads).
@@ -80,6 +84,59 @@ def _inspect(rank, world, fused, x, M, tag):
     return problems
 
 
+TRACE_WORDS = 4  # comms.kernels.dispatch.TRACE_WORDS (that module needs CuTeDSL, absent on GPU hosts)
+TRACE_PHASES = ("-", "start", "A meta", "A y-load", "A cx-store", "A done", "waited", "B cx-load", "B out-store",
+                "B done", "exit")
+
+
+def _where(addr, ranges):
+    """Name of the buffer holding `addr` (and the offset), from (name, base, bytes) ranges."""
+    for name, base, n in ranges:
+        if base <= addr < base + n:
+            return f"{name}+{addr - base}"
+    return "OUTSIDE every buffer"
+
+
+def _combine_traced(rank, fused, recv, h, tag):
+    """combine_k4_trace launched by hand: a pinned trace buffer after the error word, then every
+    warp's last (phase, unit, address) printed whatever happened (host memory outlives a fault)."""
+    f = fused._fused
+    warps = f.nblocks * 8
+    buf = torch.zeros((1 + warps) * TRACE_WORDS, dtype=torch.int32).pin_memory()
+    f.err = buf
+    cargs = list(f._cargs)
+    cargs[12] = buf.data_ptr()
+    H = f.cfg.hidden
+    y = recv.x.reshape(-1, H)
+    out = torch.empty(h.num_tokens, H, dtype=torch.bfloat16, device=y.device)
+    size = f.heap._b.size
+    ranges = [(f"heap[rank {r}]", int(p), size) for r, p in enumerate(f.heap.peer_ptrs.cpu().tolist())]
+    ranges += [(n, t.data_ptr(), t.numel() * t.element_size()) for n, t in
+               (("y", y), ("out", out), ("row_pos", f.row_pos), ("ids", h.topk_ids), ("peers", f.heap.peer_ptrs))]
+    ranges.append(("trace(host)", buf.data_ptr(), buf.numel() * 4))
+    fault = None
+    try:
+        f._combine(y, h.topk_ids, out, f.row_pos, *cargs)
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001  (the trace is printed, then the fault re-raised)
+        fault = e
+    rec = buf[TRACE_WORDS:].view(warps, TRACE_WORDS).tolist()
+    hist: dict[str, int] = {}
+    for r in rec:
+        hist[TRACE_PHASES[r[0]]] = hist.get(TRACE_PHASES[r[0]], 0) + 1
+    print(f"TRACE rank {rank} {tag}: {'FAULT' if fault else 'ok'}; warps by last phase {hist}; error word {int(buf[0]):#x}",
+          flush=True)
+    stuck = [(w, r) for w, r in enumerate(rec) if TRACE_PHASES[r[0]] not in ("exit", "-")]
+    for w, (ph, unit, lo, hi) in stuck[:12]:
+        addr = (hi & 0xFFFFFFFF) << 32 | (lo & 0xFFFFFFFF)
+        print(f"TRACE rank {rank} warp {w} (block {w // 8}): {TRACE_PHASES[ph]} unit {unit} addr {addr:#x} "
+              f"= {_where(addr, ranges)}", flush=True)
+    if fault:
+        print(f"FAULT combine  rank {rank} {tag}: {type(fault).__name__}: {str(fault).splitlines()[0]}", flush=True)
+        raise fault
+    return out
+
+
 def _worker(rank, world, store, cfg_index, num_blocks, variant=""):
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
@@ -97,7 +154,7 @@ def _worker(rank, world, store, cfg_index, num_blocks, variant=""):
             heap = make_heap("comms", dist.group.WORLD, DispatchCombine.heap_size_hint(world, E, K, H, M), dev)
             fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", layout=layout, timeout_s=5.0,
                                     num_blocks=num_blocks)
-            if variant:  # a debug export of combine (see main)
+            if variant:  # a debug export of combine (see main; the trace variant is launched by hand)
                 import aot
 
                 fused._fused._combine = aot.function("comms.kernels.dispatch", f"combine_k{K}{variant}")
@@ -110,7 +167,10 @@ def _worker(rank, world, store, cfg_index, num_blocks, variant=""):
                 _step(rank, tag, "check", fused.check)
                 bad += _inspect(rank, world, fused, x, M, tag)
                 dist.barrier()
-                _step(rank, tag, "combine", lambda: fused.combine(recv.x, h))
+                if variant == "_trace":
+                    _combine_traced(rank, fused, recv, h, tag)
+                else:
+                    _step(rank, tag, "combine", lambda: fused.combine(recv.x, h))
                 _step(rank, tag, "check", fused.check)
             fused.destroy()
             heap.destroy()
@@ -162,6 +222,8 @@ if __name__ == "__main__":
         sys.exit(main(n, None, [(0, v) for v in _bundle_variants("combine_k4_skip")]))
     if mode == "checked":  # the K=4 configs with every index checked on the device
         sys.exit(main(n, None, [(i, v) for i in (0, 1) for v in _bundle_variants("combine_k4_checked")]))
+    if mode == "trace":  # configs 0 and 1: where every warp of combine_k4_trace stopped
+        sys.exit(main(n, None, [(i, v) for i in (0, 1) for v in _bundle_variants("combine_k4_trace")]))
     if mode == "config":
         sys.exit(main(n, None, [(int(sys.argv[3]), "")]))
     sys.exit(main(n, int(mode) if mode else None))
