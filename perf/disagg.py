@@ -11,7 +11,11 @@ dummy weights; `--shape tiny` for a CPU smoke run) and measures, in this order, 
   3. disaggregated: `python -m launch` with two ranks (torchrun-style RANK/WORLD_SIZE variables,
      spawned here: no mpiexec needed), prefill TP1 on rank 0 (beside the HTTP front) and one decode
      rank on rank 1; the same requests; the KV transfer of each request (bytes, seconds, as the
-     decode rank's transport measured it: CUDA events around its receives) read from its log.
+     decode rank's transport measured it: CUDA events from posting its receives to the last
+     arrival) read from its log. `--kv-transport` goes to the launch (auto, p2p: staging rings in
+     peer memory, sendrecv: NCCL/gloo); the transport the ranks chose is read from the log. With p2p
+     parts may land in the ring before the decode rank posts its receiver: its "transfer" is the
+     decode rank's wait from posting to the last scatter, not the link's time.
 In the disaggregated run the first token streams from the prefill rank before the KV transfer; the
 transfer shows in the time to the second token. Prints a table last; `--json` keeps everything.
 Every child runs in its own session with a timeout and is killed on exit.
@@ -43,6 +47,7 @@ SHAPES = {
 }
 MODEL_NAME = "bench"
 COPY_BYTES = 64 << 20
+TRANSPORT_LINE = re.compile(r"rank 1: KV transport (\w+)")
 TRANSFER_LINE = re.compile(r"decode rank \d+: KV transfer of (\S+): (\d+) tokens, (\d+) bytes \(([^)]*)\) "
                            r"in ([\d.]+) ms")
 
@@ -266,7 +271,8 @@ def _engine_args(model: pathlib.Path, args) -> dict:
     return kw | ({"dtype": "float32"} if args.device == "cpu" else {})
 
 
-def disaggregated(kids: Children, model: pathlib.Path, args, logdir: pathlib.Path) -> tuple[dict, list[dict], list]:
+def disaggregated(kids: Children, model: pathlib.Path, args,
+                  logdir: pathlib.Path) -> tuple[dict, list[dict], list, str | None]:
     from nvl72.commands.launch import request_shutdown
 
     port, ready = _free_port(), logdir / "disagg-ready.json"
@@ -275,7 +281,8 @@ def disaggregated(kids: Children, model: pathlib.Path, args, logdir: pathlib.Pat
            "--prefill-instances", "1", "--decode-instances", "1", "--device", args.device,
            "--timeout", str(args.start_timeout), "--ready-file", str(ready), "--ready-timeout", str(args.start_timeout),
            "--engine-args", json.dumps(_engine_args(model, args)), "--http-host", "127.0.0.1",
-           "--http-port", str(port), "--served-model-name", MODEL_NAME, "--transfer-timeout", "60"]
+           "--http-port", str(port), "--served-model-name", MODEL_NAME, "--transfer-timeout", "60",
+           "--kv-transport", args.kv_transport]
     world = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     logs = [logdir / f"disagg-rank{r}.log" for r in range(2)]
     procs = [kids.start(cmd, logs[r], RANK=str(r), LOCAL_RANK=str(r), **world) for r in range(2)]
@@ -295,7 +302,8 @@ def disaggregated(kids: Children, model: pathlib.Path, args, logdir: pathlib.Pat
                  for m in TRANSFER_LINE.finditer(logs[1].read_text())]
     if codes != [0, 0]:
         print(f"WARNING: disaggregated ranks exited with {codes}; logs in {logdir}", flush=True)
-    return res, transfers, codes
+    chosen = TRANSPORT_LINE.search(logs[1].read_text())
+    return res, transfers, codes, chosen and chosen.group(1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,7 +338,8 @@ def print_table(res: dict) -> None:
         return f"{v:>{width}.{digits}f}" if v is not None else f"{'-':>{width}}"
 
     print(f"\nDISAGG {res['device']}: Qwen3-30B-A3B shape ({res['shape']}), {res['layers']} layers, "
-          f"{res['requests']} requests per length, transport send/recv over {res['peer']['backend']}")
+          f"{res['requests']} requests per length, KV transport {res['kv_transport']} (process group: "
+          f"{res['peer']['backend']})")
     print(f"{'prompt':>7} | {'coloc TTFT ms':>13} | {'disagg TTFT ms':>14} | {'coloc 2nd ms':>12} | "
           f"{'disagg 2nd ms':>13} | {'KV bytes':>11} | {'transfer ms':>11} | {'transfer GB/s':>13} | "
           f"{'peer-copy GB/s':>14} | {'send/recv GB/s':>14}")
@@ -354,6 +363,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-timeout", type=float, default=60.0, help="seconds for the peer bandwidth step")
     ap.add_argument("--out-dir", default=None, help="model directory and server logs (default: a temporary one)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--kv-transport", choices=("auto", "p2p", "sendrecv"), default="auto",
+                    help="the disaggregated run's KV transport (launch's --kv-transport)")
     args = ap.parse_args(argv)
     try:
         args.prompt_lens = [int(x) for x in args.prompt_lens.split(",")]
@@ -383,7 +394,8 @@ def main(argv=None) -> int:
             res["colocated"] = colocated(kids, model, args, logdir)
             _stage(res, "colocated", t0, args.json)
             t0 = time.monotonic()
-            res["disaggregated"], res["transfers"], res["rank_exit_codes"] = disaggregated(kids, model, args, logdir)
+            res["disaggregated"], res["transfers"], res["rank_exit_codes"], res["kv_transport"] = \
+                disaggregated(kids, model, args, logdir)
             _stage(res, "disaggregated", t0, args.json)
         res["rows"] = summarize(args.prompt_lens, args.requests, res["colocated"], res["disaggregated"],
                                 res["transfers"], res["peer"])

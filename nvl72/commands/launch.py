@@ -330,7 +330,11 @@ def idle_role(ctx: RoleContext) -> int:
 def _serving_options(ctx: RoleContext):
     from nvl72.disagg.serving import ServingOptions
 
-    return ServingOptions(json.loads(ctx.args.engine_args), ctx.args.transfer_timeout)
+    from nvl72.commands.serve import parse_bytes
+
+    a = ctx.args
+    return ServingOptions(json.loads(a.engine_args), a.transfer_timeout, kv_transport=a.kv_transport,
+                          kv_ring_bytes=parse_bytes("kv-transport-ring", a.kv_transport_ring))
 
 
 def prefill_role(ctx: RoleContext) -> int:
@@ -416,6 +420,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=8000, help="serve: HTTP port of the front (0: any)")
     parser.add_argument("--served-model-name", default="nvl72", help="serve: the model name clients use")
     parser.add_argument("--transfer-timeout", type=float, default=60.0, help="serve: seconds for one KV transfer")
+    parser.add_argument("--kv-transport", choices=("auto", "p2p", "sendrecv"), default="auto",
+                        help="serve: KV transfers through staging rings in peer memory (p2p: NVLink on GPU, shared "
+                             "memory on CPU) or torch.distributed send/recv; auto: p2p on CUDA when every rank maps "
+                             "its peers, else sendrecv")
+    parser.add_argument("--kv-transport-ring", default="256MiB",
+                        help="serve, p2p: staging ring per (prefill rank, decode rank) link, 4 slots; every prefill "
+                             "and decode rank holds one per prefill rank (default 256MiB)")
     parser.add_argument("--rank-lost-timeout", type=float, default=60.0,
                         help="serve: a rank without a load report this long is dead (default 60)")
 

@@ -13,9 +13,11 @@ Messages of one (prefill rank, decode rank) link are numbered n = 1, 2, ... in t
 across requests; message n goes to slot (n - 1) % slots, and the sender writes it only once the
 receiver consumed message n - slots (credits: no slot is overwritten before it was read). A message
 is one chunk of a part (`transport._parts`: one layer group and cache kind): whole rows (pages or
-state slots) of its pieces, at most a slot's bytes, gathered by the sender straight into the slot;
-both sides cut the same chunks from the plan. A request's first token travels as a last message with
-chunk -1 and the token id as its value; data messages carry their element count as the value (a check).
+state slots) of its pieces, at most a slot's bytes, gathered into one buffer by the sender and put
+into the slot with one copy (on GPU a peer copy over NVLink: gathers storing element-wise into peer
+memory would cross NVLink in small writes); both sides cut the same chunks from the plan. A request's
+first token travels as a last message with chunk -1 and the token id as its value; data messages carry
+their element count as the value (a check).
 
 Ordering: the sender writes the data, then the header fields, then the flag n (on GPU on one stream,
 in that order, so the flag lands after the data; on CPU, plain stores in program order). The
@@ -265,7 +267,8 @@ class _Outbox:
         h = t.heap
         self.peer = t.group_rank[dst]
         i = t.prefill.index(t.rank)
-        self.headers = h.peer_buffer(self.peer, t.headers_off + 8 * HEADER * i * t.slots, (t.slots, HEADER), torch.int64)
+        self.headers = h.peer_buffer(self.peer, t.headers_off + 8 * HEADER * i * t.slots, (t.slots, HEADER),
+                                     torch.int64)
         self.data_off = t.data_off + i * t.slots * t.slot_bytes
         self.credits = _Poller(h.buffer(t.consumed_off + 8 * t.decode.index(dst), (1,), torch.int64))
         self.lock = threading.Lock()  # the credit poller is shared with the senders' wait()
@@ -316,14 +319,10 @@ class _Outbox:
                 time.sleep(0.0002)
             slot = (n - 1) % t.slots
             with torch.cuda.stream(self.stream) if self.cuda else _nothing():
-                if chunk is not None:
+                if chunk is not None:  # gathered here, then one copy into the peer's slot (copy engine on GPU)
                     flat = self.t.heap.peer_buffer(self.peer, self.data_off + slot * t.slot_bytes, (chunk.numel(),),
                                                    chunk.dtype)
-                    off = 0
-                    for p in chunk.pieces:
-                        k = p.numel()
-                        p.gather_into(flat[off:off + k])
-                        off += k
+                    flat.copy_(torch.cat([p.gather() for p in chunk.pieces]))
                 hdr = self.headers[slot]
                 hdr[1].fill_(st.seq)
                 hdr[2].fill_(index)
@@ -507,21 +506,36 @@ class PeerReceiver:
         return dict(self._bytes), start.elapsed_time(end) / 1e3
 
 
-def open_rings(group, rank: int, prefill_ranks: Sequence[int], decode_ranks: Sequence[int], device: torch.device,
+def open_rings(group, rank: int, prefill_ranks: Sequence[int], decode_ranks: Sequence[int], caches: Caches,
                timeout: float, ring_bytes: int, slots: int, required: bool) -> tuple[PeerTransport | None, str]:
     """(the rings, why) on every prefill and decode rank, or (None, why not) on all of them when the
     heap cannot be made or does not map every peer here (`required`: raise instead). Collective over
-    the prefill and decode ranks (a group of just them, from `group`'s backend)."""
+    the prefill and decode ranks (a group of just them, from `group`'s backend). A slot must hold one
+    row (a page or state slot of one layer) of every cache here: else RingError, at start-up."""
     from comms.heap import HeapError, SymmetricHeap
 
+    device = caches_device(caches)
     slot_bytes = ring_bytes // slots // 256 * 256
-    if slot_bytes <= 0:
-        raise RingError(f"a KV ring of {ring_bytes} bytes cannot hold {slots} slots of 256-byte multiples")
     members = sorted(set(prefill_ranks) | set(decode_ranks))
     if rank not in members:
         raise TransferError(f"rank {rank} is neither a prefill nor a decode rank ({members})")
     pg = dist.new_group(members, timeout=datetime.timedelta(seconds=timeout), backend=dist.get_backend(group),
                         use_local_synchronization=True)
+    flag_device = device if device.type == "cuda" else torch.device("cpu")
+
+    def everywhere(ok: bool) -> bool:
+        t = torch.tensor([int(ok)], dtype=torch.int32, device=flag_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=pg, async_op=True).wait(
+            timeout=datetime.timedelta(seconds=timeout))
+        return bool(t.item())
+
+    row = max((t[0].numel() * t.element_size() for ts in caches.values() for t in ts if t is not None), default=0)
+    if not everywhere(slot_bytes >= max(row, 1)):
+        why = (f"a ring of {ring_bytes} bytes has {slots} slots of {slot_bytes} bytes, less than a cache row "
+               f"(rank {rank}'s largest: {row} bytes, so at least {slots * -(-row // 256) * 256} bytes here)")
+        if required:
+            raise RingError(f"--kv-transport p2p: {why}; give it more (--kv-transport-ring)")
+        return None, why
     nbytes = PeerTransport.heap_bytes(len(prefill_ranks), len(decode_ranks), slots, slot_bytes)
     heap, err = None, ""
     try:
@@ -530,12 +544,9 @@ def open_rings(group, rank: int, prefill_ranks: Sequence[int], decode_ranks: Seq
             raise HeapError(f"the heap does not map its peers ({heap.capabilities})")
         for r in range(heap.world_size):
             heap.peer_buffer(r, 0, (1,), torch.int64)  # refuses where torch would copy instead of alias
-    except HeapError as e:
-        err = str(e)
-    ok = torch.tensor([0 if err else 1], dtype=torch.int32, device=device if device.type == "cuda" else "cpu")
-    work = dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg, async_op=True)
-    work.wait(timeout=datetime.timedelta(seconds=timeout))
-    if int(ok.item()) == 1:
+    except (HeapError, ImportError) as e:  # ImportError: no cuda-python here
+        err = f"{type(e).__name__}: {e}"
+    if everywhere(not err):
         t = PeerTransport(heap, prefill_ranks, decode_ranks, rank, slots, slot_bytes, timeout)
         return t, f"the {heap.capabilities.backend} heap maps every peer"
     if heap is not None:

@@ -166,6 +166,8 @@ class ServingOptions:
     engine_args: dict
     transfer_timeout: float = 60.0
     report_interval: float = 0.2
+    kv_transport: str = "auto"  # transport.TRANSPORTS
+    kv_ring_bytes: int = 256 << 20  # p2p: staging ring per (prefill rank, decode rank) link
 
 
 def _engine(opts: ServingOptions, parallel=None):
@@ -236,19 +238,21 @@ class _Lockstep:
         return [bool(x) for x in t.tolist()]
 
 
-def _connect_transfer_pairs(ctx, caches) -> None:
-    from nvl72.disagg.transport import caches_device, connect_pairs
+def _open_transport(ctx, opts: ServingOptions, caches):
+    """This rank's KV transport (`--kv-transport`), opened on every prefill and decode rank at start-up:
+    p2p rings in a symmetric heap, or send/recv over the transfer group with its pairs connected."""
+    from nvl72.disagg.transport import open_transport
 
     ranks = {role: [x for i in ctx.plan.of_role(role) for x in i.ranks] for role in ("prefill", "decode")}
-    connect_pairs(ctx.groups.transfer, ctx.groups.role.rank, ranks["prefill"], ranks["decode"], caches_device(caches),
-                  ctx.timeout)
+    return open_transport(opts.kv_transport, ctx.groups.transfer, ctx.groups.role.rank, ranks["prefill"],
+                          ranks["decode"], caches, ctx.timeout, opts.kv_ring_bytes)
 
 
 def prefill_role(ctx, opts: ServingOptions, ready) -> int:
     """A prefill instance (TP ranks in lockstep): prefill-only requests, then every TP rank sends its
     shard to the front's chosen decode rank, then the request is released once all sends completed
     (or failed). Only the leader talks to the front."""
-    from nvl72.disagg.transport import Sender, caches_of
+    from nvl72.disagg.transport import caches_of
     from nvl72.engine.sequence import Status
     from nvl72.model.parallel_layout import ParallelLayout
 
@@ -265,7 +269,7 @@ def prefill_role(ctx, opts: ServingOptions, ready) -> int:
     parked: dict[str, threading.Event | None] = {}  # in park order (the same on every TP rank)
     failed: dict[str, str] = {}
 
-    def finish(rid: str, sender: Sender, done: threading.Event) -> None:
+    def finish(rid: str, sender, done: threading.Event) -> None:
         try:
             sender.wait(opts.transfer_timeout)
         except Exception as e:  # a dead decode rank, a timeout: the request is released either way
@@ -276,7 +280,7 @@ def prefill_role(ctx, opts: ServingOptions, ready) -> int:
         if link is not None:
             link.send(msg)
 
-    _connect_transfer_pairs(ctx, caches)
+    transport = _open_transport(ctx, opts, caches)
     ready()
     last, handed = 0.0, 0
     while True:
@@ -314,8 +318,8 @@ def prefill_role(ctx, opts: ServingOptions, ready) -> int:
             done = threading.Event()
             parked[o.request_id] = done
             try:
-                sender = Sender(m.seq, _transfer_plan(eng, h, r.tp_size), r.tp_rank, inst.ranks, [m.decode_rank],
-                                caches, groups, ctx.groups.transfer)
+                sender = transport.sender(m.seq, _transfer_plan(eng, h, r.tp_size), r.tp_rank, inst.ranks,
+                                          [m.decode_rank], caches, groups)
                 sender.send_all()
                 sender.send_first_token(o.new_token_ids[0])
             except Exception as e:  # the decode rank is gone (gloo refuses the send)
@@ -341,6 +345,7 @@ def prefill_role(ctx, opts: ServingOptions, ready) -> int:
             send(rep)
             last = now
     core.close()
+    transport.close()
     if link is not None:
         link.close()
     log.info("prefill rank %d: %d requests handed off to decode ranks", r.rank, handed)
@@ -407,7 +412,7 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
     on the control plane until the deployment shuts down."""
     from nvl72.cache.pool import OutOfCapacity
     from nvl72.disagg.plan import TransferPlanError
-    from nvl72.disagg.transport import Receiver, TransferError, caches_of
+    from nvl72.disagg.transport import TransferError, caches_of
 
     r = ctx.groups.role
     if r.tp_size != 1:
@@ -421,16 +426,18 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
     eng = core.engine
     link = _RankLink(r.rank, ctx.data_address)
     caches, groups = caches_of(eng.caches), _layer_groups(eng)
-    receiving: dict[str, Receiver] = {}
+    receiving: dict = {}  # request id -> its transport's receiver
     tokens: dict[str, int] = {}  # KV tokens of each transfer in flight (for its log line)
-    _connect_transfer_pairs(ctx, caches)
+    transport = _open_transport(ctx, opts, caches)
     ready()
     last, received, others_busy = 0.0, 0, False
     try:
         while not agree_stop(ctx.agent.stop_reason is not None or ctx.stop.is_set()):
             ctx.agent.beat(poll_s=0.0)
-            # No waiting for messages while a peer DP rank is decoding: it waits on this rank's passes.
-            for msg in link.recv_all(0 if core.busy or others_busy else (1 if receiving else 5)):
+            # No waiting for messages while a peer DP rank is decoding: it waits on this rank's passes; nor
+            # while p2p parts are due: this rank's polls free the ring slots the senders wait for.
+            spin = core.busy or others_busy or (receiving and transport.name == "p2p")
+            for msg in link.recv_all(0 if spin else (1 if receiving else 5)):
                 if isinstance(msg, ExpectTransfer):
                     rid = msg.request.request_id
                     try:
@@ -440,14 +447,16 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
                         continue
                     try:
                         plan = _transfer_plan(eng, h, len(msg.prefill_ranks))
-                        receiving[rid] = Receiver(msg.seq, plan, 0, msg.prefill_ranks, [r.rank], caches, groups,
-                                                  opts.transfer_timeout, ctx.groups.transfer)
+                        receiving[rid] = transport.receiver(msg.seq, plan, 0, msg.prefill_ranks, [r.rank], caches,
+                                                            groups, opts.transfer_timeout)
                         tokens[rid] = msg.num_tokens
                     except (TransferPlanError, RuntimeError) as e:
                         eng.abort_request(rid)
                         link.send(RequestOutput(rid, [], "error", error=f"KV transfer failed: {e}"))
                 elif isinstance(msg, AbortRequest):
-                    receiving.pop(msg.request_id, None)  # late parts land in its buffers, then time out
+                    rcv = receiving.pop(msg.request_id, None)
+                    if rcv is not None:  # its late parts are dropped (send/recv: land in its buffers, time out)
+                        rcv.close()
                     tokens.pop(msg.request_id, None)
                     out = eng.abort_request(msg.request_id)
                     if out is not None:
@@ -465,6 +474,7 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
                              secs * 1e3, total / max(secs, 1e-9) / 1e9)
                 except (TransferError, InvalidRequest) as e:
                     log.error("decode rank %d: transfer of %s failed: %s", r.rank, rid, e)
+                    rcv.close()
                     eng.abort_request(rid)
                     link.send(RequestOutput(rid, [], "error", error=f"KV transfer failed: {e}"))
                 del receiving[rid], tokens[rid]
@@ -499,6 +509,7 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
     generated = int(eng.counters["generation_tokens"])
     for o in core.close():
         link.send(o)
+    transport.close()
     link.close()
     log.info("decode rank %d: %d requests received, %d tokens decoded", r.rank, received, generated)
     if sync is not None:

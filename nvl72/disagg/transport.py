@@ -89,11 +89,6 @@ class _Piece:
     def gather(self) -> torch.Tensor:
         return self.cache.narrow(self.axis, self.lo, self.length).index_select(0, self.index).reshape(-1)
 
-    def gather_into(self, flat: torch.Tensor) -> None:
-        """`gather()` written into `flat` (a ring slot, maybe a peer's memory) instead of a new buffer."""
-        src = self.cache.narrow(self.axis, self.lo, self.length)
-        torch.index_select(src, 0, self.index, out=flat.view((self.index.numel(),) + tuple(src.shape[1:])))
-
     def scatter(self, flat: torch.Tensor) -> None:
         dst = self.cache.narrow(self.axis, self.lo, self.length)
         dst.index_copy_(0, self.index, flat.view((self.index.numel(),) + tuple(dst.shape[1:])))
@@ -437,22 +432,23 @@ class SendRecvTransport:
 
 
 def open_transport(kind: str, group, rank: int, prefill_ranks: Sequence[int], decode_ranks: Sequence[int],
-                   device: torch.device, timeout: float, ring_bytes: int):
+                   caches: Caches, timeout: float, ring_bytes: int):
     """The KV transport of this prefill or decode rank, chosen the same on every one of them (every
     prefill and decode rank calls this at start-up; it is collective over them):
       p2p       staging rings in a symmetric heap (`nvl72.disagg.ring`), `ring_bytes` per
-                (prefill rank, decode rank) link; fails if the heap cannot be made
+                (prefill rank, decode rank) link; fails if the heap cannot be made or a row of
+                `caches` (one page or state slot of one layer) does not fit a slot
       sendrecv  torch.distributed point-to-point over `group` (NCCL on GPU, gloo on CPU)
       auto      p2p on CUDA when every rank's heap maps its peers, else sendrecv."""
     if kind not in TRANSPORTS:
         raise ValueError(f"KV transport {kind!r} is not one of {TRANSPORTS}")
-    device = torch.device(device)
+    device = caches_device(caches)
     chosen, why = None, "chosen" if kind == "sendrecv" else "auto on cpu"
     if kind == "p2p" or (kind == "auto" and device.type == "cuda"):
         from nvl72.disagg.ring import open_rings
 
-        chosen, why = open_rings(group, rank, prefill_ranks, decode_ranks, device, timeout, ring_bytes,
-                                 RING_SLOTS, required=kind == "p2p")
+        chosen, why = open_rings(group, rank, prefill_ranks, decode_ranks, caches, timeout, ring_bytes, RING_SLOTS,
+                                 required=kind == "p2p")
     if chosen is None:
         connect_pairs(group, rank, prefill_ranks, decode_ranks, device, timeout)
         chosen = SendRecvTransport(group)

