@@ -33,6 +33,7 @@ block the link for the requests behind it.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import queue
@@ -318,7 +319,7 @@ class _Outbox:
                                           f"(message {n}, {self.acked} consumed)")
                 time.sleep(0.0002)
             slot = (n - 1) % t.slots
-            with torch.cuda.stream(self.stream) if self.cuda else _nothing():
+            with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
                 if chunk is not None:  # gathered here, then one copy into the peer's slot (copy engine on GPU)
                     flat = self.t.heap.peer_buffer(self.peer, self.data_off + slot * t.slot_bytes, (chunk.numel(),),
                                                    chunk.dtype)
@@ -337,14 +338,6 @@ class _Outbox:
         self.thread.join(5)
         if self.thread.is_alive():
             raise TransferError(f"KV ring to rank {self.dst}: its thread did not stop within 5 s")
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 class PeerSender:

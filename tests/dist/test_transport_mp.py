@@ -68,3 +68,33 @@ def test_transfer_over_nccl_with_torchrun(transport):
                          capture_output=True, text=True, timeout=300, env=env, cwd=root)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"TRANSFER_OK TP1->TP1 on cuda:1 over {transport}" in out.stdout
+
+
+@pytest.mark.parametrize("slot_bytes", [512, 768, 4096])
+def test_ring_chunks_cut_parts_into_whole_rows_in_wire_order(slot_bytes):
+    """Both ring sides cut a part into the same slot-sized chunks of whole rows: concatenated, the
+    chunks gather exactly the part's bytes in wire order; a row larger than a slot is refused."""
+    import torch
+
+    from nvl72.disagg.plan import CacheLayout, build_transfer_plan
+    from nvl72.disagg.ring import RingError, chunks
+    from nvl72.disagg.transport import _parts
+
+    g = torch.Generator().manual_seed(slot_bytes)
+    layers, pages = 4, 12
+    caches = {"kv": [torch.randn(pages, 2, 2, 4, 8, generator=g).to(torch.bfloat16) if l in (0, 3) else None
+                     for l in range(layers)],
+              "conv": [torch.randn(3, 44, 3, generator=g) if l in (1, 2) else None for l in range(layers)],
+              "recurrent": [torch.randn(3, 4, 6, 5, generator=g) if l in (1, 2) else None for l in range(layers)]}
+    src = torch.randperm(pages, generator=g)[:7].tolist()
+    plan = build_transfer_plan(CacheLayout(2, 2, 4, 6, 5), 2, 1, src, src, 1, 2)
+    parts = _parts(plan, caches, layer_groups(layers, 2), 1, 0, "src")
+    cut = chunks(parts, slot_bytes)
+    for gi, kind, views in parts:
+        mine = [c for c in cut if c.part == (gi, kind)]
+        assert all(c.numel() * c.pieces[0].cache.element_size() <= slot_bytes for c in mine)
+        got = torch.cat([p.gather() for c in mine for p in c.pieces])
+        assert torch.equal(got, torch.cat([v.gather() for v in views]))
+    assert len(cut) > len(parts) if slot_bytes == 512 else len(cut) >= len(parts)
+    with pytest.raises(RingError, match="recurrent row of 240 bytes"):  # 4 / 2 heads x 6 x 5 fp32
+        chunks(parts, 128)
