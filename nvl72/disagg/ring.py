@@ -272,7 +272,7 @@ class _Outbox:
                                      torch.int64)
         self.data_off = t.data_off + i * t.slots * t.slot_bytes
         self.credits = _Poller(h.buffer(t.consumed_off + 8 * t.decode.index(dst), (1,), torch.int64))
-        self.lock = threading.Lock()  # the credit poller is shared with the senders' wait()
+        self.lock = threading.Lock()  # the credit poller is shared with the senders' wait(), and close()
         self.n = 0  # messages written
         self.acked = 0  # the receiver's consumed count, last seen
         self.cuda = h.device.type == "cuda"
@@ -284,6 +284,8 @@ class _Outbox:
 
     def consumed(self, block: bool) -> int:
         with self.lock:
+            if self.closing:  # the heap may be gone
+                raise TransferError(f"KV ring to rank {self.dst}: the transport closed")
             snap = self.credits.read(block)
             if snap is not None:
                 self.acked = max(self.acked, int(snap[0]))
@@ -312,8 +314,6 @@ class _Outbox:
         for chunk, index, value in job.items:
             n = self.n + 1
             while n - self.consumed(block=False) > t.slots:  # credits: slot (n-1) % slots still unread
-                if self.closing:
-                    raise TransferError(f"KV ring to rank {self.dst}: the transport closed")
                 if time.monotonic() > st.deadline:
                     raise TransferTimeout(f"KV ring to rank {self.dst}: no free slot within the transfer timeout "
                                           f"(message {n}, {self.acked} consumed)")
@@ -333,7 +333,8 @@ class _Outbox:
             job.last_n = n
 
     def close(self) -> None:
-        self.closing = True
+        with self.lock:  # no credit read after this (a sender's wait fails instead)
+            self.closing = True
         self.jobs.put(None)
         self.thread.join(5)
         if self.thread.is_alive():
