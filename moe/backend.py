@@ -54,7 +54,7 @@ class ExpertWeights:
 SM90_MODULE = "moe.kernels.sm90_grouped_gemm"
 SM90_KERNEL_SETS = ("auto", "classic", "ws")
 SM90_WS_MODULE = "moe.kernels.sm90_grouped_gemm_ws"  # warp-specialized persistent FP8 variants ("ws_*")
-ENV_SM90_KERNELS = "NVL72_MOE_SM90_KERNELS"  # "auto" (default), "classic" or "ws": the FP8 defaults of Sm90Gemm
+ENV_SM90_KERNELS = "NVL72_MOE_SM90_KERNELS"  # "auto" (default; = "ws"), "classic" or "ws": Sm90Gemm's FP8 defaults
 
 
 def load_sm90_module(module: str = SM90_MODULE):
@@ -86,11 +86,11 @@ class Sm90Gemm:
     up to 4%), decode (masked) FP8 the swap-AB kernel (8-16% faster than the 128-row masked one
     at 16..256 tokens, 10-17% slower at 1-2 tokens); `variant=` names another export of
     moe.kernels.sm90_grouped_gemm, or a "ws_*" export of moe.kernels.sm90_grouped_gemm_ws (needs
-    `ws_module`). kernels="ws" makes the warp-specialized persistent FP8 kernels the defaults;
-    kernels="auto" (the backend's default) takes them where the H200 run of 2026-11-22 measured them
-    faster: every contiguous (prefill) call (1.1-1.8x the serial kernel from 1024 to 16384 tokens) and
-    masked (decode) calls from WS_MASKED_MIN_ROWS rows per expert up (0.89-0.92x the time at 128-256
-    tokens), the classic swap-AB kernel below (ws 1.2-1.5x slower at 1-8 tokens)."""
+    `ws_module`). kernels="ws" (or "auto", the backend's default: the set measured fastest) makes the
+    warp-specialized persistent FP8 kernels the defaults: on the H200 (perf/RESULTS.md, 2026-11-22) the
+    contiguous one took 0.54-0.65x the serial kernel's time from 1024 to 16384 tokens, and the masked
+    compact-walk one (`_cpo`) 0.60-0.78x the swap-AB kernel's at 1-256 tokens (74% of copy bandwidth
+    at 128 tokens against 58%)."""
 
     DEFAULTS = {
         (True, False): "grouped_gemm_fp8_contig_serial",
@@ -98,8 +98,7 @@ class Sm90Gemm:
         (False, False): "grouped_gemm_bf16_contig",
         (False, True): "grouped_gemm_bf16_masked",
     }
-    WS_DEFAULTS = {(True, False): "ws_fp8_contig", (True, True): "ws_fp8_masked_swapab"}
-    WS_MASKED_MIN_ROWS = 128  # kernels="auto": measured ws slower at 8 tokens (capacity 32), faster at 128
+    WS_DEFAULTS = {(True, False): "ws_fp8_contig", (True, True): "ws_fp8_masked_swapab_cpo"}
     # rows of A per CTA tile of the masked variants (the capacity must be a multiple: the kernels
     # index the a_scale rows of a tile without bounds checks)
     MASKED_ROW_TILE = {
@@ -126,14 +125,8 @@ class Sm90Gemm:
         if kernels != "classic" and ws_module is None:
             raise ValueError(f"kernels={kernels!r} needs the module {SM90_WS_MODULE} (ws_module=None)")
         self.mod, self.ws, self.kernels = module, ws_module, kernels
-        self.defaults = {**self.DEFAULTS, **self.WS_DEFAULTS} if kernels == "ws" else self.DEFAULTS
+        self.defaults = self.DEFAULTS if kernels == "classic" else {**self.DEFAULTS, **self.WS_DEFAULTS}
         self._one = {}
-
-    def default_variant(self, fp8: bool, masked: bool, rows: int) -> str:
-        """The export a call without `variant=` uses; `rows`: rows per expert (masked) or in all."""
-        if self.kernels == "auto" and fp8 and (not masked or rows >= self.WS_MASKED_MIN_ROWS):
-            return self.WS_DEFAULTS[(fp8, masked)]
-        return self.defaults[(fp8, masked)]
 
     def kernel(self, variant: str):
         """The compiled export named `variant` ("ws_*" from the warp-specialized module)."""
@@ -162,7 +155,7 @@ class Sm90Gemm:
         else:
             m = a.shape[0]
             a3, c3 = a.view(1, m, -1).permute(1, 2, 0), out.view(1, m, -1).permute(1, 2, 0)  # (M, K, 1)
-        variant = variant or self.default_variant(fp8, masked, a.shape[1] if masked else a.shape[0])
+        variant = variant or self.defaults[(fp8, masked)]
         if masked and a.shape[1] % self.MASKED_ROW_TILE.get(variant, TILE_M):
             raise ValueError(
                 f"capacity {a.shape[1]} is not a multiple of {variant}'s row tile "
