@@ -363,7 +363,7 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-timeout", type=float, default=60.0, help="seconds for the peer bandwidth step")
     ap.add_argument("--out-dir", default=None, help="model directory and server logs (default: a temporary one)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--kv-transport", choices=("auto", "p2p", "sendrecv"), default="auto",
+    ap.add_argument("--kv-transport", choices=("auto", "p2p", "sendrecv"), default="sendrecv",
                     help="the disaggregated run's KV transport (launch's --kv-transport)")
     args = ap.parse_args(argv)
     try:

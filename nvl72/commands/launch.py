@@ -420,10 +420,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=8000, help="serve: HTTP port of the front (0: any)")
     parser.add_argument("--served-model-name", default="nvl72", help="serve: the model name clients use")
     parser.add_argument("--transfer-timeout", type=float, default=60.0, help="serve: seconds for one KV transfer")
-    parser.add_argument("--kv-transport", choices=("auto", "p2p", "sendrecv"), default="auto",
-                        help="serve: KV transfers through staging rings in peer memory (p2p: NVLink on GPU, shared "
-                             "memory on CPU) or torch.distributed send/recv; auto: p2p on CUDA when every rank maps "
-                             "its peers, else sendrecv")
+    # sendrecv by default: it is the path measured on H200s; the p2p rings are tested on CPU only so far
+    parser.add_argument("--kv-transport", choices=("auto", "p2p", "sendrecv"), default="sendrecv",
+                        help="serve: KV transfers through torch.distributed send/recv (default) or staging rings in "
+                             "peer memory (p2p: NVLink on GPU, shared memory on CPU; not yet run on a GPU); auto: "
+                             "p2p on CUDA when every rank maps its peers, else sendrecv")
     parser.add_argument("--kv-transport-ring", default="256MiB",
                         help="serve, p2p: staging ring per (prefill rank, decode rank) link, 4 slots; every prefill "
                              "and decode rank holds one per prefill rank (default 256MiB)")

@@ -166,7 +166,7 @@ class ServingOptions:
     engine_args: dict
     transfer_timeout: float = 60.0
     report_interval: float = 0.2
-    kv_transport: str = "auto"  # transport.TRANSPORTS
+    kv_transport: str = "sendrecv"  # transport.TRANSPORTS
     kv_ring_bytes: int = 256 << 20  # p2p: staging ring per (prefill rank, decode rank) link
 
 

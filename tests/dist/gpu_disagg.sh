@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Disaggregated serving on two NVLink-connected GPUs, one call on the GPU host (repository root, $OUT set):
 #   bash tests/dist/gpu_disagg.sh
-#   KV_TRANSPORT=p2p bash tests/dist/gpu_disagg.sh            # launch's --kv-transport (default auto)
+#   KV_TRANSPORT=p2p bash tests/dist/gpu_disagg.sh            # launch's --kv-transport (default sendrecv)
 #   KV_TRANSPORT=p2p SKIP_SERVE=1 bash tests/dist/gpu_disagg.sh   # the transport step alone (no carry, ~1 min)
 # With KV_TRANSPORT set, a transport step runs first: tests/dist/transport_worker.py under torchrun,
 # TP1 -> TP1, for sendrecv and p2p: the bit-exact transfer (rings of 4 x 512 bytes: chunked, wrapping),
@@ -44,8 +44,8 @@ print('torch', torch.__version__, torch.cuda.device_count(), 'GPUs, peer access 
   || { echo "IMPORTS FAILED"; exit 1; }
 timeout -k 20 220 python3 -m perf.disagg --device cuda --layers 8 --prompt-lens 1024,4096,8192 --requests 3 \
   --start-timeout 90 --request-timeout 30 --peer-timeout 40 --out-dir /tmp/disagg-run --json "$OUT/disagg.json" \
-  --kv-transport "${KV_TRANSPORT:-auto}" > "$OUT/disagg.log" 2>&1
-echo "perf.disagg rc=$? (MoE $NVL72_MOE_BACKEND, --kv-transport ${KV_TRANSPORT:-auto})"
+  --kv-transport "${KV_TRANSPORT:-sendrecv}" > "$OUT/disagg.log" 2>&1
+echo "perf.disagg rc=$? (MoE $NVL72_MOE_BACKEND, --kv-transport ${KV_TRANSPORT:-sendrecv})"
 grep -hE "KV transport" /tmp/disagg-run/*.log | sort | uniq -c | head -4
 grep -hE "MoE expert backend|attention backend|KV transfer failed|Traceback|Error" /tmp/disagg-run/*.log | sort | uniq -c | head -12
 grep -hE "KV transfer of" /tmp/disagg-run/disagg-rank1.log | tail -3
