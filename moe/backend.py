@@ -110,6 +110,8 @@ class Sm90Gemm:
         "ws_fp8_masked_swapab_m64n32_cp": 32,
         "ws_fp8_masked_swapab_m64n16_cp": 16,
     }
+    WS_MASKED = [v for v in MASKED_ROW_TILE if v.startswith("ws_")]  # every warp-specialized decode variant
+    WS_CONTIG = ["ws_fp8_contig", "ws_fp8_contig_serial"]
     # masked variants with the compact tile walk: their shared prefix array holds this many experts
     # (moe.kernels.sm90_grouped_gemm_ws.MAX_EXPERTS)
     COMPACT_MAX_EXPERTS = {

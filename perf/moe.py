@@ -39,15 +39,6 @@ MODELS = {
     "qwen3.5-397b": dict(E=512, H=4096, I=1024, k=10),
 }
 DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-WS_MASKED = [
-    "ws_fp8_masked_swapab",
-    "ws_fp8_masked_swapab_m64n16",
-    "ws_fp8_masked_swapab_cp",
-    "ws_fp8_masked_swapab_cpo",
-    "ws_fp8_masked_swapab_m64n32_cp",
-    "ws_fp8_masked_swapab_m64n16_cp",
-]
-WS_CONTIG = ["ws_fp8_contig", "ws_fp8_contig_serial"]
 WS_MAX_REL_ERR = 1e-2
 
 
@@ -109,8 +100,9 @@ def bench_model(name: str, tokens: list[int], iters: int, gemm, bw_copy: float) 
         for v in alts:
             row[f"{v}_ms"] = timed(lambda: ours(v), iters)
         if gemm.ws is not None:
+            ws_variants = backends.Sm90Gemm.WS_MASKED if masked else backends.Sm90Gemm.WS_CONTIG
             _bench_ws(row, ours, lambda out, v: gemm(a, w13_q, out, sa, w13_s, aux, masked, variant=v),
-                      hbuf, (perm.token_of >= 0).view(*shape), WS_MASKED if masked else WS_CONTIG, iters)
+                      hbuf, (perm.token_of >= 0).view(*shape), ws_variants, iters)
         a_bf, a2_bf = a.to(torch.bfloat16), a2.to(torch.bfloat16)
 
         def ours_bf16():

@@ -43,20 +43,12 @@ def _operands(fp8, rows_shape, n, k, e, gen):
     return (a * 8).to(torch.float8_e4m3fn), (b * 8).to(torch.float8_e4m3fn), sa, sb
 
 
-CONTIG = [
-    "ws_fp8_contig",
-    "ws_fp8_contig_serial",
+CONTIG = backend.Sm90Gemm.WS_CONTIG + [
     "grouped_gemm_fp8_contig",
     "grouped_gemm_fp8_contig_serial",
     "grouped_gemm_bf16_contig",
 ]
-MASKED = [
-    "ws_fp8_masked_swapab",
-    "ws_fp8_masked_swapab_m64n16",
-    "ws_fp8_masked_swapab_cp",
-    "ws_fp8_masked_swapab_cpo",
-    "ws_fp8_masked_swapab_m64n32_cp",
-    "ws_fp8_masked_swapab_m64n16_cp",
+MASKED = backend.Sm90Gemm.WS_MASKED + [
     "grouped_gemm_fp8_masked_swapab",
     "grouped_gemm_fp8_masked",
     "grouped_gemm_fp8_masked_serial",
