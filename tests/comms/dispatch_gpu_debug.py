@@ -49,7 +49,9 @@ def _step(rank, tag, name, fn):
         out = fn()
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001  (printed with the kernel's name, then re-raised)
-        print(f"FAULT {name:8s} rank {rank} {tag}: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
+        # the elapsed time tells a fast fault from one at the end of a wait (timeout_s = 5 s below)
+        print(f"FAULT {name:8s} rank {rank} {tag} after {(time.perf_counter() - t0) * 1e3:.1f} ms: "
+              f"{type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
         raise
     print(f"OK    {name:8s} rank {rank} {tag} ({(time.perf_counter() - t0) * 1e3:.1f} ms)", flush=True)
     return out
