@@ -11,6 +11,9 @@ Algorithms (kernels in `comms.kernels.allreduce`, loaded from the `aot` bundle):
   twoshot   reduce-scatter + all-gather over NVLink                    (bandwidth-bound sizes);
             when x and out both live in the heap (`symmetric_empty`), a staging-free variant:
             owners read every rank's x and write every rank's out directly
+  twoshot_pipe  two-shot in 32 KiB tiles with per-tile flags: reduce-scatter of tile k+1, reduce
+            of tile k (pushed straight to the peers) and the copy-out of tile k-1 overlap; chosen
+            by name only (not measured yet, so `auto` never picks it)
   multimem  two-shot through NVLink SHARP (multimem.ld_reduce/st); needs a heap created with
             enable_multicast=True on a device with multicast
   nccl      torch.distributed.all_reduce on the heap's (NCCL) group
@@ -48,8 +51,8 @@ from comms.heap import SymmetricHeap
 
 log = logging.getLogger(__name__)
 
-ALGOS = ("auto", "lamport", "oneshot", "twoshot", "multimem", "nccl", "reference")
-KERNEL_ALGOS = ("lamport", "oneshot", "twoshot", "multimem")
+ALGOS = ("auto", "lamport", "oneshot", "twoshot", "twoshot_pipe", "multimem", "nccl", "reference")
+KERNEL_ALGOS = ("lamport", "oneshot", "twoshot", "twoshot_pipe", "multimem")
 DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 KERNEL_MODULE = "comms.kernels.allreduce"
 # compile-time constants of comms.kernels.allreduce (kept here so CPU code need not import it)
@@ -57,6 +60,8 @@ THREADS = 512
 MAX_BLOCKS = 256
 MAX_WORLD = 8
 VEC_BYTES = 16
+PIPE_TILE = 4 * THREADS        # vectors per twoshot_pipe tile (UNROLL x THREADS)
+PIPE_STEP = 1 << 16            # twoshot_pipe flag value = (epoch + 1) * PIPE_STEP + tiles done
 ONESHOT_MAX_BYTES = 16 << 20   # flagged one-shot above the Lamport cap, up to here
 LAMPORT_MAX_BYTES = 4 << 20   # per-slot capacity of the Lamport buffers
 LAMPORT_SENTINEL = -1          # int32 word of an empty Lamport slot
@@ -85,6 +90,31 @@ def select_algo(nbytes: int, world: int, *, device: str, multicast: bool, max_by
     if nbytes <= ONESHOT_MAX_BYTES:
         return "oneshot"
     return "multimem" if multicast else "twoshot"
+
+
+def pipe_blocks(nvec: int, world: int) -> int:
+    """Grid of the twoshot_pipe kernel for `nvec` 16-byte vectors: one block per two tiles of a
+    chunk (so most blocks pipeline at least two steps), at most MAX_BLOCKS."""
+    chunk = -(-nvec // world)
+    ntiles = -(-chunk // PIPE_TILE)
+    return max(1, min(MAX_BLOCKS, -(-ntiles // 2)))
+
+
+def pipe_schedule(nvec: int, world: int, nblocks: int) -> list[list[list[tuple[int, int]]]]:
+    """The twoshot_pipe kernel's tile walk: [block][step] -> the (start, end) vector span of that
+    tile in every owner's chunk, owner r at index r. Block b's step k is tile b + k * nblocks."""
+    chunk = -(-nvec // world)
+    ntiles = -(-chunk // PIPE_TILE)
+    if -(-ntiles // nblocks) >= PIPE_STEP:
+        raise AllReduceError(f"twoshot_pipe: {ntiles} tiles over {nblocks} blocks exceed {PIPE_STEP - 1} steps")
+    walk = []
+    for b in range(nblocks):
+        steps = []
+        for t in range(b, ntiles, nblocks):
+            steps.append([(min(c * chunk + t * PIPE_TILE, nvec),
+                           min(c * chunk + t * PIPE_TILE + PIPE_TILE, (c + 1) * chunk, nvec)) for c in range(world)])
+        walk.append(steps)
+    return walk
 
 
 def reference_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -147,6 +177,8 @@ class AllReduce:
         self.ws_off = heap.alloc((2 * self.world + 2) * max_bytes)
         self.flag_off = heap.alloc(2 * MAX_WORLD * MAX_BLOCKS * 4)
         self.state_off = heap.alloc(64)
+        # twoshot_pipe's per-tile flags [2 phase][MAX_WORLD][MAX_BLOCKS] hold values of their own scale
+        self.pipe_flag_off = heap.alloc(2 * MAX_WORLD * MAX_BLOCKS * 4)
         # Lamport one-shot: 3 rotating buffers [3][W][lam_cap] of sentinel words + its own state
         # [dirty vectors of buffer 0..2, -, per-block epoch copies] (its rotation must not see other calls)
         self.lam_cap = min(max_bytes, LAMPORT_MAX_BYTES)
@@ -298,11 +330,14 @@ class AllReduce:
         nvec = xf.numel() // epv
         per_block = nvec if algo in ("oneshot", "lamport") else -(-nvec // self.world)
         nblocks = max(1, min(MAX_BLOCKS, -(-per_block // THREADS)))
+        if algo == "twoshot_pipe":
+            nblocks = pipe_blocks(nvec, self.world)
         if algo == "lamport":
             args = [xf, of, self.heap.peer_ptrs, self.rank, self.world, self.lam_off, self.lam_cap,
                     self._lam_state_addr, self._err.data_ptr(), int(self.timeout_s * 1e9)]
         else:
-            args = [xf, of, self.heap.peer_ptrs, self.rank, self.world, self.ws_off, self.max_bytes, self.flag_off,
+            flags = self.pipe_flag_off if algo == "twoshot_pipe" else self.flag_off
+            args = [xf, of, self.heap.peer_ptrs, self.rank, self.world, self.ws_off, self.max_bytes, flags,
                     self.state_off, self._err.data_ptr(), int(self.timeout_s * 1e9)]
         if algo in ("twoshot", "multimem"):
             args.append(self.heap.multicast_ptr)

@@ -37,6 +37,9 @@ Algorithms (exported as allreduce_<algo>_<bf16|fp32>):
   oneshot          each rank pushes x to every peer, flag per block, reduces the W copies
   twoshot          reduce-scatter (push each chunk to its owner; owner reduces) + all-gather
   twoshot_symm     two-shot for x/out in the heap: owners read x and write out over NVLink
+  twoshot_pipe     two-shot in 32 KiB tiles with per-tile flags: a block pushes reduce-scatter
+                   tile k+1, reduces tile k (straight into the peers' gather slots) and copies
+                   the peers' tile k-1 out, so the phases overlap (flags in their own region)
   multimem         the two-shot structure with NVLink SHARP: the owner's reduce is one
                    multimem.ld_reduce through the multicast mapping and its all-gather one
                    multimem.st (compiled; never launched on hosts that must not use multicast)
@@ -151,14 +154,16 @@ def _signal(peers: cute.Tensor, tid, rank, world, flag_addr_off, target):
 
 
 @cute.jit
-def _wait(my_base, tid, rank, world, flags_src0, target, err_addr, timeout_ns):
+def _wait(my_base, tid, rank, world, flags_src0, target, err_addr, timeout_ns, t0=None):
     """Threads 0..W-1 (not ours) spin (acquire, sys scope) until flag[tid] - target >= 0 or the
     timeout; on expiry the error word gets 1 + peer. `flags_src0`: offset of flag[src=0] for this
-    block; consecutive sources are MAX_BLOCKS int32 apart."""
+    block; consecutive sources are MAX_BLOCKS int32 apart. t0: start of the timeout (%globaltimer;
+    default now): a kernel with many waits passes its start, so all of them share one bound."""
     if tid < world:
         if tid != rank:
             faddr = my_base + flags_src0 + _i64(tid) * (MAX_BLOCKS * 4)
-            t0 = ptx.globaltimer()
+            if cutlass.const_expr(t0 is None):
+                t0 = ptx.globaltimer()
             f = ptx.ld_acquire_sys(faddr)
             late = cutlass.Int32(0)
             while ((f - target) < 0) & (late == 0):
@@ -608,6 +613,133 @@ def _make_twoshot_symm(is_bf16: bool):
     return launch
 
 
+# ------------------------------------------------------------------------------------------ pipelined two-shot
+PIPE_TILE = UNROLL * THREADS   # vectors of one chunk per pipeline step (32 KiB)
+PIPE_STEP = 1 << 16            # flag value = (epoch + 1) * PIPE_STEP + tiles done (< PIPE_STEP per block)
+
+
+@cute.jit
+def _tile_span(c, t, chunk, nvec, tid):
+    """Thread tid's first vector of tile t of owner c's chunk, and that tile's end (exclusive)."""
+    start = c * chunk + t * PIPE_TILE
+    end = start + PIPE_TILE
+    if end > (c + 1) * chunk:
+        end = (c + 1) * chunk
+    if end > nvec:
+        end = nvec
+    return start + tid, end
+
+
+@cute.jit
+def _pipe_push(xa, pr, scatter, cap, rank, world, t, chunk, nvec, tid):
+    """Reduce-scatter step: tile t of every peer's chunk of x -> my slot in that peer's scatter area."""
+    for r in cutlass.range_constexpr(MAX_WORLD):
+        if r < world:
+            if r != rank:
+                v, vend = _tile_span(r, t, chunk, nvec, tid)
+                _copy(xa, pr[r] + scatter + _i64(rank) * cap, v, vend, False)
+
+
+@cute.jit
+def _pipe_gather(gather, oa, my_base, tid, rank, world, flags_src0, target, err_addr, timeout_ns, t0, t, chunk,
+                 nvec):
+    """All-gather step: once every peer's flag reaches `target`, copy tile t of the peers' chunks
+    from my gather slot (written over NVLink by their owners) into out."""
+    _wait(my_base, tid, rank, world, flags_src0, target, err_addr, timeout_ns, t0)
+    cute.arch.sync_threads()
+    for r in cutlass.range_constexpr(MAX_WORLD):
+        if r < world:
+            if r != rank:
+                v, vend = _tile_span(r, t, chunk, nvec, tid)
+                _copy(gather, oa, v, vend, True)
+
+
+def _make_twoshot_pipe(is_bf16: bool):
+    """Two-shot whose phases overlap: each block walks its tiles t = bid, bid + nb, ... of the
+    chunks and, per step k, pushes reduce-scatter tile k+1, reduces tile k of its own chunk (x
+    plus the peers' scatter slots; the result goes to out and straight into every peer's gather
+    slot), then copies the peers' reduced tile k-1 from its gather slot into out. Per-tile flags
+    (their own region, value (epoch + 1) * PIPE_STEP + tiles done, monotonic; signed-difference
+    waits) replace the phase-wide hand-offs, so NVLink pushes of later tiles run while the local
+    gather -> out copies of earlier ones do, and no phase of the GPU waits with NVLink idle."""
+    epv = 8 if is_bf16 else 4
+
+    @cute.kernel
+    def kernel(x: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, rank: cutlass.Int32,
+               world: cutlass.Int32, ws_off: cutlass.Int64, cap: cutlass.Int64, flag_off: cutlass.Int64,
+               state_off: cutlass.Int64, err_addr: cutlass.Int64, timeout_ns: cutlass.Int64,
+               nvec: cutlass.Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        nb, _, _ = cute.arch.grid_dim()
+        t0 = ptx.globaltimer()  # every wait of this call is bounded by timeout_ns from here
+        my_base = peers[rank]
+        epoch = ptx.ld_relaxed_gpu(my_base + state_off)
+        base = (epoch + 1) * PIPE_STEP
+        par = _i64(epoch & 1)
+        xa = x.iterator.toint()
+        oa = out.iterator.toint()
+        chunk = (nvec + world - 1) // world
+        ntiles = (chunk + PIPE_TILE - 1) // PIPE_TILE
+        steps = cutlass.Int32(0)
+        if bid < ntiles:
+            steps = (ntiles - bid + nb - 1) // nb
+        scatter = ws_off + (par * _i64(world)) * cap
+        gather = ws_off + (2 * _i64(world) + par) * cap
+        rs_flags = flag_off
+        ag_flags = flag_off + _i64(MAX_WORLD * MAX_BLOCKS * 4)
+        pr = _load_peers(peers, world)
+        acc = cute.make_rmem_tensor(cute.make_layout(UNROLL * epv), cutlass.Float32)
+        stage = cute.make_rmem_tensor(cute.make_layout(UNROLL * 4), cutlass.Int32)
+        if steps > 0:
+            _pipe_push(xa, pr, scatter, cap, rank, world, bid, chunk, nvec, tid)
+            cute.arch.sync_threads()
+            _signal(peers, tid, rank, world, rs_flags + _i64(rank * MAX_BLOCKS + bid) * 4, base + 1)
+        k = cutlass.Int32(0)
+        while k < steps:
+            t = bid + k * nb
+            if k + 1 < steps:  # the next tile's reduce-scatter is in flight while this one reduces
+                _pipe_push(xa, pr, scatter, cap, rank, world, t + nb, chunk, nvec, tid)
+                cute.arch.sync_threads()
+                _signal(peers, tid, rank, world, rs_flags + _i64(rank * MAX_BLOCKS + bid) * 4, base + k + 2)
+            _wait(my_base, tid, rank, world, rs_flags + _i64(bid) * 4, base + k + 1, err_addr, timeout_ns, t0)
+            cute.arch.sync_threads()
+            v, vend = _tile_span(rank, t, chunk, nvec, tid)
+            while v < vend:
+                _reduce_group(acc, stage, xa, my_base + scatter, cap, rank, world, v, vend, is_bf16)
+                for u in cutlass.range_constexpr(UNROLL):
+                    if v + u * THREADS < vend:
+                        off = _i64(v + u * THREADS) * VEC_BYTES
+                        res = _pack(acc, is_bf16, u * epv)
+                        for r in cutlass.range_constexpr(MAX_WORLD):
+                            if r < world:
+                                if r != rank:
+                                    ptx.st_v4(pr[r] + gather + off, res)
+                        ptx.st_v4(oa + off, res)
+                v += UNROLL * THREADS
+            cute.arch.sync_threads()
+            _signal(peers, tid, rank, world, ag_flags + _i64(rank * MAX_BLOCKS + bid) * 4, base + k + 1)
+            if k > 0:  # the peers' reduced tile k-1 has had a whole step to arrive
+                _pipe_gather(my_base + gather, oa, my_base, tid, rank, world, ag_flags + _i64(bid) * 4, base + k,
+                             err_addr, timeout_ns, t0, t - nb, chunk, nvec)
+            k += 1
+        if steps > 0:
+            _pipe_gather(my_base + gather, oa, my_base, tid, rank, world, ag_flags + _i64(bid) * 4, base + steps,
+                         err_addr, timeout_ns, t0, bid + (steps - 1) * nb, chunk, nvec)
+        ptx.advance_epoch(my_base, state_off, tid, nb, epoch + 1)
+
+    @cute.jit
+    def launch(x: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, rank: cutlass.Int32,
+               world: cutlass.Int32, ws_off: cutlass.Int64, cap: cutlass.Int64, flag_off: cutlass.Int64,
+               state_off: cutlass.Int64, err_addr: cutlass.Int64, timeout_ns: cutlass.Int64,
+               nblocks: cutlass.Int32, stream):
+        nvec = x.shape[0] // epv
+        kernel(x, out, peers, rank, world, ws_off, cap, flag_off, state_off, err_addr, timeout_ns, nvec).launch(
+            grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+    return launch
+
+
 # ------------------------------------------------------------------------------------------ fused RMSNorm
 @cute.jit
 def _block_sum(v, smem, tid):
@@ -762,7 +894,8 @@ def _dtypes():
 def compile_for_export(arch: str) -> dict:
     """Compile every all-reduce kernel for `arch` against fake tensors (no GPU needed).
 
-    Exported names: allreduce_{oneshot,twoshot,multimem}_{bf16,fp32}, allreduce_rmsnorm_{bf16,fp32}.
+    Exported names: allreduce_{lamport,oneshot,twoshot,twoshot_symm,twoshot_pipe,multimem}_{bf16,fp32},
+    allreduce_{rmsnorm,lamport_rmsnorm}_{bf16,fp32}.
     """
     from cutlass.cute.runtime import make_fake_compact_tensor
     from cutlass.runtime import make_fake_stream
@@ -780,6 +913,8 @@ def compile_for_export(arch: str) -> dict:
         out[f"allreduce_lamport_{name}"] = cute.compile(_make_lamport(dt is cutlass.BFloat16), x, y, peers, i32, i32,
                                                         i64, i64, i64, i64, i64, i32, i32, stream, options=opts)
         out[f"allreduce_twoshot_symm_{name}"] = cute.compile(_make_twoshot_symm(dt is cutlass.BFloat16), *common,
+                                                             i32, stream, options=opts)
+        out[f"allreduce_twoshot_pipe_{name}"] = cute.compile(_make_twoshot_pipe(dt is cutlass.BFloat16), *common,
                                                              i32, stream, options=opts)
         out[f"allreduce_oneshot_{name}"] = cute.compile(_make_oneshot(dt is cutlass.BFloat16), *common, i32,
                                                         stream, options=opts)

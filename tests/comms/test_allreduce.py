@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from comms.allreduce import (LAMPORT_MAX_BYTES, ONESHOT_MAX_BYTES, AllReduce, AllReduceError, rmsnorm_reference,
-                             select_algo)
+from comms.allreduce import (LAMPORT_MAX_BYTES, MAX_BLOCKS, ONESHOT_MAX_BYTES, PIPE_TILE, AllReduce, AllReduceError,
+                             pipe_blocks, pipe_schedule, rmsnorm_reference, select_algo)
 from tests.comms.test_heap import run_ranks
 
 
@@ -27,6 +27,68 @@ def test_select_algo_by_size_and_capability():
     assert select_algo(1 << 30, 4, device="cpu", multicast=False, max_bytes=1) == "reference"
     with pytest.raises(AllReduceError, match="nbytes=-1"):
         select_algo(-1, 2, **kw)
+
+
+def _run_pipe_model(xs, nblocks):
+    """Execute twoshot_pipe's tile walk on CPU as the kernel does, step by step: reduce-scatter
+    push, owner reduce (fp32, rank order) into out and every peer's gather slot, copy-out of the
+    peers' tiles. xs: each rank's [nvec, epv] vectors; returns each rank's out."""
+    world, nvec = len(xs), xs[0].shape[0]
+    walk = pipe_schedule(nvec, world, nblocks)
+    outs = [torch.full_like(x, float("nan")) for x in xs]
+    scatter = [[torch.full_like(x, float("nan")) for _ in range(world)] for x in xs]  # [dst][src]
+    gather = [torch.full_like(x, float("nan")) for x in xs]
+    for steps in walk:
+        for spans in steps:
+            for r in range(world):
+                for c, (a, b) in enumerate(spans):
+                    if c != r:
+                        scatter[c][r][a:b] = xs[r][a:b]
+            for r in range(world):
+                a, b = spans[r]
+                acc = torch.zeros_like(xs[r][a:b], dtype=torch.float32)
+                for s in range(world):
+                    acc += (xs[r] if s == r else scatter[r][s])[a:b].float()
+                res = acc.to(xs[r].dtype)
+                outs[r][a:b] = res
+                for p in range(world):
+                    if p != r:
+                        gather[p][a:b] = res
+            for r in range(world):
+                for c, (a, b) in enumerate(spans):
+                    if c != r:
+                        outs[r][a:b] = gather[r][a:b]
+    return outs
+
+
+@pytest.mark.parametrize("world,nvec", [(2, 1), (2, 4097), (3, 3 * PIPE_TILE + 5), (2, 9 * PIPE_TILE), (8, 70001)])
+def test_twoshot_pipe_walk_covers_every_vector_once_and_sums(world, nvec):
+    nb = pipe_blocks(nvec, world)
+    walk = pipe_schedule(nvec, world, nb)
+    seen = torch.zeros(nvec, dtype=torch.int32)
+    for steps in walk:
+        for spans in steps:
+            for a, b in spans:
+                seen[a:b] += 1
+    assert torch.equal(seen, torch.ones_like(seen)), "every vector in exactly one tile of one owner"
+    g = torch.Generator().manual_seed(world * 1000 + nvec)
+    for dtype in (torch.bfloat16, torch.float32):
+        xs = [torch.randn(nvec, 4, generator=g).to(dtype) for _ in range(world)]
+        ref = sum(x.float() for x in xs).to(dtype)
+        for nblocks in {nb, 1, 3}:
+            for y in _run_pipe_model(xs, nblocks):
+                assert torch.equal(y, ref), f"world={world} nvec={nvec} nblocks={nblocks} {dtype}"
+
+
+def test_twoshot_pipe_grid_pipelines_large_messages():
+    # 128 MiB over 2 ranks: 2048 tiles per chunk, 256 blocks of 8 steps each
+    nvec = (128 << 20) // 16
+    assert pipe_blocks(nvec, 2) == MAX_BLOCKS and len(pipe_schedule(nvec, 2, MAX_BLOCKS)[0]) == 8
+    # 16 MiB: 256 tiles -> 128 blocks of two steps; tiny messages get one block
+    assert pipe_blocks((16 << 20) // 16, 2) == 128
+    assert pipe_blocks(1, 2) == 1 and pipe_blocks(1, 8) == 1
+    with pytest.raises(AllReduceError, match="exceed"):
+        pipe_schedule(PIPE_TILE * (1 << 16) + 1, 1, 1)
 
 
 def test_rmsnorm_reference_formulas():
@@ -79,8 +141,9 @@ def _body(rank, world):
         ar.add_rmsnorm(torch.ones(2, 8), torch.ones(2, 8), torch.ones(7), 1e-6)
     with pytest.raises(AllReduceError, match="eps=0"):
         ar.add_rmsnorm(torch.ones(2, 8), torch.ones(2, 8), torch.ones(8), 0)
-    with pytest.raises(AllReduceError, match="'oneshot' needs a CUDA heap"):
-        AllReduce(heap, "oneshot")
+    for algo in ("oneshot", "twoshot_pipe"):
+        with pytest.raises(AllReduceError, match=f"'{algo}' needs a CUDA heap"):
+            AllReduce(heap, algo)
     with pytest.raises(AllReduceError, match="algo='fastest'"):
         AllReduce(heap, "fastest")
     heap.destroy()

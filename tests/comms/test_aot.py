@@ -41,7 +41,8 @@ def test_bundle_compiles_every_listed_kernel_for_both_archs(tmp_path, monkeypatc
             assert info["exports"], m
             assert _exported_symbols(str(tmp_path / arch / info["file"])) == set(info["exports"])
         ours = on_disk["modules"]["comms.kernels.allreduce"]["exports"]
-        algos = ("lamport", "oneshot", "twoshot", "twoshot_symm", "multimem", "rmsnorm", "lamport_rmsnorm")
+        algos = ("lamport", "oneshot", "twoshot", "twoshot_symm", "twoshot_pipe", "multimem", "rmsnorm",
+                 "lamport_rmsnorm")
         assert {f"allreduce_{a}_{d}" for a in algos for d in ("bf16", "fp32")} == set(ours)
     # the loader finds the bundle through the environment and hands out kernels by name
     monkeypatch.setenv(aot.ENV_BUNDLE, str(tmp_path))
@@ -49,6 +50,15 @@ def test_bundle_compiles_every_listed_kernel_for_both_archs(tmp_path, monkeypatc
     assert callable(f)
     with pytest.raises(aot.BundleError, match="no kernel 'allreduce_nope'"):
         aot.function("comms.kernels.allreduce", "allreduce_nope", "sm_90a", jit=False)
+
+
+def test_host_constants_match_the_allreduce_kernels():
+    import comms.allreduce as host
+    import comms.kernels.allreduce as kern
+
+    for name in ("THREADS", "MAX_BLOCKS", "MAX_WORLD", "VEC_BYTES", "PIPE_TILE", "PIPE_STEP", "LAMPORT_SENTINEL",
+                 "LAMPORT_EPOCHS"):
+        assert getattr(host, name) == getattr(kern, name), name
 
 
 def test_missing_bundle_and_bad_arch_are_named(tmp_path, monkeypatch):
