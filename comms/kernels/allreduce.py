@@ -159,11 +159,11 @@ def _wait(my_base, tid, rank, world, flags_src0, target, err_addr, timeout_ns, t
     timeout; on expiry the error word gets 1 + peer. `flags_src0`: offset of flag[src=0] for this
     block; consecutive sources are MAX_BLOCKS int32 apart. t0: start of the timeout (%globaltimer;
     default now): a kernel with many waits passes its start, so all of them share one bound."""
+    if cutlass.const_expr(t0 is None):
+        t0 = ptx.globaltimer()
     if tid < world:
         if tid != rank:
             faddr = my_base + flags_src0 + _i64(tid) * (MAX_BLOCKS * 4)
-            if cutlass.const_expr(t0 is None):
-                t0 = ptx.globaltimer()
             f = ptx.ld_acquire_sys(faddr)
             late = cutlass.Int32(0)
             while ((f - target) < 0) & (late == 0):

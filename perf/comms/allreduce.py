@@ -10,7 +10,8 @@ algbw = bytes / time and busbw = algbw * 2(W-1)/W (the nccl-tests convention). P
 buffer (their best case: input already symmetric), NCCL `all_reduce`. Also: peer-copy bandwidth
 (a local tensor copied into a peer's heap, over NVLink) and the fused all-reduce + add + RMSNorm
 against the same steps as separate ops (the same all-reduce, torch add, torch rms_norm) at decode sizes. Multicast stays off (never created here).
-`lamport_nopdl` is the Lamport kernel launched without programmatic dependent launch
+`twoshot_pipe` is the pipelined two-shot (per-tile flags, overlapping phases) on the same ordinary
+tensors as `twoshot`. `lamport_nopdl` is the Lamport kernel launched without programmatic dependent launch
 (AllReduce(pdl=False)): the difference is what PDL saves. The output ends with a table of the
 graph-replay times, one row per size and one column per algorithm.
 """
@@ -28,7 +29,7 @@ import torch.multiprocessing as mp
 
 from perf.comms.timing import capture_loop, events_time, loop, max_over_ranks, warm_on_side_stream
 
-OURS = ("lamport", "lamport_nopdl", "oneshot", "twoshot")  # lamport_nopdl: AllReduce(pdl=False)
+OURS = ("lamport", "lamport_nopdl", "oneshot", "twoshot", "twoshot_pipe")  # lamport_nopdl: AllReduce(pdl=False)
 SYMM = ("twoshot_symm",)  # our two-shot with x and out in the heap (as torch's ops get)
 PEERS = ("nccl", "torch_one_shot", "torch_two_shot")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -39,10 +39,10 @@ def _algos_body(rank, world):
     from comms import AllReduce, AllReduceError, SymmetricHeap
 
     dev = torch.device("cuda", rank)
-    heap = SymmetricHeap(dist.group.WORLD, 512 << 20, dev, timeout_s=60)  # 5 AllReduce x 72 MiB + 48 MiB + symm
+    heap = SymmetricHeap(dist.group.WORLD, 512 << 20, dev, timeout_s=60)  # 6 AllReduce x 72 MiB + symm
     assert heap.capabilities.p2p and not heap.capabilities.multicast_enabled
     case = 0
-    for algo in ("lamport", "oneshot", "twoshot", "nccl", "auto"):
+    for algo in ("lamport", "oneshot", "twoshot", "twoshot_pipe", "nccl", "auto"):
         ar = AllReduce(heap, algo, max_bytes=8 << 20, timeout_s=5)
         for dtype in (torch.bfloat16, torch.float32):
             for n in SIZES:
@@ -59,7 +59,7 @@ def _algos_body(rank, world):
                 err = _rel(y, ref)
                 assert err <= TOL[dtype], f"{algo} {dtype} n={n}: rel err {err:.3g}"
                 assert _same_on_all_ranks(y), f"{algo} {dtype} n={n}: ranks differ"
-                if algo in ("lamport", "oneshot", "twoshot") and n == 4097:  # in place
+                if algo in ("lamport", "oneshot", "twoshot", "twoshot_pipe") and n == 4097:  # in place
                     ar(x, out=x)
                     assert torch.equal(x, y), f"{algo} in-place differs"
                 if algo == "twoshot" and n in (1000, 65537):
@@ -73,7 +73,7 @@ def _algos_body(rank, world):
                     torch.cuda.synchronize()
                     assert torch.equal(xs, y), f"twoshot in-heap in-place {dtype} n={n}"
         # CUDA-graph replay: the epoch lives on the device, so replays keep synchronising
-        if algo in ("lamport", "oneshot", "twoshot"):
+        if algo in ("lamport", "oneshot", "twoshot", "twoshot_pipe"):
             n = 12345
             static_x = torch.empty(n, dtype=torch.bfloat16, device=dev)
             static_x.copy_(_inputs(rank, n, torch.bfloat16, 999, dev))
@@ -118,6 +118,62 @@ def _algos_body(rank, world):
     heap.destroy()
 
 
+def _pipe_body(rank, world):
+    """twoshot_pipe alone, up to 64 MiB: odd sizes (1 to 4 pipeline steps per block), bf16 and fp32
+    against an fp32 sum, in place, graph replays, then a peer that never arrives (one timeout
+    bound for the whole call, however many steps)."""
+    from comms import AllReduce, SymmetricHeap
+    from comms.allreduce import AllReduceTimeoutError, pipe_blocks, pipe_schedule
+
+    dev = torch.device("cuda", rank)
+    heap = SymmetricHeap(dist.group.WORLD, 480 << 20, dev, timeout_s=60)  # 64 MiB ws: 408 MiB; 1 MiB: 12 MiB
+    ar = AllReduce(heap, "twoshot_pipe", max_bytes=64 << 20, timeout_s=5)
+    case = 0
+    for dtype in (torch.bfloat16, torch.float32):
+        large = (64 << 20) // torch.empty((), dtype=dtype).element_size() - 3
+        nvec = -(-large * torch.empty((), dtype=dtype).element_size() // 16)
+        assert len(pipe_schedule(nvec, world, pipe_blocks(nvec, world))[0]) >= 2
+        for n in SIZES + [large]:
+            case += 1
+            x = _inputs(rank, n, dtype, case, dev)
+            ref = _ref(world, n, dtype, case, dev)
+            y = ar(x)
+            torch.cuda.synchronize()
+            ar.check()
+            err = _rel(y, ref)
+            assert err <= TOL[dtype], f"twoshot_pipe {dtype} n={n}: rel err {err:.3g}"
+            assert _same_on_all_ranks(y), f"twoshot_pipe {dtype} n={n}: ranks differ"
+            if n in (4097, large):
+                ar(x, out=x)
+                torch.cuda.synchronize()
+                assert torch.equal(x, y), f"twoshot_pipe in-place {dtype} n={n} differs"
+    for n in (12345, (48 << 20) // 2 + 1):
+        static_x = torch.empty(n, dtype=torch.bfloat16, device=dev)
+        ar(static_x)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            static_y = ar(static_x)
+        for rep in range(3):
+            case += 1
+            static_x.copy_(_inputs(rank, n, torch.bfloat16, case, dev))
+            g.replay()
+            torch.cuda.synchronize()
+            ar.check()
+            err = _rel(static_y, _ref(world, n, torch.bfloat16, case, dev))
+            assert err <= TOL[torch.bfloat16], f"twoshot_pipe graph replay n={n} {rep}: rel err {err:.3g}"
+    ar.destroy()
+    ar = AllReduce(heap, "twoshot_pipe", max_bytes=1 << 20, timeout_s=0.2)
+    x = torch.randn(200_000, device=dev)  # several steps per block, each with its waits
+    if rank == 0:  # rank 1 never joins this call
+        ar(x)
+        torch.cuda.synchronize()
+        with pytest.raises(AllReduceTimeoutError, match="rank 1"):
+            ar.check()
+    dist.barrier()
+    heap.destroy()
+
+
 def _rmsnorm_body(rank, world):
     from comms import AllReduce, SymmetricHeap
     from comms.allreduce import rmsnorm_reference
@@ -149,8 +205,8 @@ def _timeout_body(rank, world):
     from comms.allreduce import AllReduceTimeoutError
 
     dev = torch.device("cuda", rank)
-    heap = SymmetricHeap(dist.group.WORLD, 64 << 20, dev, timeout_s=60)  # 3 AllReduce x 12 MiB
-    for algo in ("oneshot", "lamport", "twoshot"):
+    heap = SymmetricHeap(dist.group.WORLD, 64 << 20, dev, timeout_s=60)  # 4 AllReduce x 12 MiB
+    for algo in ("oneshot", "lamport", "twoshot", "twoshot_pipe"):
         ar = AllReduce(heap, algo, max_bytes=1 << 20, timeout_s=0.2)
         x = torch.randn(4096, device=dev)
         if rank == 0:  # rank 1 never joins this call
@@ -206,6 +262,10 @@ def test_heap_gpu_peer_writes_and_no_leaks(ngpu):
 
 def test_allreduce_gpu_algorithms(ngpu):
     run_ranks(_algos_body, ngpu, backend="nccl", timeout_s=240)
+
+
+def test_allreduce_gpu_twoshot_pipe(ngpu):
+    run_ranks(_pipe_body, ngpu, backend="nccl", timeout_s=100)
 
 
 def test_allreduce_gpu_add_rmsnorm(ngpu):
