@@ -111,7 +111,9 @@ class Sm90Gemm:
         "ws_fp8_masked_swapab_m64n16_cp": 16,
     }
     WS_MASKED = [v for v in MASKED_ROW_TILE if v.startswith("ws_")]  # every warp-specialized decode variant
-    WS_CONTIG = ["ws_fp8_contig", "ws_fp8_contig_serial"]
+    # every contiguous one tiles rows by TILE_M (the padding of permute_contiguous); the ping-pong
+    # variant's CTA tile is 128 x 256 (two 128-column halves, an odd last half left unstored)
+    WS_CONTIG = ["ws_fp8_contig", "ws_fp8_contig_serial", "ws_fp8_contig_pingpong"]
     # masked variants with the compact tile walk: their shared prefix array holds this many experts
     # (moe.kernels.sm90_grouped_gemm_ws.MAX_EXPERTS)
     COMPACT_MAX_EXPERTS = {

@@ -24,7 +24,9 @@ persistent / warp-specialized GEMMs:
 Variants: the swap-AB masked kernel (decode: weights are the 128- or 64-row M operand, the few
 tokens of an expert the N operand; token tiles outermost in the tile order, so every CTA first
 streams distinct weight tiles) and the contiguous kernel (prefill, 128 x 128 tiles, n-tiles
-innermost so concurrent CTAs share an expert's A rows and weights in L2).
+innermost so concurrent CTAs share an expert's A rows and weights in L2), plus a contiguous ping-pong
+kernel for the compute-bound prefill sizes (GroupedGemmSm90WSPingPong: 128 x 256 tiles, the two
+consumer warpgroups take turns to issue their wgmma chains; its docstring has the details).
 Decode options of the masked kernel (both off in the first variants, measured 2026-11-22: 62-65% of
 the copy bandwidth at 128 tokens, slower than the classic kernel at 1-8 tokens):
   * compact: the tile walk covers only the active (expert, token tile) pairs. Each CTA first turns
@@ -89,6 +91,7 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
         if not masked and tile_n != SCALE_BLOCK:
             raise ValueError(f"tile_n={tile_n}: the contiguous kernel needs tile_n == {SCALE_BLOCK} (one B scale per tile)")
         self.tile_m, self.tile_n, self.n_wg = 64 * n_wg, tile_n, n_wg
+        self.b_tiles = 1  # B tiles (tile_n rows each) per CTA tile and pipeline stage
         self.mma_threads = 128 * n_wg
         self.threads = 128 + self.mma_threads
         self.store_warp = 4  # first consumer warp issues the TMA stores
@@ -99,13 +102,16 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
         n_sub = (self.tile_m // m) * (self.tile_n // n)
         self.epi_stage = 2 if n_sub % 2 == 0 else 1  # buffer e % epi_stage restarts at 0 on each tile
         epi_bytes = m * n * self.epi_stage * self.c_dtype.width // 8
-        stage_bytes = (self.tile_m + self.tile_n) * self.tile_mnk[2] * self.ab_dtype.width // 8
+        stage_bytes = (self.tile_m + self.b_tiles * self.tile_n) * self.tile_mnk[2] * self.ab_dtype.width // 8
         self.n_prefix = MAX_EXPERTS + 1 if self.compact else 1
         free = self.smem_capacity - 2048 - epi_bytes - 4 * self.n_prefix
         self.ab_stage = min(MAX_AB_STAGES, free // stage_bytes)
         k_major = utils.LayoutEnum.ROW_MAJOR
         self.a_smem_staged = sm90_utils.make_smem_layout_a(k_major, self.tile_mnk, self.ab_dtype, self.ab_stage)
-        self.b_smem_staged = sm90_utils.make_smem_layout_b(k_major, self.tile_mnk, self.ab_dtype, self.ab_stage)
+        # stage s holds B tile h of the CTA tile at index s * b_tiles + h
+        self.b_smem_staged = sm90_utils.make_smem_layout_b(
+            k_major, self.tile_mnk, self.ab_dtype, self.ab_stage * self.b_tiles
+        )
         self.epi_smem_staged = sm90_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage)
 
     @cute.jit
@@ -123,7 +129,7 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
         a_scale, b_scale, c, tma_a, tma_ta, tma_b, tma_tb, tma_c, tma_tc = self._operands(a, b, c, a_scale, b_scale)
         num_tiles = (
             cute.ceil_div(cute.size(c, mode=[0]), self.tile_m)
-            * cute.ceil_div(cute.size(c, mode=[1]), self.tile_n)
+            * cute.ceil_div(cute.size(c, mode=[1]), self.tile_n * self.b_tiles)
             * cute.size(c, mode=[2])
         )
 
@@ -218,6 +224,47 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
         for i in range(cute.size(acc)):
             acc[i] = acc[i] + part[i] * f[i]
         return rel
+
+    def _epilogue_setup(self, epi_mma, sC, ctid):
+        """The consumers' register -> shared-memory copy and the TMA-store pipeline of the epilogue."""
+        r2s_atom = sm90_utils.get_smem_store_op(self.c_layout, self.c_dtype, self.acc_dtype)
+        c_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
+        tiled_r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(c_atom, epi_mma))
+        thr_r2s = tiled_r2s.get_slice(ctid)
+        rD_layout = cute.make_layout(cute.shape(thr_r2s.partition_S(sC))[:3])
+        c_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads),
+        )
+        epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.mma_threads)
+        return tiled_r2s, thr_r2s.partition_D(sC), rD_layout, c_pipe, epi_bar
+
+    @cute.jit
+    def _store(self, acc, tiled_r2s, tRS_sC, rD_layout, tma_c, sC, gC_tile, c_pipe, epi_bar, warp_idx):
+        """Epilogue of one tile: registers -> own smem buffers -> TMA store, epi_tile at a time."""
+        tRS_acc = tiled_r2s.retile(acc)
+        rD = cute.make_rmem_tensor_like(rD_layout, self.acc_dtype)
+        n_rd = cute.size(rD)
+        gC_epi = cute.zipped_divide(gC_tile, self.epi_tile)
+        bSG_s, bSG_g = cute.nvgpu.cpasync.tma_partition(
+            tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
+        )
+        epi_shape = gC_epi.shape[1]
+        epi_order = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+        for e in cutlass.range_constexpr(cute.size(gC_epi, mode=[1])):
+            for v in cutlass.range_constexpr(n_rd):
+                rD[v] = tRS_acc[e * n_rd + v]
+            rOut = cute.make_rmem_tensor_like(rD_layout, self.c_dtype)
+            rOut.store(rD.load().to(self.c_dtype))
+            buf = e % self.epi_stage
+            cute.copy(tiled_r2s, rOut, tRS_sC[(None, None, None, buf)])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            epi_bar.arrive_and_wait()
+            if warp_idx == self.store_warp:
+                cute.copy(tma_c, bSG_s[(None, buf)], bSG_g[(None, epi_order.get_hier_coord(e))])
+                c_pipe.producer_commit()
+                c_pipe.producer_acquire()
+            epi_bar.arrive_and_wait()
 
     @cute.kernel
     def kernel(
@@ -320,23 +367,7 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
             part1 = cute.make_rmem_tensor(tCcC.shape if self.overlap else 1, self.acc_dtype)
             num_kb = cute.size(tCrA, mode=[2])
 
-            r2s_atom = sm90_utils.get_smem_store_op(self.c_layout, self.c_dtype, self.acc_dtype)
-            c_atom = cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
-            )
-            tiled_r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(c_atom, epi_mma))
-            thr_r2s = tiled_r2s.get_slice(ctid)
-            tRS_sC = thr_r2s.partition_D(sC)
-            tRS_acc = tiled_r2s.retile(acc)
-            rD_layout = cute.make_layout(cute.shape(thr_r2s.partition_S(sC))[:3])
-            rD = cute.make_rmem_tensor_like(rD_layout, self.acc_dtype)
-            n_rd = cute.size(rD)
-            c_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=self.epi_stage,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads),
-            )
-            epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.mma_threads)
-            one = cute.make_layout(1)
+            tiled_r2s, tRS_sC, rD_layout, c_pipe, epi_bar = self._epilogue_setup(epi_mma, sC, ctid)
 
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
@@ -395,34 +426,198 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
                             cute.nvgpu.warpgroup.wait_group(0)
                             rel = self._promote(ab_pipe, rel, acc, part0, f)
 
-                    # epilogue: registers -> own smem buffers -> TMA store, epi_tile at a time
-                    gC_epi = cute.zipped_divide(gC[(None, None, pm, pn, pl)], self.epi_tile)
-                    bSG_s, bSG_g = cute.nvgpu.cpasync.tma_partition(
-                        tma_c, 0, one, cute.group_modes(sC, 0, 2), gC_epi
-                    )
-                    epi_shape = gC_epi.shape[1]
-                    epi_order = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-                    for e in cutlass.range_constexpr(cute.size(gC_epi, mode=[1])):
-                        for v in cutlass.range_constexpr(n_rd):
-                            rD[v] = tRS_acc[e * n_rd + v]
-                        rOut = cute.make_rmem_tensor_like(rD_layout, self.c_dtype)
-                        rOut.store(rD.load().to(self.c_dtype))
-                        buf = e % self.epi_stage
-                        cute.copy(tiled_r2s, rOut, tRS_sC[(None, None, None, buf)])
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        epi_bar.arrive_and_wait()
-                        if warp_idx == self.store_warp:
-                            cute.copy(tma_c, bSG_s[(None, buf)], bSG_g[(None, epi_order.get_hier_coord(e))])
-                            c_pipe.producer_commit()
-                            c_pipe.producer_acquire()
-                        epi_bar.arrive_and_wait()
+                    gC_t = gC[(None, None, pm, pn, pl)]
+                    self._store(acc, tiled_r2s, tRS_sC, rD_layout, tma_c, sC, gC_t, c_pipe, epi_bar, warp_idx)
             if warp_idx == self.store_warp:
                 c_pipe.producer_tail()
 
 
+class GroupedGemmSm90WSPingPong(GroupedGemmSm90WS):
+    """Contiguous FP8 kernel for the compute-bound prefill sizes: 128 x 256 CTA tiles, ping-pong issue.
+
+    Each CTA tile is two 128 x 128 halves sharing one A tile (b_tiles = 2: a stage holds A and both
+    B tiles, 48 KB, 4 stages): per K step the CTA loads 48 KB for 2 * 128^3 MACs instead of
+    32 KB for 128^3, so L2 -> SM traffic per FLOP drops by a quarter. Each consumer warpgroup owns
+    64 rows x 256 columns: two 64 x 128 accumulators and one temporary (192 fp32 registers; a
+    second temporary for the overlapped promotion would not fit in 232). Per K step a warpgroup
+    issues the wgmmas of half 0, promotes them into acc0, issues half 1, promotes into acc1, every
+    wait retiring the only outstanding group (no C7514). The two warpgroups take turns to issue
+    (named barriers 2 and 3, ordered WG1 h0, WG2 h0, WG1 h1, WG2 h1, ...): the tensor cores run
+    the issues in that order, so one warpgroup's wgmma chain runs while the other waits for its
+    own and promotes, instead of both promoting at once with the tensor cores idle.
+    The promotion is exact as in the other variants: once per 128-wide K step with
+    a_scale[row, k] * b_scale[n block, k], the B block of each half its own. An odd count of
+    128-column tiles leaves the last pair with one half: its second half re-reads a valid B tile
+    and is not stored. Rows per expert are padded to 128 (the contiguous layout's TILE_M)."""
+
+    def __init__(self, masked: bool = False):
+        if masked:
+            raise ValueError(f"masked={masked}: the ping-pong kernel is for the contiguous layout only")
+        super().__init__(masked=False, n_wg=2, tile_n=SCALE_BLOCK)
+        self.b_tiles = 2
+
+    @cute.jit
+    def _tile(self, t, tiles_m, tiles_n, n_l, aux, sP):
+        """Linear tile index -> (m tile, pair of n tiles, batch 0, expert, active); pairs innermost."""
+        pairs = (tiles_n + 1) // 2
+        pn = t % pairs
+        pm = t // pairs
+        expert = aux[pm]
+        return pm, pn, cutlass.Int32(0), expert, expert >= 0
+
+    def _issue(self, mmas, part, tCrA, tCrB, a_stage, b_stage, num_kb):
+        """The wgmmas of one 128-wide K step of one half into the temporary `part` (overwritten)."""
+        cute.nvgpu.warpgroup.fence()
+        for kb in range(num_kb):
+            mma = mmas[0] if kb == 0 else mmas[1]
+            cute.gemm(mma, part, tCrA[(None, None, kb, a_stage)], tCrB[(None, None, kb, b_stage)], part)
+        cute.nvgpu.warpgroup.commit_group()
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_c: cute.CopyAtom,
+        mC: cute.Tensor,
+        mSA: cute.Tensor,
+        mSB: cute.Tensor,
+        aux: cute.Tensor,
+        tiled_mma: cute.TiledMma,  # three copies of one MMA: overwrite, accumulate, epilogue layout
+        acc_mma: cute.TiledMma,
+        epi_mma: cute.TiledMma,
+        a_smem_staged: cute.ComposedLayout,
+        b_smem_staged: cute.ComposedLayout,
+        epi_smem_staged: cute.ComposedLayout,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        n_ctas, _, _ = cute.arch.grid_dim()
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        acc_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        mmas = (tiled_mma, acc_mma)
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
+
+        a_smem = cute.slice_(a_smem_staged, (None, None, 0))
+        b_smem = cute.slice_(b_smem_staged, (None, None, 0))
+        tx_bytes = cute.size_in_bytes(self.ab_dtype, a_smem) + 2 * cute.size_in_bytes(self.ab_dtype, b_smem)
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.bars.data_ptr(),
+            num_stages=self.ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
+            tx_count=tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive()
+        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
+
+        # (bM, bK, RestM, RestK, 1), (bN, bK, RestN, RestK, E), (bM, bN, RestM, RestN, 1); 128 x 128 tiles
+        gA = cute.local_tile(mA, cute.slice_(self.tile_mnk, (None, 0, None)), (None, None, None))
+        gB = cute.local_tile(mB, cute.slice_(self.tile_mnk, (0, None, None)), (None, None, None))
+        gC = cute.local_tile(mC, cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
+        tiles_m = cute.size(gC, mode=[2])
+        tiles_n = cute.size(gC, mode=[3])
+        num_tiles = tiles_m * ((tiles_n + 1) // 2)
+        k_tiles = cute.size(gA, mode=[3])
+        pipeline.pipeline_init_wait()
+
+        wg = cute.arch.make_warp_uniform(warp_idx // 4)
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp_idx == 0:
+                one = cute.make_layout(1)
+                tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                    tma_a, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+                )
+                tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                    tma_b, 0, one, cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+                )
+                prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+                for t in cutlass.range(bid, num_tiles, n_ctas, unroll=1):
+                    pm, pn, _, expert, active = self._tile(t, tiles_m, tiles_n, 1, aux, None)
+                    if active:
+                        tAgA_t = tAgA[(None, pm, None, 0)]
+                        tBgB_0 = tBgB[(None, 2 * pn, None, expert)]
+                        tBgB_1 = tBgB[(None, cutlass.min(2 * pn + 1, tiles_n - 1), None, expert)]
+                        for kt in cutlass.range(k_tiles, unroll=1):
+                            ab_pipe.producer_acquire(prod)
+                            bar = ab_pipe.producer_get_barrier(prod)
+                            cute.copy(tma_a, tAgA_t[(None, kt)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
+                            cute.copy(tma_b, tBgB_0[(None, kt)], tBsB[(None, 2 * prod.index)], tma_bar_ptr=bar)
+                            cute.copy(tma_b, tBgB_1[(None, kt)], tBsB[(None, 2 * prod.index + 1)], tma_bar_ptr=bar)
+                            ab_pipe.producer_commit(prod)
+                            prod.advance()
+                ab_pipe.producer_tail(prod)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            ctid = tidx - 128
+            thr_mma = tiled_mma.get_slice(cute.make_layout(self.n_wg, stride=128)(wg - 1))
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            tCcC = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+            acc0 = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+            acc1 = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+            part = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+            num_kb = cute.size(tCrA, mode=[2])
+            tiled_r2s, tRS_sC, rD_layout, c_pipe, epi_bar = self._epilogue_setup(epi_mma, sC, ctid)
+            # the issue turn: WG1 waits on barrier 3 and passes on 2, WG2 the reverse; WG2 starts
+            # with a pass (WG1 issues first) and WG1 ends with a wait (every arrival consumed)
+            my_turn = pipeline.NamedBarrier(barrier_id=4 - wg, num_threads=self.mma_threads)
+            pass_turn = pipeline.NamedBarrier(barrier_id=1 + wg, num_threads=self.mma_threads)
+            if wg == 2:
+                pass_turn.arrive()
+
+            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            for t in cutlass.range(bid, num_tiles, n_ctas, unroll=1):
+                pm, pn, pl, expert, active = self._tile(t, tiles_m, tiles_n, 1, aux, None)
+                if active:
+                    acc0.fill(0.0)
+                    acc1.fill(0.0)
+                    nb1 = cutlass.min(2 * pn + 1, tiles_n - 1)
+                    for kt in cutlass.range(k_tiles, unroll=1):
+                        ab_pipe.consumer_wait(cons)
+                        my_turn.arrive_and_wait()
+                        self._issue(mmas, part, tCrA, tCrB, cons.index, 2 * cons.index, num_kb)
+                        pass_turn.arrive()
+                        f = self._scales(mSA, mSB, tCcC, kt, pm, 2 * pn, pl, expert)
+                        cute.nvgpu.warpgroup.wait_group(0)
+                        for i in range(cute.size(acc0)):
+                            acc0[i] = acc0[i] + part[i] * f[i]
+                        my_turn.arrive_and_wait()
+                        self._issue(mmas, part, tCrA, tCrB, cons.index, 2 * cons.index + 1, num_kb)
+                        pass_turn.arrive()
+                        f = self._scales(mSA, mSB, tCcC, kt, pm, nb1, pl, expert)
+                        cute.nvgpu.warpgroup.wait_group(0)
+                        ab_pipe.consumer_release(cons)
+                        cons.advance()
+                        for i in range(cute.size(acc1)):
+                            acc1[i] = acc1[i] + part[i] * f[i]
+                    epi = (tiled_r2s, tRS_sC, rD_layout, tma_c, sC)
+                    self._store(acc0, *epi, gC[(None, None, pm, 2 * pn, 0)], c_pipe, epi_bar, warp_idx)
+                    if 2 * pn + 1 < tiles_n:
+                        self._store(acc1, *epi, gC[(None, None, pm, 2 * pn + 1, 0)], c_pipe, epi_bar, warp_idx)
+            if wg == 1:
+                my_turn.arrive_and_wait()
+            if warp_idx == self.store_warp:
+                c_pipe.producer_tail()
+
 VARIANTS = {
     "ws_fp8_contig": dict(masked=False, overlap=True),
     "ws_fp8_contig_serial": dict(masked=False),
+    # prefill, compute-bound sizes: 128 x 256 tiles, the two consumer warpgroups take turns to issue
+    "ws_fp8_contig_pingpong": dict(masked=False, cls=GroupedGemmSm90WSPingPong),
     "ws_fp8_masked_swapab": dict(masked=True, n_wg=2, tile_n=32),
     "ws_fp8_masked_swapab_m64n16": dict(masked=True, n_wg=1, tile_n=16),
     # decode: compact walk + scale prefetch (module docstring); 128 and 64 weight rows per tile
@@ -438,9 +633,11 @@ def compile_for_export(arch: str = "sm_90a") -> dict:
     """{export name: compiled fn} for every entry of VARIANTS (arguments as in sm90_grouped_gemm)."""
     if not arch.startswith("sm_90"):
         raise ValueError(f"arch={arch!r}: the wgmma grouped GEMM needs sm_90a")
-    return {
-        name: cute.compile(
-            GroupedGemmSm90WS(**kw), *_fake_args(True, kw["masked"]), options=f"--gpu-arch {arch} --enable-tvm-ffi"
+    kernels = {}
+    for name, kw in VARIANTS.items():
+        kw = dict(kw)
+        cls = kw.pop("cls", GroupedGemmSm90WS)
+        kernels[name] = cute.compile(
+            cls(**kw), *_fake_args(True, kw["masked"]), options=f"--gpu-arch {arch} --enable-tvm-ffi"
         )
-        for name, kw in VARIANTS.items()
-    }
+    return kernels

@@ -31,6 +31,18 @@ def test_sm90_ws_grouped_gemm_compiles():
         mod.GroupedGemmSm90WS(masked=False, compact=True)
     with pytest.raises(ValueError, match="prefetch=True needs"):
         mod.GroupedGemmSm90WS(masked=True, tile_n=32, compact=True, overlap=True, prefetch=True)
+    assert "ws_fp8_contig_pingpong" in fns
+    with pytest.raises(ValueError, match="masked=True"):
+        mod.GroupedGemmSm90WSPingPong(masked=True)
+
+
+def test_ws_contig_variants_listed_for_the_backend():
+    """Every contiguous ws export is timed (perf.moe) and tested on GPU through Sm90Gemm.WS_CONTIG."""
+    from moe.backend import Sm90Gemm
+
+    mod = importlib.import_module("moe.kernels.sm90_grouped_gemm_ws")
+    contig = sorted(name for name, kw in mod.VARIANTS.items() if not kw["masked"])
+    assert sorted(Sm90Gemm.WS_CONTIG) == contig and "ws_fp8_contig_pingpong" in contig
 
 
 def test_sm100_mxfp8_grouped_gemm_compiles():

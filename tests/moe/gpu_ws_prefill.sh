@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One-call GPU check of the contiguous (prefill) ws variants, the new ping-pong one included, <= 100 s
+# (28 s tests + 64 s perf, each under `timeout`) on one H200 (repository root, $OUT set):
+#   bash tests/moe/gpu_ws_prefill.sh
+# Carry: .gpucarry-moe4 (`nvl72 kernels build --arch sm_90a --out .gpucarry-moe4 --module
+# moe.kernels.sm90_grouped_gemm --module moe.kernels.sm90_grouped_gemm_ws`).
+# 1) the @gpu tests of every ws_* variant (test_gpu_kernels.py, fp32 reference, NaN-poisoned outputs;
+#    all of them, since the ws epilogue is shared by the variants);
+# 2) perf.moe at 4096 and 16384 tokens (each ws variant checked against the default's output, then
+#    timed). Logs under $OUT; the table of the contiguous ws variants comes last.
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/moe-out}
+mkdir -p "$OUT"
+source .gpucarry-moe4/sm_90a/setup_device.sh || exit 1
+export NVL72_KERNEL_BUNDLE=$PWD/.gpucarry-moe4
+timeout 28 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/moe/test_gpu_kernels.py -k "ws_" \
+  > "$OUT/pytest_ws.log" 2>&1
+echo "pytest (ws kernels) rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/pytest_ws.log" | head -12; tail -2 "$OUT/pytest_ws.log"
+timeout 64 python3 -m perf.moe --iters 10 --tokens 4096,16384 --json "$OUT/moe_prefill.json" > "$OUT/perf.log" 2>&1
+echo "perf.moe rc=$?"
+grep -E "^# " "$OUT/perf.log" | head -20
+grep -E "^ +model|^ +qwen" "$OUT/perf.log" || tail -20 "$OUT/perf.log"
+python3 - "$OUT/moe_prefill.json" <<'PY' 2>&1
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+names = sorted({k[:-3] for r in rows for k in r if k.startswith("ws_fp8_contig") and k.endswith("_ms")})
+print(f"{'model':>13} {'T':>6} " + " ".join(f"{n.replace('ws_fp8_', ''):>16}" for n in names)
+      + f" {'bf16 ms':>8} {'best TF/s':>9} {'x bf16':>6}   (ms, w13 + w2)")
+for r in rows:
+    best = r.get("ws_best_ms")
+    tf = r["gflop"] / best if best else float("nan")
+    xbf = r["torch_bf16_ms"] / best if best and r.get("torch_bf16_ms") else float("nan")
+    print(f"{r['model']:>13} {r['tokens']:>6} " + " ".join(f"{r.get(n + '_ms', float('nan')):>16.3f}" for n in names)
+          + f" {r.get('torch_bf16_ms') or float('nan'):>8.3f} {tf:>9.0f} {xbf:>6.2f}")
+PY
