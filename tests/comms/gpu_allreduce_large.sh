@@ -13,8 +13,8 @@ mkdir -p "$OUT"
 source .gpucarry-arlarge/sm_90a/setup_device.sh || exit 1
 export NVL72_KERNEL_BUNDLE=$PWD/.gpucarry-arlarge
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-timeout 15 nvidia-smi -L
-timeout -k 5 50 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/comms/test_allreduce_gpu.py \
+timeout 10 nvidia-smi -L
+timeout -k 5 45 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/comms/test_allreduce_gpu.py \
   -k twoshot_pipe > "$OUT/test.log" 2>&1
 echo "pytest test_allreduce_gpu.py -k twoshot_pipe rc=$?"
 grep -E "^(FAILED|ERROR)|Error" "$OUT/test.log" | head -8
