@@ -112,8 +112,9 @@ class Sm90Gemm:
     }
     WS_MASKED = [v for v in MASKED_ROW_TILE if v.startswith("ws_")]  # every warp-specialized decode variant
     # every contiguous one tiles rows by TILE_M (the padding of permute_contiguous); the ping-pong
-    # variant's CTA tile is 128 x 256 (two 128-column halves, an odd last half left unstored)
-    WS_CONTIG = ["ws_fp8_contig", "ws_fp8_contig_serial", "ws_fp8_contig_pingpong"]
+    # variants' CTA tile is 128 x 256 (two 128-column halves, an odd last half left unstored;
+    # _n256 without the warpgroups' issue turns)
+    WS_CONTIG = ["ws_fp8_contig", "ws_fp8_contig_serial", "ws_fp8_contig_pingpong", "ws_fp8_contig_n256"]
     # masked variants with the compact tile walk: their shared prefix array holds this many experts
     # (moe.kernels.sm90_grouped_gemm_ws.MAX_EXPERTS)
     COMPACT_MAX_EXPERTS = {

@@ -444,17 +444,19 @@ class GroupedGemmSm90WSPingPong(GroupedGemmSm90WS):
     wait retiring the only outstanding group (no C7514). The two warpgroups take turns to issue
     (named barriers 2 and 3, ordered WG1 h0, WG2 h0, WG1 h1, WG2 h1, ...): the tensor cores run
     the issues in that order, so one warpgroup's wgmma chain runs while the other waits for its
-    own and promotes, instead of both promoting at once with the tensor cores idle.
+    own and promotes, instead of both promoting at once with the tensor cores idle
+    (ordered=False drops the turns, leaving the interleaving to the hardware: the A/B measurement).
     The promotion is exact as in the other variants: once per 128-wide K step with
     a_scale[row, k] * b_scale[n block, k], the B block of each half its own. An odd count of
     128-column tiles leaves the last pair with one half: its second half re-reads a valid B tile
     and is not stored. Rows per expert are padded to 128 (the contiguous layout's TILE_M)."""
 
-    def __init__(self, masked: bool = False):
+    def __init__(self, masked: bool = False, ordered: bool = True):
         if masked:
             raise ValueError(f"masked={masked}: the ping-pong kernel is for the contiguous layout only")
         super().__init__(masked=False, n_wg=2, tile_n=SCALE_BLOCK)
         self.b_tiles = 2
+        self.ordered = ordered
 
     @cute.jit
     def _tile(self, t, tiles_m, tiles_n, n_l, aux, sP):
@@ -465,13 +467,18 @@ class GroupedGemmSm90WSPingPong(GroupedGemmSm90WS):
         expert = aux[pm]
         return pm, pn, cutlass.Int32(0), expert, expert >= 0
 
-    def _issue(self, mmas, part, tCrA, tCrB, a_stage, b_stage, num_kb):
-        """The wgmmas of one 128-wide K step of one half into the temporary `part` (overwritten)."""
+    def _issue(self, mmas, part, tCrA, tCrB, a_stage, b_stage, num_kb, my_turn, pass_turn):
+        """The wgmmas of one 128-wide K step of one half into the temporary `part` (overwritten),
+        issued in this warpgroup's turn if ordered."""
+        if cutlass.const_expr(self.ordered):
+            my_turn.arrive_and_wait()
         cute.nvgpu.warpgroup.fence()
         for kb in range(num_kb):
             mma = mmas[0] if kb == 0 else mmas[1]
             cute.gemm(mma, part, tCrA[(None, None, kb, a_stage)], tCrB[(None, None, kb, b_stage)], part)
         cute.nvgpu.warpgroup.commit_group()
+        if cutlass.const_expr(self.ordered):
+            pass_turn.arrive()
 
     @cute.kernel
     def kernel(
@@ -576,8 +583,9 @@ class GroupedGemmSm90WSPingPong(GroupedGemmSm90WS):
             # with a pass (WG1 issues first) and WG1 ends with a wait (every arrival consumed)
             my_turn = pipeline.NamedBarrier(barrier_id=4 - wg, num_threads=self.mma_threads)
             pass_turn = pipeline.NamedBarrier(barrier_id=1 + wg, num_threads=self.mma_threads)
-            if wg == 2:
-                pass_turn.arrive()
+            if cutlass.const_expr(self.ordered):
+                if wg == 2:
+                    pass_turn.arrive()
 
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             for t in cutlass.range(bid, num_tiles, n_ctas, unroll=1):
@@ -588,16 +596,12 @@ class GroupedGemmSm90WSPingPong(GroupedGemmSm90WS):
                     nb1 = cutlass.min(2 * pn + 1, tiles_n - 1)
                     for kt in cutlass.range(k_tiles, unroll=1):
                         ab_pipe.consumer_wait(cons)
-                        my_turn.arrive_and_wait()
-                        self._issue(mmas, part, tCrA, tCrB, cons.index, 2 * cons.index, num_kb)
-                        pass_turn.arrive()
+                        self._issue(mmas, part, tCrA, tCrB, cons.index, 2 * cons.index, num_kb, my_turn, pass_turn)
                         f = self._scales(mSA, mSB, tCcC, kt, pm, 2 * pn, pl, expert)
                         cute.nvgpu.warpgroup.wait_group(0)
                         for i in range(cute.size(acc0)):
                             acc0[i] = acc0[i] + part[i] * f[i]
-                        my_turn.arrive_and_wait()
-                        self._issue(mmas, part, tCrA, tCrB, cons.index, 2 * cons.index + 1, num_kb)
-                        pass_turn.arrive()
+                        self._issue(mmas, part, tCrA, tCrB, cons.index, 2 * cons.index + 1, num_kb, my_turn, pass_turn)
                         f = self._scales(mSA, mSB, tCcC, kt, pm, nb1, pl, expert)
                         cute.nvgpu.warpgroup.wait_group(0)
                         ab_pipe.consumer_release(cons)
@@ -608,16 +612,19 @@ class GroupedGemmSm90WSPingPong(GroupedGemmSm90WS):
                     self._store(acc0, *epi, gC[(None, None, pm, 2 * pn, 0)], c_pipe, epi_bar, warp_idx)
                     if 2 * pn + 1 < tiles_n:
                         self._store(acc1, *epi, gC[(None, None, pm, 2 * pn + 1, 0)], c_pipe, epi_bar, warp_idx)
-            if wg == 1:
-                my_turn.arrive_and_wait()
+            if cutlass.const_expr(self.ordered):
+                if wg == 1:
+                    my_turn.arrive_and_wait()
             if warp_idx == self.store_warp:
                 c_pipe.producer_tail()
+
 
 VARIANTS = {
     "ws_fp8_contig": dict(masked=False, overlap=True),
     "ws_fp8_contig_serial": dict(masked=False),
     # prefill, compute-bound sizes: 128 x 256 tiles, the two consumer warpgroups take turns to issue
     "ws_fp8_contig_pingpong": dict(masked=False, cls=GroupedGemmSm90WSPingPong),
+    "ws_fp8_contig_n256": dict(masked=False, ordered=False, cls=GroupedGemmSm90WSPingPong),  # same, no turns
     "ws_fp8_masked_swapab": dict(masked=True, n_wg=2, tile_n=32),
     "ws_fp8_masked_swapab_m64n16": dict(masked=True, n_wg=1, tile_n=16),
     # decode: compact walk + scale prefetch (module docstring); 128 and 64 weight rows per tile
