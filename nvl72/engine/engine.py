@@ -395,7 +395,7 @@ class LLMEngine:
             if prev is not None:
                 outputs += self._resolve(prev)
             return outputs + self._fail(out.scheduled, e)
-        sample = result.pending.copy_to_host() if result.pending is not None else None
+        sample = result.pending.copy_to_host(self.runner.readback) if result.pending is not None else None
         if prev is not None:
             outputs += self._resolve(prev)  # while this step runs on the device
         self.counters["num_steps"] += 1

@@ -14,6 +14,7 @@ import torch
 from nvl72.engine.sampler import DeviceSample, SampleResult, SampleRow, Sampler
 from nvl72.engine.scheduler import ScheduledSeq
 from nvl72.engine.sequence import Sequence
+from nvl72.engine.staging import HostRing, pack, unpack
 from nvl72.model.batch import ForwardBatch, ModelCaches
 from nvl72.model.dp_ep import MAIN_PASS
 
@@ -58,8 +59,23 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
-def build_batch(scheduled: list[ScheduledSeq], page_size: int, hybrid: bool, device) -> tuple[ForwardBatch, list[tuple[int, int]]]:
-    """Flatten the step's sequences into a `ForwardBatch` (built on CPU, moved once)."""
+def ship(buf: torch.Tensor, device: torch.device, ring: HostRing | None) -> torch.Tensor:
+    """A packed host buffer on `device`: through `ring` (reused pinned buffers) when given."""
+    if device.type != "cuda":
+        return buf
+    return ring.to_device(buf, device) if ring is not None else to_device(buf, device)
+
+
+_PAD = array.array("i", [-1])
+
+
+def build_batch(scheduled: list[ScheduledSeq], page_size: int, hybrid: bool, device,
+                fill: list[list[int]] | None = None, ring: HostRing | None = None
+                ) -> tuple[ForwardBatch, list[tuple[int, int]], torch.Tensor | None]:
+    """Flatten the step's sequences into a `ForwardBatch`: built on the host in one packed buffer,
+    moved in one copy (through `ring`'s pinned buffers on a GPU). `fill` (`placeholder_fill`)
+    travels in the same copy: returned as a [2, n] tensor, or None when empty."""
+    device = torch.device(device)
     ids: list[int] = []
     pos: list[int] = []
     cu = [0]
@@ -68,45 +84,56 @@ def build_batch(scheduled: list[ScheduledSeq], page_size: int, hybrid: bool, dev
     logits_idx: list[int] = []
     rows: list[tuple[int, int]] = []
     max_pages = 1
+    max_q = 0
+    t = 0
     for i, s in enumerate(scheduled):
         seq = s.seq
-        known = s.num_new - len(s.drafts)
-        ids.extend(seq.all_ids[seq.num_computed:seq.num_computed + known])
-        ids.extend(s.drafts)
-        start = seq.num_computed
-        pos.extend(range(start, start + s.num_new))
-        seq_lens.append(start + s.num_new)
-        max_pages = max(max_pages, len(seq.pages))
+        n, drafts, start = s.num_new, s.drafts, seq.num_computed
+        known = n - len(drafts)
+        all_ids = seq.all_ids
+        if n == 1:  # a plain decode token
+            ids.append(all_ids[start])
+            pos.append(start)
+        else:
+            ids += all_ids[start:start + known]
+            ids += drafts
+            pos += range(start, start + n)
+        seq_lens.append(start + n)
+        if len(seq.pages) > max_pages:
+            max_pages = len(seq.pages)
+        if n > max_q:
+            max_q = n
         if hybrid:
-            w = [-1] * s.num_new
+            w = [-1] * n
             for off, slot in zip(s.write_offsets, s.write_slots):
                 w[off] = slot
-            write.extend(w)
-        if s.samples:
-            first = s.num_new - 1 - len(s.drafts)
-            for off in range(first, s.num_new):
-                logits_idx.append(cu[-1] + off)
+            write += w
+        if start + known == len(all_ids):  # s.samples
+            for off in range(known - 1, n):
+                logits_idx.append(t + off)
                 rows.append((i, off))
-        cu.append(cu[-1] + s.num_new)
-    flat = array.array("i")  # all page ids back to back: one C-level copy into a tensor
+        t += n
+        cu.append(t)
+    table = array.array("i")  # [B, max_pages] page ids, -1 padded
+    pad = _PAD * max_pages
     for s in scheduled:
-        flat.extend(s.seq.pages)
-    npages = torch.tensor([len(s.seq.pages) for s in scheduled])
-    table = torch.full((len(scheduled), max_pages), -1, dtype=torch.int32)  # [B, max_pages]
-    table[torch.arange(max_pages)[None, :] < npages[:, None]] = torch.frombuffer(flat, dtype=torch.int32)
+        pages = s.seq.pages
+        table.extend(pages)
+        table.extend(pad[:max_pages - len(pages)])
+    int64 = [array.array("q", ids), array.array("q", pos), array.array("q", logits_idx)]
+    if hybrid:
+        int64 += [array.array("q", [s.seq.state_slot for s in scheduled]), array.array("q", write)]
+    has_fill = bool(fill and fill[0])
+    if has_fill:
+        int64.append(array.array("q", fill[0] + fill[1]))
+    host, layout = pack(int64, [array.array("i", cu), array.array("i", seq_lens), table])
+    f = unpack(ship(host, device, ring), layout, len(int64))
     batch = ForwardBatch(
-        input_ids=to_device(torch.tensor(ids, dtype=torch.long), device),
-        positions=to_device(torch.tensor(pos, dtype=torch.long), device),
-        query_start_loc=to_device(torch.tensor(cu, dtype=torch.int32), device),
-        seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32), device),
-        page_table=to_device(table, device),
-        state_read_slots=to_device(torch.tensor([s.seq.state_slot for s in scheduled], dtype=torch.long), device)
-        if hybrid else None,
-        state_write_slots=to_device(torch.tensor(write, dtype=torch.long), device) if hybrid else None,
-        logits_indices=to_device(torch.tensor(logits_idx, dtype=torch.long), device),
-        max_query_len=max((s.num_new for s in scheduled), default=0),
-    )
-    return batch, rows
+        input_ids=f[0], positions=f[1], logits_indices=f[2],
+        query_start_loc=f[-3], seq_lens=f[-2], page_table=f[-1].view(len(scheduled), max_pages),
+        state_read_slots=f[3] if hybrid else None, state_write_slots=f[4] if hybrid else None,
+        max_query_len=max_q)
+    return batch, rows, f[-4].view(2, -1) if has_fill else None
 
 
 class ModelRunner:
@@ -117,6 +144,11 @@ class ModelRunner:
         self.hybrid = hybrid
         self.device = torch.device(device)
         self.sampler = Sampler()
+        # Reused pinned buffers for the step's host->device inputs and for async scheduling's
+        # read-backs (None off a GPU: nothing to stage).
+        cuda = self.device.type == "cuda"
+        self.ring = HostRing() if cuda else None
+        self.readback = HostRing() if cuda else None
         self.graphs = None  # nvl72.engine.cuda_graphs.DecodeGraphs when the engine captured them
         self.sync = None  # a DP+EP rank's nvl72.model.dp_ep.PassSync: its forwards in lockstep with the EP group
 
@@ -125,24 +157,29 @@ class ModelRunner:
         return (g is not None and all(s.num_new == g.query_len for s in scheduled)
                 and g.fits(len(scheduled), len(scheduled) * g.query_len, max(len(s.seq.pages) for s in scheduled)))
 
-    def _patch(self, input_ids: torch.Tensor, fill: list[list[int]], prior: PriorTokens) -> None:
-        """input_ids[dst] = prior tokens[src], on the device (one pinned non-blocking copy of the indices)."""
-        idx = to_device(torch.tensor(fill, dtype=torch.long), input_ids.device)
-        input_ids[idx[0]] = prior.token_ids[idx[1]]
+    def _patch(self, input_ids: torch.Tensor, fill: torch.Tensor, prior: PriorTokens) -> None:
+        """input_ids[dst] = prior tokens[src], on the device (`fill` [2, n]: dst, src, already there)."""
+        input_ids[fill[0]] = prior.token_ids[fill[1]]
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq], prior: PriorTokens | None = None, readback: bool = True) -> StepResult:
         """One forward + sampling. `prior`: the step in flight whose tokens this one feeds (async
         scheduling); `readback=False`: the sampled tokens stay on the device (`StepResult.pending`)."""
         fill = placeholder_fill(scheduled, prior)
-        patch = (lambda ids: self._patch(ids, fill, prior)) if fill[0] else None
         if self._graph_fits(scheduled):  # decode step: replay, inputs through pinned staging buffers
-            cpu_batch, rows = build_batch(scheduled, self.page_size, self.hybrid, "cpu")
+            cpu_batch, rows, fill_t = build_batch(scheduled, self.page_size, self.hybrid, "cpu", fill)
+            # The logits rows and placeholder indices go to the device in one copy of their own.
+            li = cpu_batch.logits_indices
+            small = li if fill_t is None else torch.cat([li, fill_t.flatten()])
+            small = ship(small.view(torch.uint8), self.device, self.ring).view(torch.int64)
+            cpu_batch.logits_indices = small[:li.numel()]
+            fill_t = None if fill_t is None else small[li.numel():].view(2, -1)
+            patch = (lambda ids: self._patch(ids, fill_t, prior)) if fill_t is not None else None
             hidden, batch = self.graphs.run(cpu_batch, patch)
         else:
-            batch, rows = build_batch(scheduled, self.page_size, self.hybrid, self.device)
-            if patch is not None:
-                patch(batch.input_ids)
+            batch, rows, fill_t = build_batch(scheduled, self.page_size, self.hybrid, self.device, fill, self.ring)
+            if fill_t is not None:
+                self._patch(batch.input_ids, fill_t, prior)
             if self.sync is not None:
                 self.sync.before(MAIN_PASS)
             hidden = self.model(batch, self.caches)

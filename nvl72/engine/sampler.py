@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nvl72.engine.protocol import SamplingParams
+from nvl72.engine.staging import HostRing
 
 
 @dataclass
@@ -84,34 +85,55 @@ class DeviceSample:
                  top_ids: torch.Tensor | None = None, top_vals: torch.Tensor | None = None):
         self.token_ids, self.want_lp, self.chosen, self.top_ids, self.top_vals = token_ids, want_lp, chosen, top_ids, top_vals
         self.event = None
+        self._ring = self._ticket = self._result = None
 
     def _tensors(self) -> list[torch.Tensor | None]:
         return [self.token_ids, self.chosen, self.top_ids, self.top_vals]
 
-    def copy_to_host(self) -> "DeviceSample":
-        """Start non-blocking copies into pinned host memory (CUDA); `result()` of the returned
-        sample waits for them alone. On a CPU the tensors are already host tensors."""
+    def copy_to_host(self, ring: HostRing | None = None) -> "DeviceSample":
+        """Start non-blocking copies into host memory (CUDA): a buffer of `ring` (reused; the
+        sample must be read before the ring hands it out again) or fresh pinned tensors; `result()`
+        of the returned sample waits for them alone. On a CPU the tensors are already host tensors."""
         if not self.token_ids.is_cuda:
             return self
-        host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in self._tensors()]
-        for h, t in zip(host, self._tensors()):
+        ts = self._tensors()
+        if ring is None:
+            host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in ts]
+        else:
+            sizes = [0 if t is None else -(-t.numel() * t.element_size() // 8) * 8 for t in ts]
+            buf, off, host = ring.take(sum(sizes)), 0, []
+            for t, n in zip(ts, sizes):
+                host.append(None if t is None else buf[off:off + n].view(t.dtype)[:t.numel()].view(t.shape))
+                off += n
+        for h, t in zip(host, ts):
             if t is not None:
                 h.copy_(t, non_blocking=True)
         out = DeviceSample(host[0], self.want_lp, *host[1:])
-        out.event = torch.cuda.Event()
-        out.event.record()
+        if ring is None:
+            out.event = torch.cuda.Event()
+            out.event.record()
+        else:
+            out._ring, out._ticket = ring, ring.ticket()
+            out.event = ring.fence()
         return out
 
     def result(self) -> SampleResult:
+        """The sample on the host (read once: later calls return the same object)."""
+        if self._result is not None:
+            return self._result
         if self.event is not None:
             self.event.synchronize()
+        if self._ring is not None and not self._ring.valid(self._ticket):
+            raise RuntimeError("DeviceSample.result(): its host buffer was handed out again before it was read")
         token_list = self.token_ids.tolist()
         if self.chosen is None:
-            return SampleResult(token_list, None, None)
+            self._result = SampleResult(token_list, None, None)
+            return self._result
         top: list[list[tuple[int, float]]] = []
         for i, n in enumerate(self.want_lp):
             top.append([] if not n else list(zip(self.top_ids[i, :n].tolist(), self.top_vals[i, :n].tolist())))
-        return SampleResult(token_list, self.chosen.tolist(), top)
+        self._result = SampleResult(token_list, self.chosen.tolist(), top)
+        return self._result
 
 
 class Sampler:
