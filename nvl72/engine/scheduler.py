@@ -193,7 +193,10 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, sched: ScheduledSeq, need_state: bool) -> bool:
         """Allocate pages for the step's tokens and its write slots (all or nothing)."""
-        new_pages = self._alloc_pages(self._pages_needed(seq, sched.num_new))
+        need = self._pages_needed(seq, sched.num_new)
+        if need == 0 and not self.hybrid:  # the common decode step: nothing to take
+            return True
+        new_pages = self._alloc_pages(need)
         if new_pages is None:
             return False
         if self.hybrid:
@@ -212,14 +215,17 @@ class Scheduler:
 
     # ---------------------------------------------------------------- the step
     def _plan_running(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
-        if seq.in_prefill:
-            n = min(seq.num_tokens - seq.num_computed, budget)
+        num_tokens = len(seq.all_ids)
+        if seq.num_computed < num_tokens - 1:  # in prefill
+            n = min(num_tokens - seq.num_computed, budget)
             return ScheduledSeq(seq, n, []) if n > 0 else None
-        room = min(budget - 1, self.config.max_model_len - seq.num_tokens,
-                   seq.params.max_tokens - seq.num_output - 1)
-        drafts = seq.drafts[:max(room, 0)]
         if budget < 1:
             return None
+        if not seq.drafts:
+            return ScheduledSeq(seq, 1, [])
+        room = min(budget - 1, self.config.max_model_len - num_tokens,
+                   seq.params.max_tokens - (num_tokens - seq.num_prompt) - 1)
+        drafts = seq.drafts[:max(room, 0)]
         return ScheduledSeq(seq, 1 + len(drafts), drafts)
 
     def schedule(self) -> SchedulerOutput:
@@ -242,7 +248,8 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                seq.drafts = []
+                if seq.drafts:
+                    seq.drafts = []
                 scheduled.append(sched)
                 budget -= sched.num_new
         if not preempted:
