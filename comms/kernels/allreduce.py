@@ -134,6 +134,25 @@ def _reduce_group(acc, stage, xa, slots, cap, rank, world, v, vend, is_bf16: cut
 
 
 @cute.jit
+def _reduce_to_all(acc, stage, xa, slots, cap, rank, world, v, vend, pr, gather, oa, is_bf16: cutlass.Constexpr):
+    """Two-shot's middle: reduce this thread's vectors from v (stride THREADS, UNROLL at a time, see
+    _reduce_group) below vend, and store each sum to `oa` and into every peer's gather slot."""
+    epv = 8 if is_bf16 else 4
+    while v < vend:
+        _reduce_group(acc, stage, xa, slots, cap, rank, world, v, vend, is_bf16)
+        for u in cutlass.range_constexpr(UNROLL):
+            if v + u * THREADS < vend:
+                off = _i64(v + u * THREADS) * VEC_BYTES
+                res = _pack(acc, is_bf16, u * epv)
+                for r in cutlass.range_constexpr(MAX_WORLD):
+                    if r < world:
+                        if r != rank:
+                            ptx.st_v4(pr[r] + gather + off, res)
+                ptx.st_v4(oa + off, res)
+        v += UNROLL * THREADS
+
+
+@cute.jit
 def _load_peers(peers: cute.Tensor, world):
     """The peer table in registers (unrolled over MAX_WORLD; entries past `world` are 0)."""
     pr = cute.make_rmem_tensor(cute.make_layout(MAX_WORLD), cutlass.Int64)
@@ -498,18 +517,7 @@ def _make_twoshot(is_bf16: bool, multimem: bool):
         else:
             acc = cute.make_rmem_tensor(cute.make_layout(UNROLL * epv), cutlass.Float32)
             stage = cute.make_rmem_tensor(cute.make_layout(UNROLL * 4), cutlass.Int32)
-            while v < vend:
-                _reduce_group(acc, stage, xa, my_base + scatter, cap, rank, world, v, vend, is_bf16)
-                for u in cutlass.range_constexpr(UNROLL):
-                    if v + u * THREADS < vend:
-                        off = _i64(v + u * THREADS) * VEC_BYTES
-                        res = _pack(acc, is_bf16, u * epv)
-                        for r in cutlass.range_constexpr(MAX_WORLD):
-                            if r < world:
-                                if r != rank:
-                                    ptx.st_v4(pr[r] + gather + off, res)
-                        ptx.st_v4(oa + off, res)
-                v += UNROLL * THREADS
+            _reduce_to_all(acc, stage, xa, my_base + scatter, cap, rank, world, v, vend, pr, gather, oa, is_bf16)
         cute.arch.sync_threads()
         if cutlass.const_expr(multimem):
             ptx.fence_acq_rel_sys()
@@ -705,18 +713,7 @@ def _make_twoshot_pipe(is_bf16: bool):
             _wait(my_base, tid, rank, world, rs_flags + _i64(bid) * 4, base + k + 1, err_addr, timeout_ns, t0)
             cute.arch.sync_threads()
             v, vend = _tile_span(rank, t, chunk, nvec, tid)
-            while v < vend:
-                _reduce_group(acc, stage, xa, my_base + scatter, cap, rank, world, v, vend, is_bf16)
-                for u in cutlass.range_constexpr(UNROLL):
-                    if v + u * THREADS < vend:
-                        off = _i64(v + u * THREADS) * VEC_BYTES
-                        res = _pack(acc, is_bf16, u * epv)
-                        for r in cutlass.range_constexpr(MAX_WORLD):
-                            if r < world:
-                                if r != rank:
-                                    ptx.st_v4(pr[r] + gather + off, res)
-                        ptx.st_v4(oa + off, res)
-                v += UNROLL * THREADS
+            _reduce_to_all(acc, stage, xa, my_base + scatter, cap, rank, world, v, vend, pr, gather, oa, is_bf16)
             cute.arch.sync_threads()
             _signal(peers, tid, rank, world, ag_flags + _i64(rank * MAX_BLOCKS + bid) * 4, base + k + 1)
             if k > 0:  # the peers' reduced tile k-1 has had a whole step to arrive
