@@ -47,9 +47,10 @@ def wait(work, timeout: float, what: str) -> None:
         raise
 
 
-def _free_port() -> int:
+def free_port(host: str = "") -> int:
+    """A TCP port free on `host` now ("" = every interface)."""
     with socket.socket() as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -88,7 +89,7 @@ def rendezvous(env: LaunchEnv, environ: Mapping[str, str] | None = None) -> tupl
             raise ParallelError(f"MPI world has {comm.Get_size()} ranks but the launcher said {env.world_size}")
         buf = bytearray(256)  # raw bytes through MPI_Bcast (mpi4py's lowercase bcast would pickle)
         if comm.Get_rank() == 0:
-            addr = f"{host_address()}:{_free_port()}".encode()
+            addr = f"{host_address()}:{free_port()}".encode()
             buf[:len(addr)] = addr
         comm.Bcast([buf, MPI.BYTE], root=0)
         host, port = buf.rstrip(b"\0").decode().rsplit(":", 1)

@@ -30,13 +30,15 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
+from nvl72.commands.bench import BenchError
+from nvl72.parallel import free_port
+from perf.procs import Children, wait_serving
 from perf.serve import QWEN3_30B_A3B
 
 SHAPES = {
@@ -50,16 +52,6 @@ COPY_BYTES = 64 << 20
 TRANSPORT_LINE = re.compile(r"rank 1: KV transport (\w+)")
 TRANSFER_LINE = re.compile(r"decode rank \d+: KV transfer of (\S+): (\d+) tokens, (\d+) bytes \(([^)]*)\) "
                            r"in ([\d.]+) ms")
-
-
-class BenchError(RuntimeError):
-    """A server that did not come up or a request that failed; the message names which."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_model(root: pathlib.Path, shape: str, layers: int) -> pathlib.Path:
@@ -156,60 +148,6 @@ def peer_bandwidth(device: str, sizes: list[int], timeout: float) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Servers and streamed requests
 # ---------------------------------------------------------------------------------------------
-class Children:
-    """Processes started in their own sessions, logging to files; all killed on exit."""
-
-    def __init__(self, env: dict[str, str]):
-        self.env, self.procs = env, []
-
-    def start(self, cmd: list[str], log: pathlib.Path, **env) -> subprocess.Popen:
-        f = open(log, "w")
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**self.env, **env}, start_new_session=True)
-        f.close()
-        self.procs.append(p)
-        return p
-
-    def stop(self, timeout: float) -> list[int | None]:
-        """SIGTERM every session, SIGKILL what is left after `timeout` seconds; exit codes."""
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for p in self.procs:
-            try:
-                p.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
-        codes = [p.returncode for p in self.procs]
-        self.procs = []
-        return codes
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop(8)
-
-
-def wait_serving(url: str, procs: list[subprocess.Popen], logs: list[pathlib.Path], timeout: float) -> None:
-    import openai
-
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=5, max_retries=0)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        dead = [p for p in procs if p.poll() is not None]
-        if dead:
-            break
-        try:
-            client.models.list()
-            return
-        except openai.APIConnectionError:
-            time.sleep(0.5)
-    tails = "\n".join(f"--- {p}:\n" + p.read_text()[-3000:] for p in logs if p.exists())
-    raise BenchError(f"{url} not serving within {timeout:g} s (exit codes {[p.poll() for p in procs]}):\n{tails}")
-
-
 def stream_times(client, prompt: list[int], max_tokens: int) -> tuple[float, float]:
     """Seconds from sending to the first and to the second streamed token (logprobs on: one chunk per
     token, also where a token's text is not complete yet)."""
@@ -242,7 +180,7 @@ def run_requests(url: str, prompt_lens: list[int], requests: int, vocab: int, se
 
 
 def colocated(kids: Children, model: pathlib.Path, args, logdir: pathlib.Path) -> dict:
-    port = _free_port()
+    port = free_port("127.0.0.1")
     log = logdir / "colocated.log"
     p = kids.start([sys.executable, "-m", "nvl72", "serve", "--model", str(model), "--load-format", "dummy",
                     "--device", "cuda:0" if args.device == "cuda" else "cpu", "--port", str(port),
@@ -275,7 +213,7 @@ def disaggregated(kids: Children, model: pathlib.Path, args,
                   logdir: pathlib.Path) -> tuple[dict, list[dict], list, str | None]:
     from nvl72.commands.launch import request_shutdown
 
-    port, ready = _free_port(), logdir / "disagg-ready.json"
+    port, ready = free_port("127.0.0.1"), logdir / "disagg-ready.json"
     ready.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "launch", "--model", str(model), "--prefill-tp", "1", "--decode-size", "1",
            "--prefill-instances", "1", "--decode-instances", "1", "--device", args.device,
@@ -283,7 +221,7 @@ def disaggregated(kids: Children, model: pathlib.Path, args,
            "--engine-args", json.dumps(_engine_args(model, args)), "--http-host", "127.0.0.1",
            "--http-port", str(port), "--served-model-name", MODEL_NAME, "--transfer-timeout", "60",
            "--kv-transport", args.kv_transport]
-    world = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    world = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1"))}
     logs = [logdir / f"disagg-rank{r}.log" for r in range(2)]
     procs = [kids.start(cmd, logs[r], RANK=str(r), LOCAL_RANK=str(r), **world) for r in range(2)]
     url = f"http://127.0.0.1:{port}"

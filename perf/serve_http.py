@@ -21,37 +21,19 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import subprocess
+import pathlib
 import sys
 import tempfile
-import time
-
-import httpx
 
 from nvl72.commands.bench import Bench, BenchConfig, table, turn_table
 from nvl72.config import ModelConfig
+from perf.procs import Children, wait_serving
 from perf.serve import QWEN3_30B_A3B, decode_step_bytes
 
 SERVED_NAME = "qwen3-30b-a3b-dummy"
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
-    """Seconds until GET /health answers 200; raises if the server exits or the time runs out."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode} before it was healthy")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return time.perf_counter() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"server at {url} not healthy within {timeout_s:.0f} s")
-
-
-def start_server(model_dir: str, args, log) -> subprocess.Popen:
+def server_command(model_dir: str, args) -> list[str]:
     cmd = [sys.executable, "-m", "nvl72", "serve", "--model", model_dir, "--load-format", "dummy",
            "--served-model-name", SERVED_NAME, "--port", str(args.port), "--device", args.device,
            "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs)]
@@ -61,17 +43,7 @@ def start_server(model_dir: str, args, log) -> subprocess.Popen:
         cmd += ["--no-async-scheduling"]
     if args.device == "cpu":
         cmd += ["--dtype", "float32"]
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+    return cmd
 
 
 async def drive(url: str, args) -> dict:
@@ -130,19 +102,15 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(cfg_dict, f)
-        log_path = args.log or os.path.join(d, "server.log")
-        with open(log_path, "w") as log:
-            proc = start_server(d, args, log)
+        log = pathlib.Path(args.log or os.path.join(d, "server.log"))
+        with Children() as kids:
+            proc = kids.start(server_command(d, args), log)
+            ready_s = wait_serving(url, [proc], [log], args.startup_timeout)
             try:
-                ready_s = wait_healthy(url, proc, args.startup_timeout)
                 res = asyncio.run(drive(url, args))
             except BaseException:
-                stop_server(proc)
-                log.flush()
-                with open(log_path) as f:
-                    sys.stderr.write("server log tail:\n" + "".join(f.readlines()[-40:]))
+                sys.stderr.write("server log tail:\n" + log.read_text()[-4000:])
                 raise
-            stop_server(proc)
 
     rows = []
     expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size  # FP8: one byte per weight

@@ -8,7 +8,6 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from nvl72.disagg.serving import (DisaggClient, ExpectTransfer, FrontHub, Handof
                                   encode)
 from nvl72.engine.client import EngineDeadError
 from nvl72.engine.protocol import AddRequest, LoadReport, ProtocolError, RequestOutput, SamplingParams
+from nvl72.parallel import free_port
 from tests.dist.test_launch_mp import _env, _mpiexec
 
 VOCAB = 151936  # the shipped Qwen vocabulary's size: the front's tokenizer needs it
@@ -44,11 +44,6 @@ def _engine_args(model_dir: pathlib.Path, **kw) -> dict:
                 max_num_seqs=8, max_num_batched_tokens=64, page_size=4, num_pages=400, seed=3) | kw
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _prompts(n: int) -> list[list[int]]:
     import torch
@@ -70,11 +65,11 @@ class Launch:
         plan = tmp / "plan.json"
         subprocess.run([sys.executable, "-m", "nvl72", "plan", *plan_args, "--out", str(plan)], check=True,
                        timeout=60, capture_output=True)
-        self.ready, self.port = tmp / "ready.json", _free_port()
+        self.ready, self.port = tmp / "ready.json", free_port("127.0.0.1")
         self.log = open(tmp / "launch.log", "w+")
         # MASTER_ADDR/PORT: the ranks rendezvous without MPI_Init (with MPI initialised, mpich took
         # a second rank down with the killed one); mpiexec only starts the processes.
-        env = {**_env(), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        env = {**_env(), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1"))}
         self.proc = subprocess.Popen(
             [_mpiexec(), "-disable-auto-cleanup", "-n", "3", *self._keep_going(), sys.executable, "-m", "launch",
              "--plan", str(plan),

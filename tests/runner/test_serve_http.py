@@ -1,20 +1,15 @@
 """perf.serve_http end to end on a CPU: the server child starts, every workload runs over HTTP, the
 agentic turns hit the prefix cache, and the child is gone afterwards (the GPU run takes this path)."""
 import json
-import socket
 
 import pytest
 
+from nvl72.parallel import free_port
 from perf import serve_http
 from tests.engine.tiny import CONFIGS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_serve_http_cpu(tmp_path, capsys):
@@ -22,7 +17,7 @@ def test_serve_http_cpu(tmp_path, capsys):
     (tmp_path / "tiny.json").write_text(json.dumps(cfg))
     out = tmp_path / "res.json"
     rc = serve_http.main([
-        "--device", "cpu", "--model-config", str(tmp_path / "tiny.json"), "--port", str(_free_port()),
+        "--device", "cpu", "--model-config", str(tmp_path / "tiny.json"), "--port", str(free_port("127.0.0.1")),
         "--max-model-len", "512", "--max-num-seqs", "4", "--decode-prompt-len", "16", "--decode-out", "6",
         "--decode-rounds", "1", "--ttft-lens", "32,96", "--ttft-requests", "2", "--conversations", "2",
         "--turns", "3", "--first-turn-len", "64", "--turn-len", "24", "--turn-output-len", "4",

@@ -4,7 +4,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import pytest
 
 from nvl72.commands.serve import load_tokenizer
 from nvl72.engine.client import start_local_engine
+from nvl72.parallel import free_port
 from nvl72.presets import DEFAULT_MODEL_NAME
 from nvl72.server.app import ServerConfig, build_app
 from nvl72.server.runner import ServerThread
@@ -103,15 +103,10 @@ def test_bad_input_and_disconnect(server, client, engine):
     assert queued and float(queued.group(1)) >= 1, "queue time of finished requests must be observed"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.mp
 def test_nvl72_serve_subprocess_starts_fast_and_answers():
-    port = _free_port()
+    port = free_port("127.0.0.1")
     env = {**os.environ, "NVL72_API_KEY": "sk-sub"}
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "nvl72", "--log-level", "WARNING", "serve", "--port", str(port),
