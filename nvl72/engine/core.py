@@ -90,9 +90,8 @@ def build_engine(model: str | None = None, *, load_format: str = "auto", dtype: 
     engine = LLMEngine(net, cfg, drafter=drafter, eos_token_ids=list(config.eos_token_id))
     if warmup if warmup is not None else (device.startswith("cuda") and not engine.dp_ep):
         t0 = time.perf_counter()
-        engine.warmup()
-        log.info("engine warm-up (one %d-token prefill + decode) took %.1f s", min(
-            cfg.max_num_batched_tokens, cfg.max_model_len - 3), time.perf_counter() - t0)
+        n = engine.warmup()
+        log.info("engine warm-up (one %d-token prefill + decode) took %.1f s", n, time.perf_counter() - t0)
     return engine
 
 

@@ -336,13 +336,13 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
 
-    def warmup(self, num_tokens: int | None = None) -> None:
+    def warmup(self, num_tokens: int | None = None) -> int:
         """One dummy request (a `num_tokens` prefill, default one full chunk, then two decode steps)
         before serving, so no real request pays for kernel JIT: Triton specialises on shapes and the
         first long prompt on an H200 took 745 ms instead of 33 (its contiguous MoE path compiled then).
         Afterwards its pages leave the prefix cache and the counters it moved are zeroed. Every rank of
         a TP instance must call it (its forwards are collectives); not for DP+EP ranks (their passes
-        pair with the EP group's)."""
+        pair with the EP group's). Returns the prefill's token count."""
         if self.dp_ep:
             raise RuntimeError("warmup() on a DP+EP rank: its forwards pair with the other EP ranks'")
         if self.seqs:
@@ -355,6 +355,7 @@ class LLMEngine:
         self.prefix.clear()
         self.scheduler.prefix_queries = self.scheduler.prefix_hits = 0
         self.counters = dict.fromkeys(self.counters, 0)
+        return n
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
