@@ -35,6 +35,28 @@ def _same_on_all_ranks(y):
     return all(torch.equal(ys[0], t) for t in ys[1:])
 
 
+def _check_graph_replays(ar, rank, world, dev, n, reps, case, label) -> int:
+    """Capture `ar` on a static bf16 buffer of n elements (after one eager call outside the capture:
+    it loads the kernel), replay it `reps` times on fresh inputs, each against the fp32 sum (the
+    epoch lives on the device, so replays keep synchronising). Returns the last input case used."""
+    static_x = torch.empty(n, dtype=torch.bfloat16, device=dev)
+    static_x.copy_(_inputs(rank, n, torch.bfloat16, case, dev))
+    ar(static_x)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_y = ar(static_x)
+    for rep in range(reps):
+        case += 1
+        static_x.copy_(_inputs(rank, n, torch.bfloat16, case, dev))
+        g.replay()
+        torch.cuda.synchronize()
+        ar.check()
+        err = _rel(static_y, _ref(world, n, torch.bfloat16, case, dev))
+        assert err <= TOL[torch.bfloat16], f"{label} graph replay n={n} {rep}: rel err {err:.3g}"
+    return case
+
+
 def _algos_body(rank, world):
     from comms import AllReduce, AllReduceError, SymmetricHeap
 
@@ -72,24 +94,9 @@ def _algos_body(rank, world):
                     ar(xs, out=xs)  # in place on the symmetric buffer, as torch's two_shot_all_reduce_
                     torch.cuda.synchronize()
                     assert torch.equal(xs, y), f"twoshot in-heap in-place {dtype} n={n}"
-        # CUDA-graph replay: the epoch lives on the device, so replays keep synchronising
         if algo in ("lamport", "oneshot", "twoshot", "twoshot_pipe"):
-            n = 12345
-            static_x = torch.empty(n, dtype=torch.bfloat16, device=dev)
-            static_x.copy_(_inputs(rank, n, torch.bfloat16, 999, dev))
-            ar(static_x)  # warm-up outside capture (loads the kernel)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                static_y = ar(static_x)
-            for rep in range(4):  # > 3: the Lamport buffers rotate through all three
-                case += 1
-                static_x.copy_(_inputs(rank, n, torch.bfloat16, case, dev))
-                g.replay()
-                torch.cuda.synchronize()
-                ar.check()
-                err = _rel(static_y, _ref(world, n, torch.bfloat16, case, dev))
-                assert err <= TOL[torch.bfloat16], f"{algo} graph replay {rep}: rel err {err:.3g}"
+            # 4 > 3: the Lamport buffers rotate through all three
+            case = _check_graph_replays(ar, rank, world, dev, 12345, 4, case, algo)
         ar.destroy()
     # pdl=False (graph replays of the default AllReduce above launch with PDL): mixed grid sizes
     # (1 to 123 blocks: the per-block epoch copies must stay equal), then graph replays through all
@@ -102,18 +109,7 @@ def _algos_body(rank, world):
         torch.cuda.synchronize()
         ar.check()
         assert _rel(y, _ref(world, n, torch.bfloat16, case, dev)) <= TOL[torch.bfloat16], f"lamport pdl=False n={n}"
-    static_x = torch.empty(5000, dtype=torch.bfloat16, device=dev)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        static_y = ar(static_x)
-    for rep in range(4):
-        case += 1
-        static_x.copy_(_inputs(rank, 5000, torch.bfloat16, case, dev))
-        g.replay()
-        torch.cuda.synchronize()
-        ar.check()
-        err = _rel(static_y, _ref(world, 5000, torch.bfloat16, case, dev))
-        assert err <= TOL[torch.bfloat16], f"lamport pdl=False graph replay {rep}: rel err {err:.3g}"
+    _check_graph_replays(ar, rank, world, dev, 5000, 4, case, "lamport pdl=False")
     ar.destroy()
     heap.destroy()
 
@@ -148,20 +144,7 @@ def _pipe_body(rank, world):
                 torch.cuda.synchronize()
                 assert torch.equal(x, y), f"twoshot_pipe in-place {dtype} n={n} differs"
     for n in (12345, (48 << 20) // 2 + 1):
-        static_x = torch.empty(n, dtype=torch.bfloat16, device=dev)
-        ar(static_x)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            static_y = ar(static_x)
-        for rep in range(3):
-            case += 1
-            static_x.copy_(_inputs(rank, n, torch.bfloat16, case, dev))
-            g.replay()
-            torch.cuda.synchronize()
-            ar.check()
-            err = _rel(static_y, _ref(world, n, torch.bfloat16, case, dev))
-            assert err <= TOL[torch.bfloat16], f"twoshot_pipe graph replay n={n} {rep}: rel err {err:.3g}"
+        case = _check_graph_replays(ar, rank, world, dev, n, 3, case, "twoshot_pipe")
     ar.destroy()
     ar = AllReduce(heap, "twoshot_pipe", max_bytes=1 << 20, timeout_s=0.2)
     x = torch.randn(200_000, device=dev)  # several steps per block, each with its waits
