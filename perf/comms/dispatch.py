@@ -73,6 +73,12 @@ class TorchSymmHeap:
         self.used = off + nbytes
         return off
 
+    def buffer(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's bytes [offset, ...) viewed as `shape`/`dtype` (as SymmetricHeap.buffer)."""
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        return self._buf[offset:offset + n].view(dtype).view(shape)
+
     def barrier(self) -> None:
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)

@@ -10,8 +10,10 @@ the rank, so a fault reads as "FAULT dispatch" or "FAULT combine".
     CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] skips
     CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] checked
     CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] trace
-    CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] config N
+    CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] config N [num_blocks]
 
+`inproc N`: config N on one GPU in this process, so `cuda-gdb --args python3 ...` stops at the faulting
+instruction (tests/comms/gpu_combine_gdb.sh).
 `config N`: that config alone (short enough to run under compute-sanitizer, which names the
 faulting instruction's offset and address).
 
@@ -21,6 +23,7 @@ violation is recorded in the error word as comms.kernels.dispatch.CHECK_* << 16 
 `trace`: configs 0 and 1 with combine_k4_trace: every warp records (phase, work unit, next address)
 in pinned host memory before each group of accesses, so after a fault the host prints how many warps
 stopped in each phase and, for the unfinished ones, the address and the buffer it falls in.
+`syncs`: configs 0 and 1 with each flag-protocol variant of combine (combine_k4_sync{vol,atom,bar}).
 `skips`: config 0 with each fault-isolation variant of combine (combine_k4_skip{bits}, in a bundle
 built with NVL72_DISPATCH_DEBUG_VARIANTS=1; bits in comms.kernels.dispatch): which group of
 accesses faults ("OK combine" with the A-loads removed and FAULT otherwise names the y reads).
@@ -40,6 +43,10 @@ import torch.multiprocessing as mp
 from tests.comms.test_dispatch_gpu import CONFIGS, _inputs
 
 TIMEOUT_S = float(os.environ.get("NVL72_DISPATCH_DEBUG_TIMEOUT_S", "60"))  # per config (raise it under a sanitizer)
+# Fault-isolation knobs: the kernels' flag-wait bound, the heap ("comms" cuMem heap or "torch" symmetric
+# memory).
+KERNEL_TIMEOUT_S = float(os.environ.get("NVL72_DISPATCH_DEBUG_KERNEL_TIMEOUT_S", "5"))
+HEAP_KIND = os.environ.get("NVL72_DISPATCH_DEBUG_HEAP", "comms")
 
 
 def _step(rank, tag, name, fn):
@@ -64,6 +71,8 @@ def _inspect(rank, world, fused, x, M, tag):
     rntok = heap.buffer(f.off["rntok"], world, torch.int32).cpu()
     recnt = heap.buffer(f.off["recnt"], (world, L), torch.int32).cpu()
     state = heap.buffer(f.off["state"], 4, torch.int32).cpu()
+    dcnt = heap.buffer(f.off["dcnt"], world, torch.int32).cpu()
+    ccnt = heap.buffer(f.off["ccnt"], world, torch.int32).cpu()
     toks = torch.tensor([x.shape[0]], device=x.device)
     allt = [torch.zeros_like(toks) for _ in range(world)]
     dist.all_gather(allt, toks)
@@ -78,7 +87,17 @@ def _inspect(rank, world, fused, x, M, tag):
     nrows = f.out_x.shape[0]
     if int(rp.min()) < 0 or int(rp.max()) >= nrows:
         problems.append(f"row_pos range [{int(rp.min())}, {int(rp.max())}] outside [0, {nrows})")
-    print(f"INFO  rank {rank} {tag}: epoch state {state.tolist()} rntok {rntok.tolist()} "
+    b = getattr(heap, "_b", None)
+    if b is not None and hasattr(b, "va"):  # the cuMem heap: its reservation and what the driver says of ccnt
+        from cuda.bindings import driver as drv
+
+        addr = int(heap.peer_ptrs[rank]) + f.off["ccnt"]
+        err, base, size = drv.cuMemGetAddressRange(addr)
+        print(f"INFO  rank {rank} heap va {b.va:#x} size {b.size:#x} mapped {[hex(p) for p in b.mapped]}; "
+              f"ccnt at {addr:#x}: cuMemGetAddressRange {err.name} base {int(base):#x} size {int(size):#x}",
+              flush=True)
+    print(f"INFO  rank {rank} {tag}: epoch state {state.tolist()} dcnt {dcnt.tolist()} ccnt {ccnt.tolist()} "
+          f"rntok {rntok.tolist()} "
           f"recnt row sums {recnt.sum(1).tolist()} counts sum {int(counts.sum())} "
           f"row_pos [{int(rp.min())}, {int(rp.max())}] of {nrows} rows", flush=True)
     for p in problems:
@@ -153,8 +172,8 @@ def _worker(rank, world, store, cfg_index, num_blocks, variant=""):
     bad = []
     try:
         for layout in layouts:
-            heap = make_heap("comms", dist.group.WORLD, DispatchCombine.heap_size_hint(world, E, K, H, M), dev)
-            fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", layout=layout, timeout_s=5.0,
+            heap = make_heap(HEAP_KIND, dist.group.WORLD, DispatchCombine.heap_size_hint(world, E, K, H, M), dev)
+            fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", layout=layout, timeout_s=KERNEL_TIMEOUT_S,
                                     num_blocks=num_blocks)
             if variant:  # a debug export of combine (see main; the trace variant is launched by hand)
                 import aot
@@ -220,12 +239,18 @@ def _bundle_variants(prefix: str) -> list[str]:
 if __name__ == "__main__":
     n = int(sys.argv[1]) if len(sys.argv) > 1 else torch.cuda.device_count()
     mode = sys.argv[2] if len(sys.argv) > 2 else ""
+    if mode == "syncs":  # configs 0 and 1 with each flag-protocol variant (combine_k4_sync*)
+        sys.exit(main(n, None, [(i, v) for i in (0, 1) for v in _bundle_variants("combine_k4_sync")]))
     if mode == "skips":
         sys.exit(main(n, None, [(0, v) for v in _bundle_variants("combine_k4_skip")]))
     if mode == "checked":  # the K=4 configs with every index checked on the device
         sys.exit(main(n, None, [(i, v) for i in (0, 1) for v in _bundle_variants("combine_k4_checked")]))
     if mode == "trace":  # configs 0 and 1: where every warp of combine_k4_trace stopped
         sys.exit(main(n, None, [(i, v) for i in (0, 1) for v in _bundle_variants("combine_k4_trace")]))
-    if mode == "config":
-        sys.exit(main(n, None, [(int(sys.argv[3]), "")]))
+    if mode == "inproc":  # inproc N: config N on one GPU in this process (for cuda-gdb, which stops at the fault)
+        with tempfile.TemporaryDirectory() as d:
+            _worker(0, 1, os.path.join(d, "store"), int(sys.argv[3]), None)
+        sys.exit(0)
+    if mode == "config":  # config N [num_blocks]
+        sys.exit(main(n, int(sys.argv[4]) if len(sys.argv) > 4 else None, [(int(sys.argv[3]), "")]))
     sys.exit(main(n, int(mode) if mode else None))
