@@ -107,19 +107,27 @@ class Sm90Gemm:
         "ws_fp8_masked_swapab_m64n16": 16,
         "ws_fp8_masked_swapab_cp": 32,
         "ws_fp8_masked_swapab_cpo": 32,
+        "ws_fp8_masked_swapab_cpo_kg2": 32,
+        "ws_fp8_masked_swapab_cpo_kg4": 32,
         "ws_fp8_masked_swapab_m64n32_cp": 32,
         "ws_fp8_masked_swapab_m64n16_cp": 16,
     }
     WS_MASKED = [v for v in MASKED_ROW_TILE if v.startswith("ws_")]  # every warp-specialized decode variant
     # every contiguous one tiles rows by TILE_M (the padding of permute_contiguous); the ping-pong
     # variants' CTA tile is 128 x 256 (two 128-column halves, an odd last half left unstored;
-    # _n256 without the warpgroups' issue turns)
-    WS_CONTIG = ["ws_fp8_contig", "ws_fp8_contig_serial", "ws_fp8_contig_pingpong", "ws_fp8_contig_n256"]
+    # _n256 without the warpgroups' issue turns, _e4 with 4 epilogue buffers, _mc on 2-CTA clusters
+    # sharing the B tile through TMA multicast)
+    WS_CONTIG = [
+        "ws_fp8_contig", "ws_fp8_contig_serial", "ws_fp8_contig_pingpong", "ws_fp8_contig_n256",
+        "ws_fp8_contig_n256_e4", "ws_fp8_contig_n256_mc",
+    ]
     # masked variants with the compact tile walk: their shared prefix array holds this many experts
     # (moe.kernels.sm90_grouped_gemm_ws.MAX_EXPERTS)
     COMPACT_MAX_EXPERTS = {
         "ws_fp8_masked_swapab_cp": 1024,
         "ws_fp8_masked_swapab_cpo": 1024,
+        "ws_fp8_masked_swapab_cpo_kg2": 1024,
+        "ws_fp8_masked_swapab_cpo_kg4": 1024,
         "ws_fp8_masked_swapab_m64n32_cp": 1024,
         "ws_fp8_masked_swapab_m64n16_cp": 1024,
     }

@@ -41,6 +41,22 @@ the copy bandwidth at 128 tokens, slower than the classic kernel at 1-8 tokens):
     critical path in the consumers is the wgmma and the promotion, not a global-memory round trip
     for the scales. A decode K step moves only 16-20 KB, so that latency per step bounded the
     streaming rate of each SM.
+  * k_group (the `_kg2` / `_kg4` decode variants): the producer waits for k_group free stages and then
+    requests k_group consecutive K tiles back to back, so each of the 128 weight rows of a tile is read
+    as k_group * 128 contiguous bytes at once instead of 128-byte pieces a stage apart (the weight
+    stream at 74% of copy bandwidth is not short of bytes in flight: ~10 stages of 20 KB per SM;
+    the hypothesis is DRAM locality). Not measured yet.
+Prefill options of the 128 x 256 kernel (not measured yet; the A/B against _n256 is in perf.moe):
+  * epi_buffers=4 (`_n256_e4`): four 128 x 32 epilogue buffers (32 KB; 4 A/B stages of 48 KB still
+    fit) instead of two, so the store warp's wait for a TMA store to leave shared memory rarely blocks
+    the 8 sub-tile stores of a tile (the consumers' tensor cores idle during the epilogue).
+  * cluster=2 (`_n256_mc`): clusters of 2 CTAs along M take m tiles 2q and 2q + 1 of the same pair of
+    n tiles; each CTA TMA-loads one 128-row half of the shared B tile and multicasts it into both, so
+    L2 -> SM traffic per stage drops from 48 to 32 KB per CTA (at 16384 tokens the 128 x 256 kernel
+    moves ~31 GB through L2 in ~5.8 ms, near the L2 bandwidth). Across an expert boundary (the two m
+    tiles name different experts) each CTA loads both halves for itself; an m tile past the end or
+    unused (-1) loads its partner's operands and stores nothing, so both CTAs run the same pipeline
+    steps. Every consumer warp releases a stage in both CTAs; the kernel ends on a cluster barrier.
 NUM_SMS is H100/H200 SXM's 132: on a part with fewer SMs the extra CTAs wait for a free SM
 (correct, not optimal).
 """
@@ -79,8 +95,13 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
         overlap: bool = False,
         compact: bool = False,
         prefetch: bool = False,
+        k_group: int = 1,
     ):
         super().__init__(fp8=True, masked=masked, swap_ab=masked, overlap=overlap)
+        if k_group not in (1, 2, 4):
+            raise ValueError(f"k_group={k_group}: need 1, 2 or 4 K tiles per producer burst")
+        self.k_group = k_group
+        self.epi_buffers = None  # epilogue smem buffers (None: 2, or 1 for an odd sub-tile count)
         if n_wg not in (1, 2) or tile_n % 8 or not 8 <= tile_n <= 256:
             raise ValueError(f"n_wg={n_wg}, tile_n={tile_n}: need n_wg in (1, 2) and tile_n a multiple of 8 in [8, 256]")
         if compact and not masked:
@@ -101,11 +122,17 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
         m, n = self.epi_tile
         n_sub = (self.tile_m // m) * (self.tile_n // n)
         self.epi_stage = 2 if n_sub % 2 == 0 else 1  # buffer e % epi_stage restarts at 0 on each tile
+        if self.epi_buffers is not None:
+            if n_sub % self.epi_buffers:
+                raise ValueError(f"epi_buffers={self.epi_buffers} must divide the {n_sub} epilogue sub-tiles of a tile")
+            self.epi_stage = self.epi_buffers
         epi_bytes = m * n * self.epi_stage * self.c_dtype.width // 8
         stage_bytes = (self.tile_m + self.b_tiles * self.tile_n) * self.tile_mnk[2] * self.ab_dtype.width // 8
         self.n_prefix = MAX_EXPERTS + 1 if self.compact else 1
         free = self.smem_capacity - 2048 - epi_bytes - 4 * self.n_prefix
         self.ab_stage = min(MAX_AB_STAGES, free // stage_bytes)
+        if self.ab_stage < max(self.k_group, 3):
+            raise ValueError(f"{self.ab_stage} A/B stages fit in shared memory: need 3 and k_group={self.k_group}")
         k_major = utils.LayoutEnum.ROW_MAJOR
         self.a_smem_staged = sm90_utils.make_smem_layout_a(k_major, self.tile_mnk, self.ab_dtype, self.ab_stage)
         # stage s holds B tile h of the CTA tile at index s * b_tiles + h
@@ -200,6 +227,22 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
             if lane == 31:
                 sP[n_l] = incl
         pipeline.pipeline_init_wait()
+
+    @cute.jit
+    def _load_group(self, ab_pipe, prod, n, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB):
+        """Producer: wait until n stages are free, then TMA K tiles prod.count .. + n - 1 back to back,
+        so each row of the tile is requested as n * 128 contiguous bytes at once (k_group)."""
+        acq = prod.clone()
+        for _ in cutlass.range(n, unroll=1):
+            ab_pipe.producer_acquire(acq)
+            acq.advance()
+        for _ in cutlass.range(n, unroll=1):
+            bar = ab_pipe.producer_get_barrier(prod)
+            cute.copy(tma_a, tAgA[(None, prod.count)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
+            cute.copy(tma_b, tBgB[(None, prod.count)], tBsB[(None, prod.index)], tma_bar_ptr=bar)
+            ab_pipe.producer_commit(prod)
+            prod.advance()
+        return prod
 
     def _scales(self, mSA, mSB, tCcC, kt, pm, pn, pl, expert, f=None):
         """Per-element promotion factors of K tile kt (loaded before the wgmma wait), into f if given."""
@@ -351,8 +394,15 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
                         tAgA_t = tAgA[(None, pm, None, pl)]
                         tBgB_t = tBgB[(None, pn, None, expert)]
                         prod.reset_count()  # prod.count = K tile index within this tile
-                        for _ in cutlass.range(k_tiles, unroll=1):
-                            prod = self._load(ab_pipe, prod, tma_a, tAgA_t, tAsA, tma_b, tBgB_t, tBsB)
+                        if cutlass.const_expr(self.k_group > 1):
+                            for g in cutlass.range(0, k_tiles, self.k_group, unroll=1):
+                                prod = self._load_group(
+                                    ab_pipe, prod, cutlass.min(self.k_group, k_tiles - g),
+                                    tma_a, tAgA_t, tAsA, tma_b, tBgB_t, tBsB,
+                                )
+                        else:
+                            for _ in cutlass.range(k_tiles, unroll=1):
+                                prod = self._load(ab_pipe, prod, tma_a, tAgA_t, tAsA, tma_b, tBgB_t, tBsB)
                 ab_pipe.producer_tail(prod)
         else:
             if cutlass.const_expr(not self.masked):
@@ -449,14 +499,95 @@ class GroupedGemmSm90WSPingPong(GroupedGemmSm90WS):
     The promotion is exact as in the other variants: once per 128-wide K step with
     a_scale[row, k] * b_scale[n block, k], the B block of each half its own. An odd count of
     128-column tiles leaves the last pair with one half: its second half re-reads a valid B tile
-    and is not stored. Rows per expert are padded to 128 (the contiguous layout's TILE_M)."""
+    and is not stored. Rows per expert are padded to 128 (the contiguous layout's TILE_M).
+    cluster=2 and epi_buffers: the prefill options of the module docstring."""
 
-    def __init__(self, masked: bool = False, ordered: bool = True):
+    def __init__(self, masked: bool = False, ordered: bool = True, cluster: int = 1, epi_buffers: int | None = None):
         if masked:
             raise ValueError(f"masked={masked}: the ping-pong kernel is for the contiguous layout only")
+        if cluster not in (1, 2):
+            raise ValueError(f"cluster={cluster}: need 1 or 2 CTAs per cluster")
         super().__init__(masked=False, n_wg=2, tile_n=SCALE_BLOCK)
         self.b_tiles = 2
-        self.ordered = ordered
+        self.ordered, self.cluster, self.epi_buffers = ordered, cluster, epi_buffers
+
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Tensor,
+        b: cute.Tensor,
+        c: cute.Tensor,
+        a_scale: cute.Tensor,
+        b_scale: cute.Tensor,
+        aux: cute.Tensor,
+        stream,
+    ):
+        if cutlass.const_expr(self.cluster == 1):
+            GroupedGemmSm90WS.__call__(self, a, b, c, a_scale, b_scale, aux, stream)
+        else:
+            self._launch_cluster(a, b, c, a_scale, b_scale, aux, stream)
+
+    @cute.jit
+    def _launch_cluster(self, a, b, c, a_scale, b_scale, aux, stream):
+        """Pairs of CTAs (a cluster of 2 along M) over pairs of 128-row tiles: B through multicast TMA."""
+        self._setup()
+        a_scale, b_scale, c, tma_a, tma_ta, _, _, tma_c, tma_tc = self._operands(a, b, c, a_scale, b_scale)
+        b = cute.make_tensor(cute.recast_ptr(b.iterator, dtype=self.ab_dtype), b.layout)
+        tma_b, tma_tb = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(), b,
+            cute.slice_(self.b_smem_staged, (None, None, 0)), (self.tile_mnk[1], self.tile_mnk[2]), num_multicast=1,
+        )
+        tiles_m = cute.ceil_div(cute.size(c, mode=[0]), self.tile_m)
+        pairs = cute.ceil_div(cute.ceil_div(cute.size(c, mode=[1]), self.tile_n), 2)
+        units = cute.ceil_div(tiles_m, 2) * pairs
+
+        @cute.struct
+        class SharedStorage:
+            bars: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_staged)], 1024]
+            prefix: cute.struct.MemRange[cutlass.Int32, self.n_prefix]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            tma_a, tma_ta, tma_b, tma_tb, tma_c, tma_tc, a_scale, b_scale, aux,
+            self.tiled_mma, self.tiled_mma, self.tiled_mma,
+            self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
+        ).launch(
+            grid=(2 * cutlass.min(units, NUM_SMS // 2), 1, 1), block=[self.threads, 1, 1],
+            cluster=(2, 1, 1), stream=stream,
+        )
+
+    @cute.jit
+    def _unit(self, t, tiles_m, tiles_n, aux, rank):
+        """Cluster walk: unit t -> (m tile, pair of n tiles, expert of the loads, active, multicast, store).
+
+        The two CTAs of a cluster take m tiles 2q and 2q + 1 of unit (q, pair), pairs innermost. Both
+        must run the same pipeline steps, so a unit is active if either tile is; a CTA whose tile is
+        past the end or unused (-1) loads its partner's operands and stores nothing. B is multicast
+        when both tiles load the same expert's weights (not across an expert boundary)."""
+        pairs = (tiles_n + 1) // 2
+        pn = t % pairs
+        q = t // pairs
+        pm = 2 * q + rank
+        e_own = aux[cutlass.min(pm, tiles_m - 1)]
+        e_peer = aux[cutlass.min(2 * q + 1 - rank, tiles_m - 1)]
+        if pm >= tiles_m:
+            e_own = cutlass.Int32(-1)
+        if 2 * q + 1 - rank >= tiles_m:
+            e_peer = cutlass.Int32(-1)
+        store = e_own >= 0
+        e_load = e_own
+        if e_own < 0:
+            e_load = e_peer
+        e_peer_load = e_peer
+        if e_peer < 0:
+            e_peer_load = e_own
+        pm_load = pm
+        if e_own < 0:
+            pm_load = 2 * q + 1 - rank
+        return pm_load, pn, e_load, e_load >= 0, e_load == e_peer_load, store
 
     @cute.jit
     def _tile(self, t, tiles_m, tiles_n, n_l, aux, sP):
@@ -516,16 +647,21 @@ class GroupedGemmSm90WSPingPong(GroupedGemmSm90WS):
         tx_bytes = cute.size_in_bytes(self.ab_dtype, a_smem) + 2 * cute.size_in_bytes(self.ab_dtype, b_smem)
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
+        # cluster: every consumer warp releases a stage in both CTAs (the peer multicasts into it)
+        cl_shape = cute.make_layout((self.cluster, 1))
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.bars.data_ptr(),
             num_stages=self.ab_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.cluster * self.mma_threads // 32),
             tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, self.cluster, 1, 1)),
             defer_sync=True,
         )
-        pipeline.pipeline_init_arrive()
+        if cutlass.const_expr(self.cluster > 1):
+            pipeline.pipeline_init_arrive(cluster_shape_mn=cl_shape, is_relaxed=True)
+        else:
+            pipeline.pipeline_init_arrive()
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
@@ -538,7 +674,15 @@ class GroupedGemmSm90WSPingPong(GroupedGemmSm90WS):
         tiles_n = cute.size(gC, mode=[3])
         num_tiles = tiles_m * ((tiles_n + 1) // 2)
         k_tiles = cute.size(gA, mode=[3])
-        pipeline.pipeline_init_wait()
+        rank = cutlass.Int32(0)
+        if cutlass.const_expr(self.cluster > 1):  # the walk goes over units (pairs of m tiles) per cluster
+            num_tiles = ((tiles_m + 1) // 2) * ((tiles_n + 1) // 2)
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            bid = bid // 2
+            n_ctas = n_ctas // 2
+            pipeline.pipeline_init_wait(cluster_shape_mn=cl_shape)
+        else:
+            pipeline.pipeline_init_wait()
 
         wg = cute.arch.make_warp_uniform(warp_idx // 4)
         if wg == 0:
@@ -553,7 +697,10 @@ class GroupedGemmSm90WSPingPong(GroupedGemmSm90WS):
                 )
                 prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
                 for t in cutlass.range(bid, num_tiles, n_ctas, unroll=1):
-                    pm, pn, _, expert, active = self._tile(t, tiles_m, tiles_n, 1, aux, None)
+                    if cutlass.const_expr(self.cluster > 1):
+                        pm, pn, expert, active, mc, _ = self._unit(t, tiles_m, tiles_n, aux, rank)
+                    else:
+                        pm, pn, _, expert, active = self._tile(t, tiles_m, tiles_n, 1, aux, None)
                     if active:
                         tAgA_t = tAgA[(None, pm, None, 0)]
                         tBgB_0 = tBgB[(None, 2 * pn, None, expert)]
@@ -562,8 +709,11 @@ class GroupedGemmSm90WSPingPong(GroupedGemmSm90WS):
                             ab_pipe.producer_acquire(prod)
                             bar = ab_pipe.producer_get_barrier(prod)
                             cute.copy(tma_a, tAgA_t[(None, kt)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
-                            cute.copy(tma_b, tBgB_0[(None, kt)], tBsB[(None, 2 * prod.index)], tma_bar_ptr=bar)
-                            cute.copy(tma_b, tBgB_1[(None, kt)], tBsB[(None, 2 * prod.index + 1)], tma_bar_ptr=bar)
+                            if cutlass.const_expr(self.cluster > 1):
+                                self._load_b_pair(tma_b, tBgB_0, tBgB_1, tBsB, kt, prod.index, bar, mc, rank)
+                            else:
+                                cute.copy(tma_b, tBgB_0[(None, kt)], tBsB[(None, 2 * prod.index)], tma_bar_ptr=bar)
+                                cute.copy(tma_b, tBgB_1[(None, kt)], tBsB[(None, 2 * prod.index + 1)], tma_bar_ptr=bar)
                             ab_pipe.producer_commit(prod)
                             prod.advance()
                 ab_pipe.producer_tail(prod)
@@ -589,7 +739,12 @@ class GroupedGemmSm90WSPingPong(GroupedGemmSm90WS):
 
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             for t in cutlass.range(bid, num_tiles, n_ctas, unroll=1):
-                pm, pn, pl, expert, active = self._tile(t, tiles_m, tiles_n, 1, aux, None)
+                store = True
+                pl = cutlass.Int32(0)
+                if cutlass.const_expr(self.cluster > 1):
+                    pm, pn, expert, active, _, store = self._unit(t, tiles_m, tiles_n, aux, rank)
+                else:
+                    pm, pn, pl, expert, active = self._tile(t, tiles_m, tiles_n, 1, aux, None)
                 if active:
                     acc0.fill(0.0)
                     acc1.fill(0.0)
@@ -609,14 +764,33 @@ class GroupedGemmSm90WSPingPong(GroupedGemmSm90WS):
                         for i in range(cute.size(acc1)):
                             acc1[i] = acc1[i] + part[i] * f[i]
                     epi = (tiled_r2s, tRS_sC, rD_layout, tma_c, sC)
-                    self._store(acc0, *epi, gC[(None, None, pm, 2 * pn, 0)], c_pipe, epi_bar, warp_idx)
-                    if 2 * pn + 1 < tiles_n:
-                        self._store(acc1, *epi, gC[(None, None, pm, 2 * pn + 1, 0)], c_pipe, epi_bar, warp_idx)
+                    if store:
+                        self._store(acc0, *epi, gC[(None, None, pm, 2 * pn, 0)], c_pipe, epi_bar, warp_idx)
+                        if 2 * pn + 1 < tiles_n:
+                            self._store(acc1, *epi, gC[(None, None, pm, 2 * pn + 1, 0)], c_pipe, epi_bar, warp_idx)
             if cutlass.const_expr(self.ordered):
                 if wg == 1:
                     my_turn.arrive_and_wait()
             if warp_idx == self.store_warp:
                 c_pipe.producer_tail()
+        if cutlass.const_expr(self.cluster > 1):  # no CTA leaves while its peer may still signal it
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+    @cute.jit
+    def _load_b_pair(self, tma_b, tBgB_0, tBgB_1, tBsB, kt, index, bar, mc, rank):
+        """Cluster: the B tiles of one stage. Multicast: each CTA loads the half of its rank into both
+        CTAs; across an expert boundary each CTA loads both halves for itself."""
+        both = cutlass.Int16(3)
+        own = cutlass.Int16(1 + rank)  # rank 0 -> 0b01, rank 1 -> 0b10
+        if mc:
+            if rank == 0:
+                cute.copy(tma_b, tBgB_0[(None, kt)], tBsB[(None, 2 * index)], tma_bar_ptr=bar, mcast_mask=both)
+            else:
+                cute.copy(tma_b, tBgB_1[(None, kt)], tBsB[(None, 2 * index + 1)], tma_bar_ptr=bar, mcast_mask=both)
+        else:
+            cute.copy(tma_b, tBgB_0[(None, kt)], tBsB[(None, 2 * index)], tma_bar_ptr=bar, mcast_mask=own)
+            cute.copy(tma_b, tBgB_1[(None, kt)], tBsB[(None, 2 * index + 1)], tma_bar_ptr=bar, mcast_mask=own)
 
 
 VARIANTS = {
@@ -625,6 +799,10 @@ VARIANTS = {
     # prefill, compute-bound sizes: 128 x 256 tiles, the two consumer warpgroups take turns to issue
     "ws_fp8_contig_pingpong": dict(masked=False, cls=GroupedGemmSm90WSPingPong),
     "ws_fp8_contig_n256": dict(masked=False, ordered=False, cls=GroupedGemmSm90WSPingPong),  # same, no turns
+    # _n256 with 4 epilogue buffers (32 KB: 4 A/B stages still fit), so a tile's TMA stores rarely wait
+    "ws_fp8_contig_n256_e4": dict(masked=False, ordered=False, epi_buffers=4, cls=GroupedGemmSm90WSPingPong),
+    # _n256_e4 on clusters of 2 CTAs along M: each CTA loads half of the shared B tile and multicasts it
+    "ws_fp8_contig_n256_mc": dict(masked=False, ordered=False, epi_buffers=4, cluster=2, cls=GroupedGemmSm90WSPingPong),
     "ws_fp8_masked_swapab": dict(masked=True, n_wg=2, tile_n=32),
     "ws_fp8_masked_swapab_m64n16": dict(masked=True, n_wg=1, tile_n=16),
     # decode: compact walk + scale prefetch (module docstring); 128 and 64 weight rows per tile
@@ -633,6 +811,9 @@ VARIANTS = {
     "ws_fp8_masked_swapab_m64n16_cp": dict(masked=True, n_wg=1, tile_n=16, compact=True, prefetch=True),
     # compact walk with the overlapped promotion instead of the prefetch
     "ws_fp8_masked_swapab_cpo": dict(masked=True, n_wg=2, tile_n=32, compact=True, overlap=True),
+    # _cpo with the producer requesting 2 or 4 K tiles at once (256 / 512 contiguous bytes per weight row)
+    "ws_fp8_masked_swapab_cpo_kg2": dict(masked=True, n_wg=2, tile_n=32, compact=True, overlap=True, k_group=2),
+    "ws_fp8_masked_swapab_cpo_kg4": dict(masked=True, n_wg=2, tile_n=32, compact=True, overlap=True, k_group=4),
 }
 
 

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# One-call GPU check of the contiguous (prefill) ws variants, the 128 x 256 ping-pong ones included, <= 100 s
-# (30 s tests + 62 s perf, each under `timeout`) on one H200 (repository root, $OUT set):
+# One-call GPU check of the contiguous (prefill) ws variants, the 128 x 256 ones included (_n256_e4: 4
+# epilogue buffers, _n256_mc: 2-CTA clusters with multicast B), <= 135 s (45 s tests + 80 s perf, each under
+# `timeout`) on one H200 (repository root, $OUT set):
 #   bash tests/moe/gpu_ws_prefill.sh
 # Carry: .gpucarry-moe4 (`nvl72 kernels build --arch sm_90a --out .gpucarry-moe4 --module
 # moe.kernels.sm90_grouped_gemm --module moe.kernels.sm90_grouped_gemm_ws`).
 # 1) the @gpu tests of the contiguous ws_* variants (Sm90Gemm.WS_CONTIG; test_gpu_kernels.py: fp32
-#    reference, NaN-poisoned outputs, odd counts of 128-column tiles);
+#    reference, NaN-poisoned outputs, odd counts of 128-column tiles; the tile-walk edge test: odd m-tile
+#    counts, expert boundaries inside a cluster's pair of m tiles, unused -1 tiles left unwritten);
 # 2) perf.moe at 4096 and 16384 tokens (each ws variant checked against the default's output, then
 #    timed). Logs under $OUT; the table of the contiguous ws variants comes last.
 set -u
@@ -14,14 +16,14 @@ OUT=${OUT:-/tmp/moe-out}
 mkdir -p "$OUT"
 source .gpucarry-moe4/sm_90a/setup_device.sh || exit 1
 export NVL72_KERNEL_BUNDLE=$PWD/.gpucarry-moe4
-timeout 30 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/moe/test_gpu_kernels.py -k "ws_fp8_contig" \
+timeout 45 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/moe/test_gpu_kernels.py -k "ws_fp8_contig" \
   > "$OUT/pytest_ws.log" 2>&1
 rc=$?; echo "pytest (ws kernels) rc=$rc"; grep -E "^(FAILED|ERROR)" "$OUT/pytest_ws.log" | head -12; tail -2 "$OUT/pytest_ws.log"
 WS=""
 if [ "$rc" = 124 ]; then  # a hung ws kernel would hang perf.moe too: keep the rest of the table
   WS="--no-ws"; echo "pytest timed out (a ws kernel may hang): perf.moe $WS"; tail -5 "$OUT/pytest_ws.log"
 fi
-timeout 62 python3 -m perf.moe --iters 10 --tokens 4096,16384 $WS --json "$OUT/moe_prefill.json" > "$OUT/perf.log" 2>&1
+timeout 80 python3 -m perf.moe --iters 10 --tokens 4096,16384 $WS --json "$OUT/moe_prefill.json" > "$OUT/perf.log" 2>&1
 echo "perf.moe rc=$?"
 grep -E "^# " "$OUT/perf.log" | head -20
 grep -E "^ +model|^ +qwen" "$OUT/perf.log" || tail -20 "$OUT/perf.log"

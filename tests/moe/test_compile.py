@@ -34,6 +34,12 @@ def test_sm90_ws_grouped_gemm_compiles():
     assert "ws_fp8_contig_pingpong" in fns
     with pytest.raises(ValueError, match="masked=True"):
         mod.GroupedGemmSm90WSPingPong(masked=True)
+    assert {"ws_fp8_contig_n256_e4", "ws_fp8_contig_n256_mc"} <= set(fns)
+    assert {"ws_fp8_masked_swapab_cpo_kg2", "ws_fp8_masked_swapab_cpo_kg4"} <= set(fns)
+    with pytest.raises(ValueError, match="cluster=4"):
+        mod.GroupedGemmSm90WSPingPong(cluster=4)
+    with pytest.raises(ValueError, match="k_group=3"):
+        mod.GroupedGemmSm90WS(masked=True, tile_n=32, k_group=3)
 
 
 def test_ws_contig_variants_listed_for_the_backend():

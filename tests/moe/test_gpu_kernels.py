@@ -76,6 +76,25 @@ def test_grouped_gemm_contiguous(gemm, variant, e, n, k, t, topk):
     assert _rel(out[valid], ref[valid]) < 1e-2
 
 
+@pytest.mark.parametrize("variant", [v for v in backend.Sm90Gemm.WS_CONTIG if "n256" in v or "pingpong" in v])
+@pytest.mark.parametrize("tile_expert", [[0, 0, 1, 2, 2, 2, 3], [0, -1, 1, 1, -1, 2, 2, 3, 3], [-1, 2, 2, -1]])
+def test_grouped_gemm_contiguous_tile_walk_edges(gemm, variant, tile_expert):
+    """128 x 256 (and 2-CTA cluster) walk: odd counts of m tiles, expert boundaries inside a pair of
+    m tiles, unused (-1) tiles at either position of a pair, 3 n tiles (a pair with one half):
+    used tiles match the fp32 product of the dequantized operands, unused tiles stay NaN."""
+    _need(gemm, variant)
+    gen = torch.Generator(device="cuda").manual_seed(len(tile_expert))
+    te = torch.tensor(tile_expert, dtype=torch.int32, device="cuda")
+    m, n, k, e = 128 * len(tile_expert), 384, 640, 4
+    a, b, sa, sb = _operands(True, (m,), n, k, e, gen)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gemm(a, b, out, sa, sb, te, False, variant=variant)
+    ref = reference.grouped_gemm(a, b, torch.zeros(m, n, device="cuda"), sa, sb, te, False)
+    used = (te >= 0).repeat_interleave(128)
+    assert _rel(out[used], ref[used]) < 1e-2
+    assert torch.isnan(out[~used]).all()
+
+
 @pytest.mark.parametrize("variant", MASKED)
 @pytest.mark.parametrize(
     "e,n,k,t,topk",
