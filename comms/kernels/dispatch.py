@@ -140,44 +140,42 @@ def _i64(v):
 
 
 @cute.jit
-def _signal_all(peers: cute.Tensor, tid, world, cnt_off, rank, mode: cutlass.Constexpr = ""):
-    """After a bar.sync: thread d releases one arrival into dcnt/ccnt[rank] on rank d.
-    `mode` (fault-isolation variants only): "atom" returns the old value (atom instead of red)."""
+def _signal_all(peers: cute.Tensor, tid, world, cnt_off, rank):
+    """After a bar.sync: thread d releases one arrival into dcnt/ccnt[rank] on rank d."""
     d = tid
     while d < world:
         ptx.fence_acq_rel_sys()
-        if cutlass.const_expr(mode == "atom"):
-            ptx.atom_add_release_sys(peers[d] + cnt_off + _i64(rank) * 4, 1)
-        else:
-            red_add_release_sys(peers[d] + cnt_off + _i64(rank) * 4, 1)
+        red_add_release_sys(peers[d] + cnt_off + _i64(rank) * 4, 1)
         d += THREADS
 
 
 @cute.jit
-def _load_flag(a, mode: cutlass.Constexpr):
-    if cutlass.const_expr(mode == "vol"):
-        return ptx.ld_volatile(a)
-    return ptx.ld_acquire_sys(a)
-
-
-@cute.jit
-def _wait_all(my_base, tid, world, cnt_off, target, err_addr, timeout_ns, code, mode: cutlass.Constexpr = ""):
-    """Thread s spins (acquire, sys) until cnt[s] - target >= 0 or the timeout (then error code|s).
-    `mode` (fault-isolation variants only): "vol" spins on volatile loads, then one fence."""
-    s = tid
-    while s < world:
-        a = my_base + cnt_off + _i64(s) * 4
+def _wait_all(my_base, tid, world, cnt_off, target, err_addr, timeout_ns, code):
+    """Warp 0 waits until cnt[s] - target >= 0 for every source s, without diverging: lane l polls
+    sources l, l + 32, ... (one coalesced load per round, addresses clamped into the array) and every
+    loop condition is a warp vote, so no lane ever spins alone. On expiry the lanes still waiting write
+    code | source to the error word. (A lane spinning alone in a divergent loop -- the previous form,
+    thread s polling source s -- made combine fault on H200: the warp's memory-descriptor uniform
+    register read as 0 at the next load, a Warp Illegal Address on a valid address; cuda-gdb,
+    tests/comms/gpu_combine_gdb.sh.) The caller's bar.sync releases the other warps."""
+    if tid < 32:
         t0 = ptx.globaltimer()
-        f = _load_flag(a, mode)
-        late = Int32(0)
-        while (wrap_sub(f, target) < 0) & (late == 0):
-            if ptx.globaltimer() - t0 > timeout_ns:
-                late = Int32(1)
-                ptx.st_release_sys(err_addr, code | s)
-            f = _load_flag(a, mode)
-        if cutlass.const_expr(mode == "vol"):
-            ptx.fence_acq_rel_sys()
-        s += THREADS
+        s0 = Int32(0)
+        while s0 < world:
+            s = s0 + tid
+            need = s < world
+            a = my_base + cnt_off + _i64(cutlass.min(s, world - 1)) * 4
+            f = ptx.ld_acquire_sys(a)
+            pending = cute.arch.vote_ballot_sync(need & (wrap_sub(f, target) < 0))
+            late = Int32(0)
+            while (pending != 0) & (late == 0):
+                if cute.arch.vote_ballot_sync(ptx.globaltimer() - t0 > timeout_ns) != 0:
+                    late = Int32(1)
+                    if need & (wrap_sub(f, target) < 0):
+                        ptx.st_release_sys(err_addr, code | s)
+                f = ptx.ld_acquire_sys(a)
+                pending = cute.arch.vote_ballot_sync(need & (wrap_sub(f, target) < 0))
+            s0 += 32
 
 
 @cute.jit
@@ -452,9 +450,6 @@ def _make_dispatch(K: int):
 SKIP_A_LOADS, SKIP_A_STORES, SKIP_B_LOADS, SKIP_B_STORES, SKIP_FLAGS = 1, 2, 4, 8, 16
 # Error-word kinds of the checked variant (combine_k4_checked): which index left its buffer.
 CHECK_A_ROW, CHECK_A_Y, CHECK_B_RANK, CHECK_B_OUT = 8, 9, 10, 11
-# Flag-protocol variants (combine_k4_sync{mode}): volatile spin + fence, atom instead of red, a bar.sync
-# between the signal and the wait.
-SYNC_VARIANTS = ("vol", "atom", "bar")
 DEBUG_SKIPS = (SKIP_A_LOADS | SKIP_A_STORES | SKIP_B_LOADS | SKIP_B_STORES | SKIP_FLAGS, SKIP_A_LOADS | SKIP_A_STORES,
                SKIP_B_LOADS | SKIP_B_STORES, SKIP_A_LOADS, SKIP_A_STORES, SKIP_B_LOADS, SKIP_B_STORES, SKIP_FLAGS)
 
@@ -488,7 +483,7 @@ def _record(err_addr, kind, value):
     ptx.st_release_sys(err_addr, (kind << 16) | (value & 0xFFFF))
 
 
-def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = False, sync: str = ""):
+def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = False):
     """`check`: every computed index is tested against its buffer; a violation is recorded in the
     error word as (CHECK_* kind << 16 | index) and the access skipped (fault localisation only).
     `trace`: every warp records its phase and next address in the pinned host buffer at err_addr
@@ -590,10 +585,8 @@ def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = Fals
             _trace(err_addr, gw, lane, TR_A_DONE, 0, me + off_ccnt)
         cute.arch.sync_threads()
         if cutlass.const_expr(not skip & SKIP_FLAGS):
-            _signal_all(peers, tid, world, off_ccnt, rank, sync)
-            if cutlass.const_expr(sync == "bar"):
-                cute.arch.sync_threads()
-            _wait_all(me, tid, world, off_ccnt, wrap_mul(epoch, nb), err_addr, timeout_ns, ERR_COMBINE_TIMEOUT, sync)
+            _signal_all(peers, tid, world, off_ccnt, rank)
+            _wait_all(me, tid, world, off_ccnt, wrap_mul(epoch, nb), err_addr, timeout_ns, ERR_COMBINE_TIMEOUT)
         cute.arch.sync_threads()
         if cutlass.const_expr(trace):
             _trace(err_addr, gw, lane, TR_WAITED, 0, oa)
@@ -731,9 +724,8 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
         variants = [(f"combine_k{K}" + (f"_skip{skip}" if skip else ""), skip, False) for skip in skips]
         if len(skips) > 1:
             variants += [(f"combine_k{K}_checked", 0, True), (f"combine_k{K}_trace", 0, "trace")]
-            variants += [(f"combine_k{K}_sync{m}", 0, m) for m in SYNC_VARIANTS]
         for name, skip, check in variants:
             out[name] = cute.compile(
-                _make_combine(K, skip, check is True, check == "trace", check if check in SYNC_VARIANTS else ""), y, ids, o, row_pos, peers, i32, i32, i32, i32, i64, i64, i64, i64,
+                _make_combine(K, skip, check is True, check == "trace"), y, ids, o, row_pos, peers, i32, i32, i32, i32, i64, i64, i64, i64,
                 i64, i64, i64, i64, i64, i32, stream, options=opts)
     return out

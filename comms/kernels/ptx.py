@@ -87,18 +87,6 @@ def ld_acquire_sys(addr, *, loc=None, ip=None) -> cutlass.Int32:
 
 
 @dsl_user_op
-def ld_volatile(addr, *, loc=None, ip=None) -> cutlass.Int32:
-    return cutlass.Int32(_asm(T.i32(), [_i64(addr, loc, ip)], "ld.volatile.global.b32 $0, [$1];",
-                              "=r,l,~{memory}", loc, ip))
-
-
-@dsl_user_op
-def atom_add_release_sys(addr, val, *, loc=None, ip=None) -> cutlass.Int32:
-    return cutlass.Int32(_asm(T.i32(), [_i64(addr, loc, ip), _i32(val, loc, ip)],
-                              "atom.release.sys.global.add.u32 $0, [$1], $2;", "=r,l,r,~{memory}", loc, ip))
-
-
-@dsl_user_op
 def ld_relaxed_gpu(addr, *, loc=None, ip=None) -> cutlass.Int32:
     return cutlass.Int32(_asm(T.i32(), [_i64(addr, loc, ip)], "ld.relaxed.gpu.global.b32 $0, [$1];",
                               "=r,l,~{memory}", loc, ip))

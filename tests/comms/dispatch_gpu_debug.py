@@ -23,7 +23,6 @@ violation is recorded in the error word as comms.kernels.dispatch.CHECK_* << 16 
 `trace`: configs 0 and 1 with combine_k4_trace: every warp records (phase, work unit, next address)
 in pinned host memory before each group of accesses, so after a fault the host prints how many warps
 stopped in each phase and, for the unfinished ones, the address and the buffer it falls in.
-`syncs`: configs 0 and 1 with each flag-protocol variant of combine (combine_k4_sync{vol,atom,bar}).
 `skips`: config 0 with each fault-isolation variant of combine (combine_k4_skip{bits}, in a bundle
 built with NVL72_DISPATCH_DEBUG_VARIANTS=1; bits in comms.kernels.dispatch): which group of
 accesses faults ("OK combine" with the A-loads removed and FAULT otherwise names the y reads).
@@ -239,8 +238,6 @@ def _bundle_variants(prefix: str) -> list[str]:
 if __name__ == "__main__":
     n = int(sys.argv[1]) if len(sys.argv) > 1 else torch.cuda.device_count()
     mode = sys.argv[2] if len(sys.argv) > 2 else ""
-    if mode == "syncs":  # configs 0 and 1 with each flag-protocol variant (combine_k4_sync*)
-        sys.exit(main(n, None, [(i, v) for i in (0, 1) for v in _bundle_variants("combine_k4_sync")]))
     if mode == "skips":
         sys.exit(main(n, None, [(0, v) for v in _bundle_variants("combine_k4_skip")]))
     if mode == "checked":  # the K=4 configs with every index checked on the device

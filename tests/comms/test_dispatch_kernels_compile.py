@@ -38,12 +38,11 @@ def test_host_mirrors_kernel_constants():
 
 
 def test_fault_isolation_variants_compile(monkeypatch):
-    """NVL72_DISPATCH_DEBUG_VARIANTS=1 adds combine_k4_skip{bits}, combine_k4_checked, combine_k4_trace and
-    combine_k4_sync{mode} (tests/comms/dispatch_gpu_debug.py)."""
+    """NVL72_DISPATCH_DEBUG_VARIANTS=1 adds combine_k4_skip{bits}, combine_k4_checked and combine_k4_trace
+    (tests/comms/dispatch_gpu_debug.py)."""
     from comms.kernels import dispatch
 
     monkeypatch.setenv("NVL72_DISPATCH_DEBUG_VARIANTS", "1")
     fns = dispatch.compile_for_export("sm_90a", topks=(4,))
     assert sorted(fns) == sorted(["dispatch_k4", "combine_k4", "combine_k4_checked", "combine_k4_trace"]
-                                 + [f"combine_k4_skip{b}" for b in dispatch.DEBUG_SKIPS]
-                                 + [f"combine_k4_sync{m}" for m in dispatch.SYNC_VARIANTS])
+                                 + [f"combine_k4_skip{b}" for b in dispatch.DEBUG_SKIPS])
