@@ -11,6 +11,11 @@ Algorithms (kernels in `comms.kernels.allreduce`, loaded from the `aot` bundle):
   twoshot   reduce-scatter + all-gather over NVLink                    (bandwidth-bound sizes);
             when x and out both live in the heap (`symmetric_empty`), a staging-free variant:
             owners read every rank's x and write every rank's out directly
+  twoshot_push  two-shot for x and out in the heap (`symmetric_empty`; in place allowed, as torch's
+            two_shot_all_reduce_), writes only over NVLink: each rank pushes the chunks it does not
+            own to their owners, each owner stores its sum straight into every rank's out; no
+            gather slot and no copy-out. Other inputs (not in the heap, or not whole 16-byte
+            vectors) run the staged twoshot. Chosen by name only (not measured yet)
   twoshot_pipe  two-shot in 32 KiB tiles with per-tile flags: reduce-scatter of tile k+1, reduce
             of tile k (pushed straight to the peers) and the copy-out of tile k-1 overlap; chosen
             by name only (not measured yet, so `auto` never picks it)
@@ -51,8 +56,8 @@ from comms.heap import SymmetricHeap
 
 log = logging.getLogger(__name__)
 
-ALGOS = ("auto", "lamport", "oneshot", "twoshot", "twoshot_pipe", "multimem", "nccl", "reference")
-KERNEL_ALGOS = ("lamport", "oneshot", "twoshot", "twoshot_pipe", "multimem")
+ALGOS = ("auto", "lamport", "oneshot", "twoshot", "twoshot_push", "twoshot_pipe", "multimem", "nccl", "reference")
+KERNEL_ALGOS = ("lamport", "oneshot", "twoshot", "twoshot_push", "twoshot_pipe", "multimem")
 DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 KERNEL_MODULE = "comms.kernels.allreduce"
 # compile-time constants of comms.kernels.allreduce (kept here so CPU code need not import it)
@@ -90,6 +95,35 @@ def select_algo(nbytes: int, world: int, *, device: str, multicast: bool, max_by
     if nbytes <= ONESHOT_MAX_BYTES:
         return "oneshot"
     return "multimem" if multicast else "twoshot"
+
+
+def heap_kernel(algo: str, x_off: int | None, o_off: int | None, nbytes: int) -> str:
+    """The kernel that runs `algo` for x and out at heap offsets x_off / o_off (None: not in the
+    heap): twoshot -> twoshot_symm and twoshot_push -> its own kernel when both are in the heap,
+    16-byte aligned and whole vectors long; otherwise twoshot_push runs the staged twoshot."""
+    in_heap = (x_off is not None and o_off is not None and nbytes % VEC_BYTES == 0
+               and x_off % VEC_BYTES == 0 and o_off % VEC_BYTES == 0)
+    if algo == "twoshot" and in_heap:
+        return "twoshot_symm"
+    if algo == "twoshot_push":
+        return "twoshot_push" if in_heap else "twoshot"
+    return algo
+
+
+def twoshot_blocks(nvec: int, world: int) -> int:
+    """Grid of the two-shot kernels for `nvec` 16-byte vectors: a block per THREADS vectors of a
+    chunk, at most MAX_BLOCKS."""
+    chunk = -(-nvec // world)
+    return max(1, min(MAX_BLOCKS, -(-chunk // THREADS)))
+
+
+def twoshot_slices(nvec: int, world: int, nblocks: int) -> list[list[tuple[int, int]]]:
+    """The two-shot kernels' split: [block] -> the (start, end) vector span of that block's slice
+    of every owner's chunk, owner r at index r (block b pushes, reduces and waits on these only)."""
+    chunk = -(-nvec // world)
+    per = -(-chunk // nblocks)
+    return [[(min(c * chunk + b * per, (c + 1) * chunk, nvec), min(c * chunk + min((b + 1) * per, chunk), nvec))
+             for c in range(world)] for b in range(nblocks)]
 
 
 def pipe_blocks(nvec: int, world: int) -> int:
@@ -212,9 +246,10 @@ class AllReduce:
             return y
         self.check()
         out = out if out is not None else torch.empty_like(x)
-        if algo == "twoshot" and self.device.type == "cuda":
+        if algo in ("twoshot", "twoshot_push"):
             xo, oo = self.heap.offset_of(x), self.heap.offset_of(out)
-            if xo is not None and oo is not None and (x.numel() * x.element_size()) % VEC_BYTES == 0:
+            algo = heap_kernel(algo, xo, oo, x.numel() * x.element_size())
+            if algo == "twoshot_symm":
                 return self._launch_symm(x, out, xo, oo)
         return self._launch(algo, x, out)
 
@@ -248,7 +283,8 @@ class AllReduce:
     def symmetric_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """A tensor in the symmetric heap (every rank must make the same calls in the same order,
         so it sits at the same offset everywhere). Two-shot with x and out both such tensors
-        skips the staging copies (peers read x and write out directly)."""
+        skips the staging copies: twoshot's owners read x and write out over NVLink,
+        twoshot_push's ranks push x to the owners, which write out (x itself for in place)."""
         n = 1
         for d in (shape,) if isinstance(shape, int) else shape:
             n *= d
@@ -328,10 +364,12 @@ class AllReduce:
             xf = torch.nn.functional.pad(xf, (0, npad - n))
             of = torch.empty_like(xf)
         nvec = xf.numel() // epv
-        per_block = nvec if algo in ("oneshot", "lamport") else -(-nvec // self.world)
-        nblocks = max(1, min(MAX_BLOCKS, -(-per_block // THREADS)))
-        if algo == "twoshot_pipe":
+        if algo in ("oneshot", "lamport"):
+            nblocks = max(1, min(MAX_BLOCKS, -(-nvec // THREADS)))
+        elif algo == "twoshot_pipe":
             nblocks = pipe_blocks(nvec, self.world)
+        else:
+            nblocks = twoshot_blocks(nvec, self.world)
         if algo == "lamport":
             args = [xf, of, self.heap.peer_ptrs, self.rank, self.world, self.lam_off, self.lam_cap,
                     self._lam_state_addr, self._err.data_ptr(), int(self.timeout_s * 1e9)]
@@ -339,8 +377,8 @@ class AllReduce:
             flags = self.pipe_flag_off if algo == "twoshot_pipe" else self.flag_off
             args = [xf, of, self.heap.peer_ptrs, self.rank, self.world, self.ws_off, self.max_bytes, flags,
                     self.state_off, self._err.data_ptr(), int(self.timeout_s * 1e9)]
-        if algo in ("twoshot", "multimem"):
-            args.append(self.heap.multicast_ptr)
+        if algo in ("twoshot", "twoshot_push", "multimem"):
+            args.append(self.heap.multicast_ptr)  # used by multimem only
         args.append(nblocks)
         if algo == "lamport":
             args.append(self._pdl())
@@ -350,9 +388,7 @@ class AllReduce:
         return out
 
     def _launch_symm(self, x, out, x_off, o_off):
-        nvec = x.numel() * x.element_size() // VEC_BYTES
-        chunk = -(-nvec // self.world)
-        nblocks = max(1, min(MAX_BLOCKS, -(-chunk // THREADS)))
+        nblocks = twoshot_blocks(x.numel() * x.element_size() // VEC_BYTES, self.world)
         self._call(self._kernel("twoshot_symm", x.dtype), x.view(-1), out.view(-1), self.heap.peer_ptrs, self.rank,
                    self.world, x_off, o_off, self.flag_off, self.state_off, self._err.data_ptr(),
                    int(self.timeout_s * 1e9), nblocks)

@@ -37,6 +37,9 @@ Algorithms (exported as allreduce_<algo>_<bf16|fp32>):
   oneshot          each rank pushes x to every peer, flag per block, reduces the W copies
   twoshot          reduce-scatter (push each chunk to its owner; owner reduces) + all-gather
   twoshot_symm     two-shot for x/out in the heap: owners read x and write out over NVLink
+  twoshot_push     two-shot for x/out in the heap (in place allowed, as torch's two_shot_all_reduce_),
+                   writes only over NVLink: chunks pushed to their owner's scratch, the owner's
+                   sum stored straight into every rank's out; no gather slot, no copy-out
   twoshot_pipe     two-shot in 32 KiB tiles with per-tile flags: a block pushes reduce-scatter
                    tile k+1, reduces tile k (straight into the peers' gather slots) and copies
                    the peers' tile k-1 out, so the phases overlap (flags in their own region)
@@ -456,9 +459,22 @@ def _make_lamport(is_bf16: bool):
 
 
 # ------------------------------------------------------------------------------------------ two-shot
-def _make_twoshot(is_bf16: bool, multimem: bool):
-    """Unicast two-shot, or (multimem=True) the same structure with the owner's reduce and
-    all-gather done by NVLink SHARP through the multicast mapping at `mc_base`."""
+def _make_twoshot(is_bf16: bool, variant: str):
+    """Two-shot, by `variant`:
+      "unicast"   reduce-scatter into the owners' scratch, all-gather into the gather slots, then
+                  each rank copies the peers' chunks from its gather slot to out;
+      "multimem"  the same structure with the owner's reduce and all-gather done by NVLink SHARP
+                  through the multicast mapping at `mc_base`;
+      "push"      x and out in the heap at the same offsets on every rank (out may be x): the
+                  owner stores its reduced chunk straight into every rank's out (in the peers'
+                  heaps at out's offset), so NVLink carries writes only and there is no copy-out;
+                  the last flag wait keeps a rank from returning before its out is complete.
+    A block only ever touches its own slice of every chunk, and an owner writes a peer's slice
+    only after that peer's flag says it pushed (read) that slice, so in place is safe."""
+    if variant not in ("unicast", "multimem", "push"):
+        raise ValueError(f"variant={variant!r}: expected 'unicast', 'multimem' or 'push'")
+    multimem = variant == "multimem"
+    push = variant == "push"
     epv = 8 if is_bf16 else 4
 
     @cute.kernel
@@ -517,21 +533,25 @@ def _make_twoshot(is_bf16: bool, multimem: bool):
         else:
             acc = cute.make_rmem_tensor(cute.make_layout(UNROLL * epv), cutlass.Float32)
             stage = cute.make_rmem_tensor(cute.make_layout(UNROLL * 4), cutlass.Int32)
-            _reduce_to_all(acc, stage, xa, my_base + scatter, cap, rank, world, v, vend, pr, gather, oa, is_bf16)
+            ag = gather  # where the sums go in the peers' heaps
+            if cutlass.const_expr(push):
+                ag = oa - my_base  # out's heap offset, the same on every rank
+            _reduce_to_all(acc, stage, xa, my_base + scatter, cap, rank, world, v, vend, pr, ag, oa, is_bf16)
         cute.arch.sync_threads()
         if cutlass.const_expr(multimem):
             ptx.fence_acq_rel_sys()
         _signal(peers, tid, rank, world, flags2 + _i64(rank * MAX_BLOCKS + bid) * 4, target)
         _wait(my_base, tid, rank, world, flags2 + _i64(bid) * 4, target, err_addr, timeout_ns)
         cute.arch.sync_threads()
-        # copy the other owners' reduced slices out of my gather slot
-        for c in cutlass.range(world):
-            if cutlass.const_expr(multimem) or c != rank:
-                v = c * chunk + b0 + tid
-                vend = c * chunk + b1
-                if vend > nvec:
-                    vend = nvec
-                _copy(my_base + gather, oa, v, vend, True)
+        # copy the other owners' reduced slices out of my gather slot (push: they are in out already)
+        if cutlass.const_expr(not push):
+            for c in cutlass.range(world):
+                if cutlass.const_expr(multimem) or c != rank:
+                    v = c * chunk + b0 + tid
+                    vend = c * chunk + b1
+                    if vend > nvec:
+                        vend = nvec
+                    _copy(my_base + gather, oa, v, vend, True)
         ptx.advance_epoch(my_base, state_off, tid, nb, target)
 
     @cute.jit
@@ -891,7 +911,8 @@ def _dtypes():
 def compile_for_export(arch: str) -> dict:
     """Compile every all-reduce kernel for `arch` against fake tensors (no GPU needed).
 
-    Exported names: allreduce_{lamport,oneshot,twoshot,twoshot_symm,twoshot_pipe,multimem}_{bf16,fp32},
+    Exported names: allreduce_{lamport,oneshot,twoshot,twoshot_symm,twoshot_push,twoshot_pipe,multimem}_{bf16,
+    fp32},
     allreduce_{rmsnorm,lamport_rmsnorm}_{bf16,fp32}.
     """
     from cutlass.cute.runtime import make_fake_compact_tensor
@@ -915,8 +936,8 @@ def compile_for_export(arch: str) -> dict:
                                                              i32, stream, options=opts)
         out[f"allreduce_oneshot_{name}"] = cute.compile(_make_oneshot(dt is cutlass.BFloat16), *common, i32,
                                                         stream, options=opts)
-        for algo, mm in (("twoshot", False), ("multimem", True)):
-            out[f"allreduce_{algo}_{name}"] = cute.compile(_make_twoshot(dt is cutlass.BFloat16, mm), *common,
+        for algo, variant in (("twoshot", "unicast"), ("twoshot_push", "push"), ("multimem", "multimem")):
+            out[f"allreduce_{algo}_{name}"] = cute.compile(_make_twoshot(dt is cutlass.BFloat16, variant), *common,
                                                            i64, i32, stream, options=opts)
         h = cute.sym_int()
         rows_h = [make_fake_compact_tensor(dt, (n,), assumed_align=16) for _ in range(4)]

@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from comms.allreduce import (LAMPORT_MAX_BYTES, MAX_BLOCKS, ONESHOT_MAX_BYTES, PIPE_TILE, AllReduce, AllReduceError,
-                             pipe_blocks, pipe_schedule, rmsnorm_reference, select_algo)
+from comms.allreduce import (LAMPORT_MAX_BYTES, MAX_BLOCKS, ONESHOT_MAX_BYTES, PIPE_TILE, THREADS, AllReduce,
+                             AllReduceError, heap_kernel, pipe_blocks, pipe_schedule, rmsnorm_reference, select_algo,
+                             twoshot_blocks, twoshot_slices)
 from tests.comms.test_heap import run_ranks
 
 
@@ -27,6 +28,68 @@ def test_select_algo_by_size_and_capability():
     assert select_algo(1 << 30, 4, device="cpu", multicast=False, max_bytes=1) == "reference"
     with pytest.raises(AllReduceError, match="nbytes=-1"):
         select_algo(-1, 2, **kw)
+
+
+def test_heap_kernel_runs_twoshot_push_only_for_aligned_heap_buffers():
+    assert heap_kernel("twoshot_push", 4096, 4096, 1 << 20) == "twoshot_push"  # in place
+    assert heap_kernel("twoshot_push", 0, 1 << 20, 32) == "twoshot_push"
+    assert heap_kernel("twoshot", 0, 1 << 20, 32) == "twoshot_symm"
+    for xo, oo, nbytes in ((None, 0, 32), (0, None, 32), (None, None, 32), (0, 0, 8194), (8, 0, 32), (0, 24, 32)):
+        assert heap_kernel("twoshot_push", xo, oo, nbytes) == "twoshot", (xo, oo, nbytes)  # staged
+        assert heap_kernel("twoshot", xo, oo, nbytes) == "twoshot", (xo, oo, nbytes)
+    assert heap_kernel("oneshot", 0, 0, 32) == "oneshot" and heap_kernel("twoshot_pipe", 0, 0, 32) == "twoshot_pipe"
+
+
+def _run_push_model(bufs, nblocks, order):
+    """Execute twoshot_push on CPU block by block in `order` (each block's whole protocol before
+    the next one's, the worst case for in place): every rank pushes its slice of the chunks it
+    does not own into the owner's scratch, then every owner sums its slice (fp32, rank order: its
+    own x, the peers' scratch) and stores the sum into every rank's buffer, its own included.
+    bufs: each rank's [nvec, epv] x, reduced in place."""
+    world, nvec = len(bufs), bufs[0].shape[0]
+    slices = twoshot_slices(nvec, world, nblocks)
+    scratch = [[torch.full_like(x, float("nan")) for _ in range(world)] for x in bufs]  # [owner][src]
+    for b in order:
+        for r in range(world):
+            for c, (a, e) in enumerate(slices[b]):
+                if c != r:
+                    scratch[c][r][a:e] = bufs[r][a:e]
+        for r in range(world):
+            a, e = slices[b][r]
+            acc = torch.zeros_like(bufs[r][a:e], dtype=torch.float32)
+            for s in range(world):
+                acc += (bufs[r] if s == r else scratch[r][s])[a:e].float()
+            res = acc.to(bufs[r].dtype)
+            for p in range(world):
+                bufs[p][a:e] = res
+
+
+@pytest.mark.parametrize("world,nvec", [(2, 1), (2, 4097), (3, 3 * THREADS + 5), (2, 600 * THREADS + 1), (8, 70001)])
+def test_twoshot_push_slices_cover_every_vector_once_and_sum_in_place(world, nvec):
+    nb = twoshot_blocks(nvec, world)
+    for nblocks in {nb, 1, 3}:
+        seen = torch.zeros(nvec, dtype=torch.int32)
+        for spans in twoshot_slices(nvec, world, nblocks):
+            for a, e in spans:
+                assert a <= e
+                seen[a:e] += 1
+        assert torch.equal(seen, torch.ones_like(seen)), f"every vector in one slice of one owner ({nblocks} blocks)"
+    g = torch.Generator().manual_seed(world * 1000 + nvec)
+    for dtype in (torch.bfloat16, torch.float32):
+        xs = [torch.randn(nvec, 4, generator=g).to(dtype) for _ in range(world)]
+        ref = sum(x.float() for x in xs).to(dtype)
+        for nblocks in {nb, 3}:
+            for order in (range(nblocks), range(nblocks - 1, -1, -1)):
+                bufs = [x.clone() for x in xs]
+                _run_push_model(bufs, nblocks, order)
+                for r, y in enumerate(bufs):
+                    assert torch.equal(y, ref), f"world={world} nvec={nvec} nblocks={nblocks} {dtype} rank {r}"
+
+
+def test_twoshot_grid():
+    assert twoshot_blocks((128 << 20) // 16, 2) == MAX_BLOCKS  # 4 Mi vectors per chunk
+    assert twoshot_blocks(2 * THREADS * 10, 2) == 10 and twoshot_blocks(2 * THREADS * 10 + 1, 2) == 11
+    assert twoshot_blocks(1, 2) == 1 and twoshot_blocks(1, 8) == 1
 
 
 def _run_pipe_model(xs, nblocks):
@@ -141,7 +204,7 @@ def _body(rank, world):
         ar.add_rmsnorm(torch.ones(2, 8), torch.ones(2, 8), torch.ones(7), 1e-6)
     with pytest.raises(AllReduceError, match="eps=0"):
         ar.add_rmsnorm(torch.ones(2, 8), torch.ones(2, 8), torch.ones(8), 0)
-    for algo in ("oneshot", "twoshot_pipe"):
+    for algo in ("oneshot", "twoshot_pipe", "twoshot_push"):
         with pytest.raises(AllReduceError, match=f"'{algo}' needs a CUDA heap"):
             AllReduce(heap, algo)
     with pytest.raises(AllReduceError, match="algo='fastest'"):

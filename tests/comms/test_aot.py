@@ -41,7 +41,7 @@ def test_bundle_compiles_every_listed_kernel_for_both_archs(tmp_path, monkeypatc
             assert info["exports"], m
             assert _exported_symbols(str(tmp_path / arch / info["file"])) == set(info["exports"])
         ours = on_disk["modules"]["comms.kernels.allreduce"]["exports"]
-        algos = ("lamport", "oneshot", "twoshot", "twoshot_symm", "twoshot_pipe", "multimem", "rmsnorm",
+        algos = ("lamport", "oneshot", "twoshot", "twoshot_symm", "twoshot_push", "twoshot_pipe", "multimem", "rmsnorm",
                  "lamport_rmsnorm")
         assert {f"allreduce_{a}_{d}" for a in algos for d in ("bf16", "fp32")} == set(ours)
     # the loader finds the bundle through the environment and hands out kernels by name
