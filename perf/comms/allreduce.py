@@ -11,9 +11,11 @@ buffer (their best case: input already symmetric), NCCL `all_reduce`. Also: peer
 (a local tensor copied into a peer's heap, over NVLink) and the fused all-reduce + add + RMSNorm
 against the same steps as separate ops (the same all-reduce, torch add, torch rms_norm) at decode sizes. Multicast stays off (never created here).
 `twoshot_pipe` is the pipelined two-shot (per-tile flags, overlapping phases) on the same ordinary
-tensors as `twoshot`. `lamport_nopdl` is the Lamport kernel launched without programmatic dependent launch
-(AllReduce(pdl=False)): the difference is what PDL saves. The output ends with a table of the
-graph-replay times, one row per size and one column per algorithm.
+tensors as `twoshot`. `twoshot_symm` and `twoshot_push` get heap buffers (`symmetric_empty`), as
+torch's ops get symmetric memory: twoshot_symm from one into another, twoshot_push in place (the
+form of torch's two_shot_all_reduce_). `lamport_nopdl` is the Lamport kernel launched without
+programmatic dependent launch (AllReduce(pdl=False)): the difference is what PDL saves. The
+output ends with a table of the graph-replay times, one row per size and one column per algorithm.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import torch.multiprocessing as mp
 from perf.comms.timing import capture_loop, events_time, loop, max_over_ranks, warm_on_side_stream
 
 OURS = ("lamport", "lamport_nopdl", "oneshot", "twoshot", "twoshot_pipe")  # lamport_nopdl: AllReduce(pdl=False)
-SYMM = ("twoshot_symm",)  # our two-shot with x and out in the heap (as torch's ops get)
+SYMM = ("twoshot_symm", "twoshot_push")  # our two-shots with x and out in the heap (as torch's ops get)
 PEERS = ("nccl", "torch_one_shot", "torch_two_shot")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -87,17 +89,24 @@ def _worker(rank: int, world: int, init_file: str, cfg_json: str):
     algos = cfg["algos"]
     group = dist.group.WORLD
     from comms.allreduce import LAMPORT_MAX_BYTES
-    n_ours = sum(a in OURS for a in algos) + ("twoshot_symm" in algos and "twoshot" not in algos)
+    n_ours = (sum(a in OURS for a in algos) + ("twoshot_symm" in algos and "twoshot" not in algos)
+              + ("twoshot_push" in algos))
     per_ar = (2 * world + 2) * max_bytes + 3 * world * min(max_bytes, LAMPORT_MAX_BYTES) + (1 << 20)
     copy_bytes = 64 << 20  # peer-copy bandwidth region, apart from the all-reduce workspaces
-    symm_bytes = 2 * max_bytes + (1 << 20) if "twoshot_symm" in algos else 0
-    heap = SymmetricHeap(group, n_ours * per_ar + symm_bytes + copy_bytes + (2 << 20), dev, timeout_s=120)
+    n_symm = ("twoshot_symm" in algos) * 2 + ("twoshot_push" in algos)  # heap buffers of max_bytes
+    heap = SymmetricHeap(group, n_ours * per_ar + n_symm * (max_bytes + (1 << 20)) + copy_bytes + (2 << 20), dev,
+                         timeout_s=120)
     ars = {a: AllReduce(heap, a.removesuffix("_nopdl"), max_bytes=max_bytes, timeout_s=10, pdl=a != "lamport_nopdl")
            for a in algos if a in OURS}
+    symm_bufs = {}  # algo -> (x, out) heap buffers of max_bytes
     if "twoshot_symm" in algos:
         ars["twoshot_symm"] = ars.get("twoshot") or AllReduce(heap, "twoshot", max_bytes=max_bytes, timeout_s=10)
-        xs_all = ars["twoshot_symm"].symmetric_empty(max_bytes // es, dtype)
-        os_all = ars["twoshot_symm"].symmetric_empty(max_bytes // es, dtype)
+        symm_bufs["twoshot_symm"] = tuple(ars["twoshot_symm"].symmetric_empty(max_bytes // es, dtype)
+                                          for _ in range(2))
+    if "twoshot_push" in algos:
+        ars["twoshot_push"] = AllReduce(heap, "twoshot_push", max_bytes=max_bytes, timeout_s=10)
+        xp = ars["twoshot_push"].symmetric_empty(max_bytes // es, dtype)
+        symm_bufs["twoshot_push"] = (xp, xp)  # in place
     copy_off = heap.alloc(copy_bytes)
     symm = None
     if any(a.startswith("torch_") for a in algos):
@@ -121,8 +130,8 @@ def _worker(rank: int, world: int, init_file: str, cfg_json: str):
                 fn()
                 torch.cuda.synchronize()
                 got = out
-            elif algo == "twoshot_symm":
-                xs, os_ = xs_all[:n], os_all[:n]
+            elif algo in SYMM:
+                xs, os_ = (b[:n] for b in symm_bufs[algo])
                 xs.copy_(x)
                 fn = (lambda ar=ars[algo], xs=xs, os_=os_: ar(xs, out=os_))
                 fn()

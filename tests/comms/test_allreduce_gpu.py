@@ -35,17 +35,21 @@ def _same_on_all_ranks(y):
     return all(torch.equal(ys[0], t) for t in ys[1:])
 
 
-def _check_graph_replays(ar, rank, world, dev, n, reps, case, label) -> int:
+def _check_graph_replays(ar, rank, world, dev, n, reps, case, label, static_x=None) -> int:
     """Capture `ar` on a static bf16 buffer of n elements (after one eager call outside the capture:
     it loads the kernel), replay it `reps` times on fresh inputs, each against the fp32 sum (the
-    epoch lives on the device, so replays keep synchronising). Returns the last input case used."""
-    static_x = torch.empty(n, dtype=torch.bfloat16, device=dev)
+    epoch lives on the device, so replays keep synchronising). static_x: that buffer, reduced in
+    place (e.g. one in the heap); default a new tensor, summed into a new one. Returns the last
+    input case used."""
+    in_place = static_x is not None
+    if not in_place:
+        static_x = torch.empty(n, dtype=torch.bfloat16, device=dev)
     static_x.copy_(_inputs(rank, n, torch.bfloat16, case, dev))
-    ar(static_x)
+    ar(static_x, out=static_x if in_place else None)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        static_y = ar(static_x)
+        static_y = ar(static_x, out=static_x if in_place else None)
     for rep in range(reps):
         case += 1
         static_x.copy_(_inputs(rank, n, torch.bfloat16, case, dev))
@@ -157,6 +161,61 @@ def _pipe_body(rank, world):
     heap.destroy()
 
 
+def _push_body(rank, world):
+    """twoshot_push up to 64 MiB on heap buffers (symmetric_empty): in place and into a second heap
+    buffer, bf16 and fp32 against an fp32 sum, bitwise equal to the staged twoshot on ordinary
+    tensors (odd lengths and ordinary tensors take that staged path), in-place graph replays,
+    then a peer that never arrives: the call times out and the owner's sum still lands in the
+    absent peer's buffer (the write-only path, not the gather slot)."""
+    from comms import AllReduce, SymmetricHeap
+    from comms.allreduce import AllReduceTimeoutError
+
+    dev = torch.device("cuda", rank)
+    heap = SymmetricHeap(dist.group.WORLD, 608 << 20, dev, timeout_s=60)  # ws 408 MiB, 2 x 64 MiB buffers, 13 MiB
+    ar = AllReduce(heap, "twoshot_push", max_bytes=64 << 20, timeout_s=5)
+    xbuf, obuf = ar.symmetric_empty(64 << 20, torch.uint8), ar.symmetric_empty(64 << 20, torch.uint8)
+    case = 0
+    for dtype in (torch.bfloat16, torch.float32):
+        es = torch.empty((), dtype=dtype).element_size()
+        large = (64 << 20) // es - 8  # whole 16-byte vectors (bf16: an odd count, unequal chunks)
+        for n in (8, 1000, 7, 4097, 8 * 12345, large):
+            case += 1
+            x = _inputs(rank, n, dtype, case, dev)
+            ref = _ref(world, n, dtype, case, dev)
+            y = ar(x)  # ordinary tensors: the staged twoshot
+            xs, os_ = xbuf[:n * es].view(dtype), obuf[:n * es].view(dtype)
+            xs.copy_(x)
+            ar(xs, out=os_)
+            ar(xs, out=xs)
+            torch.cuda.synchronize()
+            ar.check()
+            err = _rel(xs, ref)
+            assert err <= TOL[dtype], f"twoshot_push {dtype} n={n}: rel err {err:.3g}"
+            assert _same_on_all_ranks(xs), f"twoshot_push {dtype} n={n}: ranks differ"
+            assert torch.equal(xs, y) and torch.equal(os_, y), f"twoshot_push {dtype} n={n} differs from staged"
+    for n in (12345 * 8, (48 << 20) // 2):
+        case = _check_graph_replays(ar, rank, world, dev, n, 3, case, "twoshot_push",
+                                    static_x=xbuf[:2 * n].view(torch.bfloat16))
+    ar.destroy()
+    ar = AllReduce(heap, "twoshot_push", max_bytes=1 << 20, timeout_s=0.2)
+    n = 200_000  # fp32: 50000 vectors; rank 0 owns the first c elements
+    c = -(-n // 4 // world) * 4
+    xs = ar.symmetric_empty(n, torch.float32)
+    if rank == 0:
+        xs.fill_(1.0)
+    heap.barrier()
+    if rank == 0:  # rank 1 never joins this call
+        ar(xs, out=xs)
+        torch.cuda.synchronize()
+        with pytest.raises(AllReduceTimeoutError, match="rank 1"):
+            ar.check()
+    heap.barrier()
+    if rank > 0:  # rank 0's chunk (its x plus the never-written scratch: 1 + 0) was stored here
+        assert torch.equal(xs[:c], torch.ones(c, device=dev)), "owner's sum not in the peer's buffer"
+        assert torch.equal(xs[c:], torch.zeros(n - c, device=dev)), "the rest of the peer's buffer was written"
+    heap.destroy()
+
+
 def _rmsnorm_body(rank, world):
     from comms import AllReduce, SymmetricHeap
     from comms.allreduce import rmsnorm_reference
@@ -249,6 +308,10 @@ def test_allreduce_gpu_algorithms(ngpu):
 
 def test_allreduce_gpu_twoshot_pipe(ngpu):
     run_ranks(_pipe_body, ngpu, backend="nccl", timeout_s=100)
+
+
+def test_allreduce_gpu_twoshot_push(ngpu):
+    run_ranks(_push_body, ngpu, backend="nccl", timeout_s=100)
 
 
 def test_allreduce_gpu_add_rmsnorm(ngpu):
