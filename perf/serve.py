@@ -130,7 +130,9 @@ def profile_decode(engine: LLMEngine, batch: int, out_dir: str, steps: int = 24)
     prof.export_chrome_trace(os.path.join(out_dir, f"decode_b{batch}.json"))
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0)]
     busy = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3 / steps
-    print(f"\nPROFILE decode b={batch}: wall {wall / steps * 1e3:.3f} ms/step, GPU kernel time {busy:.3f} ms/step")
+    launches = sum(e.count for e in events if e.device_type.name == "CUDA") / steps
+    print(f"\nPROFILE decode b={batch}: wall {wall / steps * 1e3:.3f} ms/step, GPU kernel time {busy:.3f} ms/step, "
+          f"{launches:.0f} GPU ops (kernels, copies) per step")
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
 
 

@@ -3,7 +3,8 @@
   torch       the references in `nvl72.model.ops` (CPU default; the ground truth of the tests)
   triton      our Triton kernels (`nvl72.model.fused_triton`): KV store + paged GQA attention,
               decode and prefill in one kernel; plan and forward need no host sync, so it is the
-              backend CUDA-graph decode captures
+              backend CUDA-graph decode captures. It also brings the decoder's fused residual
+              add + RMSNorm, q/k norm + RoPE and RoPE-table kernels (`fused_ops`)
   flashinfer  FlashInfer's paged decode wrapper on the HND cache (sm_90 hosts where `flashinfer`
               imports), planned once per forward on the host and shared by every layer; batches
               with prefill rows go to the Triton kernel (FlashInfer's FA3 prefill module is not
@@ -58,6 +59,9 @@ class AttentionBackend:
     name = "base"
     graph_safe = False  # plan() and forward() can be captured in a CUDA graph
     fused_qk_norm_rope = False  # layers call qk_norm_rope() instead of the reference norm + RoPE
+    # the decoder's residual add + RMSNorm and the RoPE table as Triton kernels (add_rms_norm(),
+    # rope_cos_sin()) instead of the torch references
+    fused_ops = False
 
     def qk_norm_rope(self, q_raw, k_raw, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, head_dim, eps,
                      zero_centered, gated):
@@ -66,6 +70,20 @@ class AttentionBackend:
 
         return fused_triton.qk_norm_rope(q_raw, k_raw, q_weight, k_weight, cos, sin, num_heads, num_kv_heads,
                                          head_dim, eps, zero_centered, gated)
+
+    def add_rms_norm(self, x, delta, weight, eps, zero_centered):
+        """`fused_triton.add_rms_norm`'s contract: (x + delta, its RMSNorm); delta None: (x, RMSNorm(x))."""
+        from nvl72.model import fused_triton
+
+        return fused_triton.add_rms_norm(x, delta, weight, eps, zero_centered)
+
+    def rope_cos_sin(self, positions, inv_freq, dtype):
+        """`ops.rope_cos_sin`'s contract (one kernel where `fused_ops`, else the reference)."""
+        if not self.fused_ops:
+            return ops.rope_cos_sin(positions, inv_freq, dtype)
+        from nvl72.model import fused_triton
+
+        return fused_triton.rope_cos_sin(positions, inv_freq, dtype)
 
     def plan(self, batch: ForwardBatch, page_size: int):
         raise NotImplementedError
@@ -111,6 +129,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     graph_safe = True
     fused_qk_norm_rope = True
+    fused_ops = True
 
     def __init__(self):
         from nvl72.model import fused_triton
@@ -124,7 +143,7 @@ class TritonBackend(AttentionBackend):
             if capturing:
                 raise ValueError("a captured forward needs batch.max_query_len set on the host")
             max_q = int(batch.query_lens().max()) if batch.num_seqs else 0
-        slots = slot_mapping_on_device(batch, page_size)
+        slots = self.kernels.slot_mapping(batch.positions, batch.query_start_loc, batch.page_table, page_size)
         if not capturing and bool((slots < 0).any()):  # the references' check; graphs pad on purpose
             bad = int(torch.nonzero(slots < 0)[0, 0])
             raise ValueError(f"token {bad} at position {int(batch.positions[bad])} has no KV page "
@@ -160,7 +179,7 @@ class FlashInferBackend(AttentionBackend):
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, kv_layout="HND")
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="HND")
         self.triton = TritonBackend() if importlib.util.find_spec("triton") is not None else None
-        self.fused_qk_norm_rope = self.triton is not None
+        self.fused_qk_norm_rope = self.fused_ops = self.triton is not None
         self.store = ops.write_kv if self.triton is None else self.triton.kernels.store_kv
 
     @staticmethod

@@ -1,5 +1,9 @@
 """Triton kernels of the attention path, twins of the torch references in `nvl72.model.ops`.
 
+- `slot_mapping` and `rope_cos_sin`: the per-forward indexing of the attention layers, one kernel
+  each (their torch forms were some twenty small kernels per step);
+- `add_rms_norm`: the decoder's residual add and RMSNorm in one pass (x + delta rounded to the
+  activation dtype, then normed as `ops.rms_norm` rounds); without delta a plain RMSNorm;
 - `qk_norm_rope`: after the q/k projections, one pass does the gate split (gated attention), the
   per-head q/k RMSNorm and the (partial) neox RoPE, rounding where the reference rounds (bf16
   products and sums are emulated exactly: a product of two bf16 values is exact in fp32);
@@ -27,6 +31,94 @@ import triton.language as tl
 def _round(x, DT: tl.constexpr):
     """Round fp32 to the activation dtype and back (emulates one torch op in that dtype)."""
     return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _slot_mapping_kernel(positions, qsl, page_table, slots, num_seqs, width, stride_pt, PAGE_SIZE: tl.constexpr,
+                         BLOCK_B: tl.constexpr):
+    t = tl.program_id(0)
+    b = tl.arange(0, BLOCK_B)
+    ends = tl.load(qsl + 1 + b, mask=b < num_seqs, other=2147483647)
+    seq = tl.minimum(tl.sum((ends <= t).to(tl.int32), 0), num_seqs - 1)  # searchsorted(right), clamped
+    pos = tl.load(positions + t).to(tl.int64)
+    col = pos // PAGE_SIZE
+    page = tl.load(page_table + seq.to(tl.int64) * stride_pt + col, mask=col < width, other=-1).to(tl.int64)
+    tl.store(slots + t, tl.where(page >= 0, page * PAGE_SIZE + pos % PAGE_SIZE, -1))
+
+
+def slot_mapping(positions: torch.Tensor, query_start_loc: torch.Tensor, page_table: torch.Tensor,
+                 page_size: int) -> torch.Tensor:
+    """Twin of `attn_backends.slot_mapping_on_device` in one kernel: [T] int64 page * page_size +
+    offset of each new token, -1 where its sequence has no page there."""
+    t, (b, width) = positions.shape[0], page_table.shape
+    slots = torch.empty(t, dtype=torch.int64, device=positions.device)
+    if t:
+        if not b:
+            raise ValueError(f"slot_mapping: {t} tokens but no sequence")
+        _slot_mapping_kernel[(t,)](positions, query_start_loc, page_table, slots, b, width, page_table.stride(0),
+                                   PAGE_SIZE=page_size, BLOCK_B=triton.next_power_of_2(b))
+    return slots
+
+
+@triton.jit
+def _rope_cos_sin_kernel(positions, inv_freq, cos, sin, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    ok = j < HALF
+    f = tl.load(positions + t).to(tl.float32) * tl.load(inv_freq + j, mask=ok, other=0.0)
+    DT = cos.dtype.element_ty
+    for half in tl.static_range(2):  # the table repeats its halves
+        tl.store(cos + t * 2 * HALF + half * HALF + j, tl.cos(f).to(DT), mask=ok)
+        tl.store(sin + t * 2 * HALF + half * HALF + j, tl.sin(f).to(DT), mask=ok)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of `ops.rope_cos_sin` in one kernel: (cos, sin) [T, R] in `dtype`, computed in fp32."""
+    t, half = positions.shape[0], inv_freq.shape[0]
+    cos = torch.empty(t, 2 * half, dtype=dtype, device=positions.device)
+    sin = torch.empty_like(cos)
+    if t:
+        _rope_cos_sin_kernel[(t,)](positions, inv_freq.float(), cos, sin, HALF=half,
+                                   BLOCK=triton.next_power_of_2(half))
+    return cos, sin
+
+
+@triton.jit
+def _add_rms_norm_kernel(x, delta, w, sum_out, norm_out, rms_eps, stride_x, stride_d, H: tl.constexpr,
+                         BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, ZC: tl.constexpr):
+    DT = norm_out.dtype.element_ty
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    ok = c < H
+    v = tl.load(x + t * stride_x + c, mask=ok, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        v = _round(v + tl.load(delta + t * stride_d + c, mask=ok, other=0.0).to(tl.float32), DT)
+        tl.store(sum_out + t * H + c, v.to(DT), mask=ok)
+    rstd = tl.rsqrt(tl.sum(v * v, 0) / H + rms_eps)
+    wv = tl.load(w + c, mask=ok, other=0.0).to(tl.float32)
+    if ZC:
+        y = v * rstd * (1.0 + wv)
+    else:
+        y = _round(v * rstd, DT) * wv
+    tl.store(norm_out + t * H + c, y.to(DT), mask=ok)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, ops.rms_norm(s, weight, eps, zero_centered)) with s = x + delta (x itself when delta is
+    None, returned as is). x, delta [T, H] row-contiguous; returns new [T, H] tensors in x.dtype."""
+    if x.dim() != 2 or x.stride(1) != 1 or (delta is not None and (delta.shape != x.shape or delta.stride(1) != 1)):
+        raise ValueError(f"add_rms_norm needs row-contiguous [T, H] x (got {tuple(x.shape)}) and delta of its shape "
+                         f"(got {None if delta is None else tuple(delta.shape)})")
+    t, h = x.shape
+    s = x if delta is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if t:
+        d = x if delta is None else delta
+        _add_rms_norm_kernel[(t,)](x, d, weight, s, out, eps, x.stride(0), d.stride(0), H=h,
+                                   BLOCK=triton.next_power_of_2(h), HAS_DELTA=delta is not None, ZC=zero_centered,
+                                   num_warps=4 if h <= 4096 else 8)
+    return s, out
 
 
 @triton.jit
@@ -126,12 +218,13 @@ def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 
 
 @triton.jit
-def _paged_attention_kernel(q, kv_cache, out, qsl, seq_lens, page_table, scale,
+def _paged_attention_kernel(q, kv_cache, out, part_acc, part_ml, qsl, seq_lens, page_table, scale,
                             stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_kind, stride_head,
                             stride_tok, stride_pt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                            PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr):
-    seq, kvh, mblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                            PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr):
+    seq, kvh = tl.program_id(0), tl.program_id(1)
+    mblk, split = tl.program_id(2) // NSPLIT, tl.program_id(2) % NSPLIT
     q_start = tl.load(qsl + seq)
     qlen = tl.load(qsl + seq + 1) - q_start
     if mblk * BLOCK_M < qlen:
@@ -150,10 +243,14 @@ def _paged_attention_kernel(q, kv_cache, out, qsl, seq_lens, page_table, scale,
         l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
         acc = tl.zeros([BLOCK_M * GROUP_PAD, D], tl.float32)
         kv_end = tl.minimum(seq_len, seq_len - qlen + (mblk + 1) * BLOCK_M)  # keys the block's last token sees
+        # split `split` of NSPLIT takes whole BLOCK_N blocks [lo, hi) of the keys (maybe none)
+        chunk = tl.cdiv(tl.cdiv(kv_end, NSPLIT), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(kv_end, lo + chunk)
         pt_row = page_table + seq.to(tl.int64) * stride_pt
-        for start in range(0, kv_end, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            n_ok = n < kv_end
+            n_ok = n < hi
             page = tl.load(pt_row + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
             base = page * stride_page + kvh * stride_head + (n % PAGE_SIZE) * stride_tok  # [N]
             kt = tl.load(kv_cache + base[None, :] + d[:, None], mask=n_ok[None, :], other=0.0)  # [D, N]
@@ -163,7 +260,8 @@ def _paged_attention_kernel(q, kv_cache, out, qsl, seq_lens, page_table, scale,
                 s = tl.dot(qv, kt)
             s = s * scale  # [R, N] fp32
             s = tl.where(n_ok[None, :] & (n[None, :] <= qpos[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is visible to every row
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet (split > 0)
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
@@ -173,18 +271,60 @@ def _paged_attention_kernel(q, kv_cache, out, qsl, seq_lens, page_table, scale,
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
             m_i = m_new
-        o = acc / l_i[:, None]
-        tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 o.to(out.dtype.element_ty), mask=row_ok[:, None])
+        if NSPLIT == 1:
+            o = acc / l_i[:, None]
+            tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     o.to(out.dtype.element_ty), mask=row_ok[:, None])
+        else:  # partial (max, sum, unnormalised acc) per row and split; an empty split writes l = 0 only
+            part = (tok * (tl.num_programs(1) * GROUP) + head) * NSPLIT + split  # [R]
+            tl.store(part_ml + part * 2, m_i, mask=row_ok)
+            tl.store(part_ml + part * 2 + 1, l_i, mask=row_ok)
+            if lo < hi:
+                tl.store(part_acc + part[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_splits_kernel(part_acc, part_ml, out, stride_ot, stride_oh, NSPLIT: tl.constexpr, D: tl.constexpr):
+    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    sp = (t * tl.num_programs(1) + h) * NSPLIT + tl.arange(0, NSPLIT)
+    l = tl.load(part_ml + sp * 2 + 1)
+    used = l > 0.0
+    mx = tl.load(part_ml + sp * 2, mask=used, other=float("-inf"))
+    w = tl.where(used, tl.exp(mx - tl.max(mx, 0)), 0.0)
+    d = tl.arange(0, D)
+    acc = tl.load(part_acc + sp[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out + t * stride_ot + h * stride_oh + d, o.to(out.dtype.element_ty))
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def decode_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_keys: int, block_n: int) -> int:
+    """Splits of the key range per (sequence, KV head) for single-token queries: a power of two
+    that brings the programs to about one per SM (at batch 1, 4 KV heads were 4 programs walking
+    the whole context), no more than the page table's width holds key blocks. Host-only inputs:
+    the launch stays graph-safe."""
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in _SM_COUNT:
+            _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+        sms = _SM_COUNT[idx]
+    else:
+        sms = 8  # the interpreter: exercise the split path on small batches
+    want = min(sms // max(num_seqs * num_kv_heads, 1), triton.cdiv(max_keys, block_n), 64)
+    return 1 if want < 2 else 1 << (want.bit_length() - 1)
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     page_table: torch.Tensor, max_query_len: int, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
     """Twin of `ops.paged_attention` from raw batch tensors (no metadata object, no host sync).
 
     q [T, Hq, D]; kv_cache [P, 2, Hkv, ps, D]; query_start_loc [B+1]; seq_lens [B]; page_table
-    [B, max_pages] -> [T, Hq, D]. A sequence with no query tokens is skipped."""
+    [B, max_pages] -> [T, Hq, D]. A sequence with no query tokens is skipped. Decode batches
+    (max_query_len 1) split each sequence's keys over `splits` programs (default
+    `decode_splits`), combined by a second kernel."""
     t, hq, d = q.shape
     hkv, page_size = kv_cache.shape[2], kv_cache.shape[3]
     if hq % hkv or d & (d - 1) or d < 16:
@@ -199,12 +339,23 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     block_m = max(rows // group_pad, 1)
     block_n = 64 if d <= 128 else 32
     b = seq_lens.shape[0]
+    if splits is None:
+        splits = 1 if max_query_len != 1 else decode_splits(q.device, b, hkv, page_table.shape[1] * page_size,
+                                                            block_n)
+    if splits < 1 or splits & (splits - 1) or (splits > 1 and max_query_len != 1):
+        raise ValueError(f"splits={splits}: a power of two, above 1 only for single-token queries "
+                         f"(max_query_len={max_query_len})")
     if t and b and max_query_len > 0:
-        grid = (b, hkv, triton.cdiv(max_query_len, block_m))
+        part_acc = part_ml = out  # unread without splits
+        if splits > 1:
+            part_acc = torch.empty(t, hq, splits, d, dtype=torch.float32, device=q.device)
+            part_ml = torch.empty(t, hq, splits, 2, dtype=torch.float32, device=q.device)
+        grid = (b, hkv, triton.cdiv(max_query_len, block_m) * splits)
         _paged_attention_kernel[grid](
-            q, kv_cache, out, query_start_loc, seq_lens, page_table, scale, q.stride(0), q.stride(1),
-            out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+            q, kv_cache, out, part_acc, part_ml, query_start_loc, seq_lens, page_table, scale, q.stride(0),
+            q.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
             kv_cache.stride(3), page_table.stride(0), GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m,
-            BLOCK_N=block_n, D=d, PAGE_SIZE=page_size, IEEE=q.dtype == torch.float32)
+            BLOCK_N=block_n, D=d, PAGE_SIZE=page_size, IEEE=q.dtype == torch.float32, NSPLIT=splits)
+        if splits > 1:
+            _combine_splits_kernel[(t, hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), NSPLIT=splits, D=d)
     return out
-

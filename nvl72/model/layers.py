@@ -48,6 +48,18 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, self.zero_centered)
 
 
+def add_norm(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None,
+             ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, norm(x + delta)); delta None: (x, norm(x)). One kernel where the attention
+    backend fuses them (`fused_ops`: a decode layer's torch add, casts, square, mean, rsqrt and
+    products were a dozen small kernels), else the reference add and `ops.rms_norm`."""
+    b = ctx.backend
+    if b is not None and b.fused_ops and x.dim() == 2:
+        return b.add_rms_norm(x, delta, norm.weight, norm.eps, norm.zero_centered)
+    s = x if delta is None else x + delta
+    return s, norm(s)
+
+
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """[rotary_dim / 2] fp32 inverse frequencies (transformers' default RoPE, computed on CPU)."""
     dim = config.rotary_dim
@@ -80,6 +92,7 @@ class Attention(nn.Module):
         zc = config.zero_centered_norm
         self.q_norm = RMSNorm(d, config.rms_norm_eps, zc, dtype=dtype, device=device)
         self.k_norm = RMSNorm(d, config.rms_norm_eps, zc, dtype=dtype, device=device)
+        self._packed_ptrs, self._qkv_weight, self._qkv_bias = None, None, None  # see _qkv
         if parallel.tp_size > 1:
             hq, hkv = config.num_attention_heads, config.num_key_value_heads
             columns = [(self.q_proj, q0 * q_rows, self.num_heads * q_rows, hq * q_rows)]
@@ -91,13 +104,37 @@ class Attention(nn.Module):
             if self.o_proj.bias is not None:
                 self.o_proj.bias.weight_loader = first_rank_loader(parallel.tp_rank)
 
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q_proj(x), k_proj(x), v_proj(x) [T, rows] as one GEMM (at batch 1 three GEMVs were three
+        launches). The first call packs the three weights (and biases) into one tensor and makes
+        the parameters views of it, so loaders still write them in place; a later `.to()` that
+        gives them their own storage again is noticed and packed anew."""
+        lins = (self.q_proj, self.k_proj, self.v_proj)
+        if self._packed_ptrs != tuple(p.data_ptr() for lin in lins for p in lin.parameters()):
+            with torch.inference_mode(False), torch.no_grad():
+                for name in ("weight", "bias"):
+                    parts = [getattr(lin, name) for lin in lins]
+                    if parts[0] is None:
+                        continue
+                    packed = torch.cat([p.detach() for p in parts])
+                    setattr(self, f"_qkv_{name}", packed)
+                    start = 0
+                    for p in parts:
+                        p.data = packed[start : start + p.shape[0]]
+                        start += p.shape[0]
+            self._packed_ptrs = tuple(p.data_ptr() for lin in lins for p in lin.parameters())
+        y = torch.nn.functional.linear(x, self._qkv_weight, self._qkv_bias)
+        return y.split([lin.out_features for lin in lins], dim=1)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         backend = ctx.backend
-        if backend is not None and backend.fused_qk_norm_rope:  # one kernel: gate split, q/k norm, RoPE
-            q, k, gate = backend.qk_norm_rope(self.q_proj(x), self.k_proj(x), self.q_norm.weight, self.k_norm.weight,
+        if backend is not None and backend.fused_qk_norm_rope:  # one GEMM, then one kernel: gate split, q/k norm, RoPE
+            q_raw, k_raw, v = self._qkv(x)
+            q, k, gate = backend.qk_norm_rope(q_raw, k_raw, self.q_norm.weight, self.k_norm.weight,
                                               ctx.cos, ctx.sin, self.num_heads, self.num_kv_heads, d,
                                               self.q_norm.eps, self.q_norm.zero_centered, self.gated)
+            v = v.view(t, self.num_kv_heads, d)  # column slice of the packed output: strided rows
         else:
             q = self.q_proj(x)
             gate = None
@@ -108,7 +145,7 @@ class Attention(nn.Module):
                 q = q.view(t, self.num_heads, d)
             q = ops.apply_rope(self.q_norm(q), ctx.cos, ctx.sin)  # [T, Hq, D]
             k = ops.apply_rope(self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, d)), ctx.cos, ctx.sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, d)  # [T, Hkv, D]
+            v = self.v_proj(x).view(t, self.num_kv_heads, d)  # [T, Hkv, D]
         kv_cache = ctx.caches.kv[self.cache_idx]
         if backend is None:
             ops.write_kv(kv_cache, k, v, ctx.attn.slot_mapping)
@@ -198,13 +235,22 @@ class DecoderLayer(nn.Module):
         self.mlp = make_mlp(config, sparse, parallel, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = self.input_layernorm(x)
+        x, delta = self.forward_residual(x, None, ctx)
+        return x + delta
+
+    def forward_residual(self, x: torch.Tensor, delta: torch.Tensor | None,
+                         ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on x + delta, where delta (or None) is the previous layer's MLP output not yet
+        added, so that the add runs in this layer's input-norm kernel. Returns (residual, this
+        layer's MLP output): their sum is the layer's output."""
+        x, h = add_norm(self.input_layernorm, x, delta, ctx)
         if self.layer_type == FULL_ATTENTION:
             h = self.self_attn(h, ctx)
         else:
             i = self.cache_idx
             h = self.linear_attn(h, ctx.batch, ctx.caches.conv[i], ctx.caches.recurrent[i])
-        x = x + self.parallel.reduce(h)  # all-reduce of the row-parallel o_proj / out_proj
+        # all-reduce of the row-parallel o_proj / out_proj, then the residual add and the second norm
+        x, h = add_norm(self.post_attention_layernorm, x, self.parallel.reduce(h), ctx)
         if self.parallel.dispatch is not None and isinstance(self.mlp, MoE):  # DP+EP: dispatch/combine
-            return x + dp_ep.moe_forward(self.mlp, self.post_attention_layernorm(x), self.parallel.dispatch)
-        return x + self.parallel.reduce(self.mlp(self.post_attention_layernorm(x)))  # all-reduce of the MLP / experts
+            return x, dp_ep.moe_forward(self.mlp, h, self.parallel.dispatch)
+        return x, self.parallel.reduce(self.mlp(h))  # all-reduce of the MLP / experts

@@ -18,7 +18,7 @@ from nvl72.model import ops
 from nvl72.model.batch import ForwardBatch, ModelCaches
 from nvl72.model.cache_spec import CacheSpec, KVLayerSpec, StateLayerSpec
 from nvl72.model.gdn import GatedDeltaNet
-from nvl72.model.layers import DecoderLayer, ForwardContext, RMSNorm, rope_inv_freq
+from nvl72.model.layers import DecoderLayer, ForwardContext, RMSNorm, add_norm, rope_inv_freq
 from nvl72.model.parallel_layout import SINGLE, LayoutError, ParallelLayout
 from nvl72.model.weights import attach_default_loaders
 
@@ -107,7 +107,7 @@ class QwenMoeForCausalLM(nn.Module):
             meta = ops.AttentionMetadata.build(batch, caches.page_size)
         else:
             meta = backend.plan(batch, caches.page_size)
-        cos, sin = ops.rope_cos_sin(batch.positions, self.inv_freq, self.dtype)
+        cos, sin = (ops if backend is None else backend).rope_cos_sin(batch.positions, self.inv_freq, self.dtype)
         return ForwardContext(batch, caches, meta, cos, sin, backend)
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches, check: bool = True) -> torch.Tensor:
@@ -116,10 +116,10 @@ class QwenMoeForCausalLM(nn.Module):
         if check:
             self._check(batch, caches)
         ctx = self._context(batch, caches, FULL_ATTENTION in self.config.layer_types)
-        x = self.model.embed_tokens(batch.input_ids)  # [T, H]
+        x, delta = self.model.embed_tokens(batch.input_ids), None  # [T, H]
         for layer in self.model.layers:
-            x = layer(x, ctx)
-        return self.model.norm(x)
+            x, delta = layer.forward_residual(x, delta, ctx)
+        return add_norm(self.model.norm, x, delta, ctx)[1]
 
     def forward_mtp(self, batch: ForwardBatch, caches: ModelCaches, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
         """MTP draft step. `batch.input_ids[t]` is the token *after* the one at `batch.positions[t]`

@@ -49,6 +49,32 @@ def test_paged_attention_matches_reference(device, dtype, case):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("splits", [2, 4, 16])
+def test_decode_split_keys_match_reference(device, dtype, splits):
+    """Single-token queries with the keys split over programs (empty splits included: 16 splits of
+    a 40-key context) and combined: the reference's result."""
+    hq, hkv, d, ps = 8, 2, 16, 4
+    batch, kv, q, k, v = random_batch([1, 1, 1], [0, 17, 139], ps, hq, hkv, d, dtype, device, seed=splits)
+    meta = ops.AttentionMetadata.build(batch, ps)
+    ft.store_kv(kv, k, v, meta.slot_mapping)
+    ref = ops.paged_attention(q.float(), kv.float(), meta, d**-0.5)
+    out = ft.paged_attention(q, kv, batch.query_start_loc, batch.seq_lens, batch.page_table, 1, d**-0.5,
+                             splits=splits)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_decode_splits_choice():
+    cpu = torch.device("cpu")
+    assert ft.decode_splits(cpu, 1, 2, 4096, 64) == 4  # 8 "SMs" / 2 programs
+    assert ft.decode_splits(cpu, 1, 1, 100, 64) == 2  # the page table holds two key blocks
+    assert ft.decode_splits(cpu, 8, 4, 4096, 64) == 1  # enough programs already
+    with pytest.raises(ValueError, match="splits=2"):
+        ft.paged_attention(torch.zeros(2, 2, 16), torch.zeros(3, 2, 2, 4, 16), torch.tensor([0, 2]),
+                           torch.tensor([2]), torch.zeros(1, 1, dtype=torch.int32), 2, 1.0, splits=2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_store_kv_skips_negative_slots(device):
     batch, kv, q, k, v = random_batch([3], [2], 4, 2, 2, 16, torch.float32, device, seed=3)
     before = kv.clone()
@@ -86,6 +112,51 @@ def test_qk_norm_rope_matches_layer_math(device, dtype, gated, zero_centered, ro
         assert gate is None
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_matches_reference(device, dtype, zero_centered, with_delta):
+    """The decoder's residual add + RMSNorm: the sum bit-exact, the norm as ops.rms_norm rounds it."""
+    skip_interpreted_bf16(device, dtype)
+    g = torch.Generator().manual_seed(7 + zero_centered + 2 * with_delta)
+    t, h = 5, 80  # h not a power of two: masked columns
+    x = (torch.randn(t, h, generator=g) * 3).to(dtype)
+    delta = torch.randn(t, h, generator=g).to(dtype) if with_delta else None
+    w = (torch.randn(h, generator=g) * 0.3 + (0 if zero_centered else 1)).to(dtype)
+    ref_sum = x if delta is None else x + delta
+    ref = ops.rms_norm(ref_sum, w, 1e-6, zero_centered)
+    s, out = ft.add_rms_norm(x.to(device), None if delta is None else delta.to(device), w.to(device), 1e-6,
+                             zero_centered)
+    assert torch.equal(s.cpu(), ref_sum)
+    assert out.dtype == dtype and rel_err(out.cpu(), ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_slot_mapping_matches_torch_form(device):
+    from nvl72.model.attn_backends import slot_mapping_on_device
+
+    batch, *_ = random_batch([3, 1, 6, 1], [5, 9, 0, 30], 4, 4, 2, 16, torch.float32, device, seed=1)
+    assert torch.equal(ft.slot_mapping(batch.positions, batch.query_start_loc, batch.page_table, 4),
+                       slot_mapping_on_device(batch, 4))
+    batch.page_table[1, :] = -1  # a padded row: no pages at all
+    slots = ft.slot_mapping(batch.positions, batch.query_start_loc, batch.page_table, 4)
+    assert torch.equal(slots, slot_mapping_on_device(batch, 4)) and int(slots[3]) == -1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("rot", [8, 64])
+def test_rope_cos_sin_matches_reference(device, dtype, rot):
+    skip_interpreted_bf16(device, dtype)
+    positions = torch.randint(0, 40000, (9,), generator=torch.Generator().manual_seed(rot))
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, rot, 2).float() / rot))
+    ref = ops.rope_cos_sin(positions, inv_freq, dtype)
+    got = ft.rope_cos_sin(positions.to(device), inv_freq.to(device), dtype)
+    for r, x in zip(ref, got):
+        assert x.dtype == dtype and rel_err(x.cpu(), r) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 def test_bad_shapes_name_the_value():
     q = torch.zeros(2, 4, 24)
     kv = torch.zeros(3, 2, 2, 4, 24)
@@ -106,16 +177,37 @@ def test_kernels_compile_for_hopper(arch):
 
     target = GPUTarget("cuda", arch, 32)
     i32, i64 = "i32", "i64"
-    attn_sig = {"q": "*bf16", "kv_cache": "*bf16", "out": "*bf16", "qsl": "*i32", "seq_lens": "*i32",
+    attn_sig = {"q": "*bf16", "kv_cache": "*bf16", "out": "*bf16", "part_acc": "*fp32", "part_ml": "*fp32",
+                "qsl": "*i32", "seq_lens": "*i32",
                 "page_table": "*i32", "scale": "fp32", **{n: i64 for n in (
                     "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_page", "stride_kind", "stride_head",
                     "stride_tok", "stride_pt")}}
-    for bm in (2, 8):
+    for bm, nsplit in ((2, 1), (2, 32), (8, 1)):
         attn_sig.update(GROUP="constexpr", GROUP_PAD="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr",
-                        D="constexpr", PAGE_SIZE="constexpr", IEEE="constexpr")
+                        D="constexpr", PAGE_SIZE="constexpr", IEEE="constexpr", NSPLIT="constexpr")
         src = ASTSource(ft._paged_attention_kernel, attn_sig, constexprs={
-            "GROUP": 8, "GROUP_PAD": 8, "BLOCK_M": bm, "BLOCK_N": 64, "D": 128, "PAGE_SIZE": 16, "IEEE": False})
+            "GROUP": 8, "GROUP_PAD": 8, "BLOCK_M": bm, "BLOCK_N": 64, "D": 128, "PAGE_SIZE": 16, "IEEE": False,
+            "NSPLIT": nsplit})
         assert triton.compile(src, target=target).asm["cubin"]
+    src = ASTSource(ft._combine_splits_kernel, {"part_acc": "*fp32", "part_ml": "*fp32", "out": "*bf16",
+                                                "stride_ot": i64, "stride_oh": i64, "NSPLIT": "constexpr",
+                                                "D": "constexpr"}, constexprs={"NSPLIT": 32, "D": 128})
+    assert triton.compile(src, target=target).asm["cubin"]
+    src = ASTSource(ft._slot_mapping_kernel, {"positions": "*i64", "qsl": "*i32", "page_table": "*i32",
+                                              "slots": "*i64", "num_seqs": i32, "width": i32, "stride_pt": i32,
+                                              "PAGE_SIZE": "constexpr", "BLOCK_B": "constexpr"},
+                    constexprs={"PAGE_SIZE": 16, "BLOCK_B": 64})
+    assert triton.compile(src, target=target).asm["cubin"]
+    src = ASTSource(ft._rope_cos_sin_kernel, {"positions": "*i64", "inv_freq": "*fp32", "cos": "*bf16",
+                                              "sin": "*bf16", "HALF": "constexpr", "BLOCK": "constexpr"},
+                    constexprs={"HALF": 64, "BLOCK": 64})
+    assert triton.compile(src, target=target).asm["cubin"]
+    src = ASTSource(ft._add_rms_norm_kernel, {"x": "*bf16", "delta": "*bf16", "w": "*bf16", "sum_out": "*bf16",
+                                              "norm_out": "*bf16", "rms_eps": "fp32", "stride_x": i32,
+                                              "stride_d": i32, **{n: "constexpr" for n in ("H", "BLOCK", "HAS_DELTA",
+                                                                                            "ZC")}},
+                    constexprs={"H": 2048, "BLOCK": 2048, "HAS_DELTA": True, "ZC": False})
+    assert triton.compile(src, target=target).asm["cubin"]
     norm_sig = {"q_raw": "*bf16", "k_raw": "*bf16", "qw": "*bf16", "kw": "*bf16", "cos": "*bf16", "sin": "*bf16",
                 "q_out": "*bf16", "k_out": "*bf16", "gate_out": "*bf16", "rms_eps": "fp32", "stride_q": i32,
                 "stride_k": i32, "stride_cs": i32, **{n: "constexpr" for n in ("HQ", "HKV", "D", "R", "GATED", "ZC")}}
