@@ -95,22 +95,37 @@ def _load_runtime(path: str):
     _runtime = ctypes.CDLL(rt, mode=ctypes.RTLD_GLOBAL)
 
 
-def _import_tvm_ffi(path: str):
-    try:
-        import tvm_ffi
-        return tvm_ffi
-    except ImportError:
-        whl = sorted(glob.glob(os.path.join(path, "apache_tvm_ffi-*.whl")))
-        if not whl:
-            raise BundleError(f"tvm_ffi is not installed and the bundle {path!r} carries no wheel") from None
+def _unpack_wheels(path: str, site: str) -> None:
+    """Unpack the bundle's apache-tvm-ffi wheel (and typing_extensions where the host's is too old)
+    into `site`, once per host: under an exclusive lock, and never over an existing copy, because the
+    ranks of a job start together and rewriting a library another process has mapped kills it with
+    SIGBUS (seen on 2 x H200 when two ranks unpacked at once)."""
+    import fcntl
+
+    whl = sorted(glob.glob(os.path.join(path, "apache_tvm_ffi-*.whl")))
+    if not whl:
+        raise BundleError(f"tvm_ffi is not installed and the bundle {path!r} carries no wheel")
+    os.makedirs(site, exist_ok=True)
+    with open(os.path.join(site, ".nvl72-unpack.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(os.path.join(site, "tvm_ffi", "__init__.py")):
+            return  # unpacked by another process, or installed there by setup_device.sh
         with zipfile.ZipFile(whl[-1]) as z:
-            z.extractall(SITE_DIR)
+            z.extractall(site)
         try:
             from typing_extensions import get_annotations  # noqa: F401  (tvm_ffi needs >= 4.13)
         except ImportError:
             for te in sorted(glob.glob(os.path.join(path, "typing_extensions-*.whl")))[-1:]:
                 with zipfile.ZipFile(te) as z:
-                    z.extractall(SITE_DIR)
+                    z.extractall(site)
+
+
+def _import_tvm_ffi(path: str):
+    try:
+        import tvm_ffi
+        return tvm_ffi
+    except ImportError:
+        _unpack_wheels(path, SITE_DIR)
         if SITE_DIR not in sys.path:
             sys.path.insert(0, SITE_DIR)
         import tvm_ffi

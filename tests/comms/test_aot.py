@@ -74,3 +74,30 @@ def test_cli_rejects_unknown_arch(capsys):
 
     assert main(["kernels", "build", "--arch", "sm_90a,sm_75", "--out", os.devnull]) == 2
     assert "sm_75" in capsys.readouterr().err
+
+
+def _unpack_and_stat(args):
+    bundle, site = args
+    aot._unpack_wheels(bundle, site)
+    st = os.stat(os.path.join(site, "tvm_ffi", "lib", "libfake.so"))
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def test_wheel_unpacked_once_by_concurrent_ranks(tmp_path):
+    """Ranks that start together unpack the bundle's tvm_ffi wheel once: later ones must not rewrite
+    a library the first may have mapped (that was a SIGBUS on the GPU host)."""
+    import multiprocessing as mp
+    import zipfile
+
+    bundle, site = tmp_path / "bundle", tmp_path / "site"
+    bundle.mkdir()
+    payload = os.urandom(1 << 20)
+    with zipfile.ZipFile(bundle / "apache_tvm_ffi-0.0.0-py3-none-any.whl", "w") as z:
+        z.writestr("tvm_ffi/__init__.py", "")
+        z.writestr("tvm_ffi/lib/libfake.so", payload)
+    with mp.get_context("spawn").Pool(4) as pool:
+        stats = pool.map(_unpack_and_stat, [(str(bundle), str(site))] * 8, chunksize=1)
+    assert len(set(stats)) == 1, f"the wheel was unpacked more than once: {stats}"
+    assert (site / "tvm_ffi" / "lib" / "libfake.so").read_bytes() == payload
+    with pytest.raises(aot.BundleError, match="carries no wheel"):
+        aot._unpack_wheels(str(tmp_path / "empty"), str(site))
