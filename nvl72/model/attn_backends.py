@@ -32,6 +32,7 @@ from nvl72.model.batch import ForwardBatch
 log = logging.getLogger(__name__)
 
 ENV = "NVL72_ATTN_BACKEND"
+GEMV_ENV = "NVL72_TRITON_GEMV"
 
 
 class BackendUnavailable(RuntimeError):
@@ -64,18 +65,25 @@ class AttentionBackend:
     fused_ops = False
 
     def qk_norm_rope(self, q_raw, k_raw, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, head_dim, eps,
-                     zero_centered, gated):
-        """`fused_triton.qk_norm_rope`'s contract: (q [T, Hq, D], k [T, Hkv, D], gate [T, Hq*D] | None)."""
+                     zero_centered, gated, v=None, kv_cache=None, meta=None):
+        """`fused_triton.qk_norm_rope`'s contract: (q [T, Hq, D], k [T, Hkv, D], gate [T, Hq*D] | None);
+        with v, kv_cache and this backend's `plan` result it also stores K/V (then call `forward`
+        with stored=True)."""
         from nvl72.model import fused_triton
 
         return fused_triton.qk_norm_rope(q_raw, k_raw, q_weight, k_weight, cos, sin, num_heads, num_kv_heads,
-                                         head_dim, eps, zero_centered, gated)
+                                         head_dim, eps, zero_centered, gated, v, kv_cache,
+                                         None if meta is None else meta.slot_mapping)
 
     def add_rms_norm(self, x, delta, weight, eps, zero_centered):
         """`fused_triton.add_rms_norm`'s contract: (x + delta, its RMSNorm); delta None: (x, RMSNorm(x))."""
         from nvl72.model import fused_triton
 
         return fused_triton.add_rms_norm(x, delta, weight, eps, zero_centered)
+
+    def linear(self, x, weight, bias=None):
+        """F.linear; the triton backend may run single-token steps through its GEMV kernel."""
+        return torch.nn.functional.linear(x, weight, bias)
 
     def rope_cos_sin(self, positions, inv_freq, dtype):
         """`ops.rope_cos_sin`'s contract (one kernel where `fused_ops`, else the reference)."""
@@ -89,8 +97,9 @@ class AttentionBackend:
         raise NotImplementedError
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta,
-                scale: float) -> torch.Tensor:
-        """Store k, v [T, Hkv, D] in their pages, then attend: q [T, Hq, D] -> [T, Hq, D]."""
+                scale: float, stored: bool = False) -> torch.Tensor:
+        """Store k, v [T, Hkv, D] in their pages (unless `stored`: qk_norm_rope did), then attend:
+        q [T, Hq, D] -> [T, Hq, D]."""
         raise NotImplementedError
 
 
@@ -100,8 +109,9 @@ class TorchBackend(AttentionBackend):
     def plan(self, batch: ForwardBatch, page_size: int) -> ops.AttentionMetadata:
         return ops.AttentionMetadata.build(batch, page_size)
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
-        ops.write_kv(kv_cache, k, v, meta.slot_mapping)
+    def forward(self, q, k, v, kv_cache, meta, scale, stored=False):
+        if not stored:
+            ops.write_kv(kv_cache, k, v, meta.slot_mapping)
         return ops.paged_attention(q, kv_cache, meta, scale)
 
 
@@ -135,6 +145,16 @@ class TritonBackend(AttentionBackend):
         from nvl72.model import fused_triton
 
         self.kernels = fused_triton
+        # $NVL72_TRITON_GEMV=1: single-token attention projections through fused_triton.gemv instead
+        # of cuBLAS (an experiment until timed on the GPU: tests/runner/gpu_decode_b1.sh runs both)
+        self.gemv = os.environ.get(GEMV_ENV, "0") == "1"
+        if self.gemv:
+            log.info("attention projections: Triton GEMV for single-token steps ($%s=1)", GEMV_ENV)
+
+    def linear(self, x, weight, bias=None):
+        if self.gemv and x.shape[0] == 1:
+            return self.kernels.gemv(x, weight, bias)
+        return torch.nn.functional.linear(x, weight, bias)
 
     def plan(self, batch: ForwardBatch, page_size: int) -> PagedMeta:
         capturing = batch.input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -150,8 +170,9 @@ class TritonBackend(AttentionBackend):
                              "(page_table entry -1) in its sequence")
         return PagedMeta(batch, slots, max_q)
 
-    def forward(self, q, k, v, kv_cache, meta: PagedMeta, scale):
-        self.kernels.store_kv(kv_cache, k, v, meta.slot_mapping)
+    def forward(self, q, k, v, kv_cache, meta: PagedMeta, scale, stored=False):
+        if not stored:
+            self.kernels.store_kv(kv_cache, k, v, meta.slot_mapping)
         b = meta.batch
         return self.kernels.paged_attention(q, kv_cache, b.query_start_loc, b.seq_lens, b.page_table,
                                             meta.max_query_len, scale)
@@ -216,12 +237,13 @@ class FlashInferBackend(AttentionBackend):
         slots = slot_mapping_on_device(batch, page_size)
         return FlashInferMeta(slots, wrapper)
 
-    def forward(self, q, k, v, kv_cache, meta: FlashInferMeta | PagedMeta, scale):
+    def forward(self, q, k, v, kv_cache, meta: FlashInferMeta | PagedMeta, scale, stored=False):
         if isinstance(meta, PagedMeta):
-            return self.triton.forward(q, k, v, kv_cache, meta, scale)
+            return self.triton.forward(q, k, v, kv_cache, meta, scale, stored)
         if abs(scale - self.shape.head_dim**-0.5) > 1e-12:
             raise ValueError(f"scale {scale} differs from the planned head_dim**-0.5")
-        self.store(kv_cache, k, v, meta.slot_mapping)
+        if not stored:
+            self.store(kv_cache, k, v, meta.slot_mapping)
         return meta.wrapper.run(q, kv_cache)
 
 

@@ -2,12 +2,15 @@
 
 - `slot_mapping` and `rope_cos_sin`: the per-forward indexing of the attention layers, one kernel
   each (their torch forms were some twenty small kernels per step);
+- `gemv`: x [1, K] @ W.T (+ bias) for single-token steps, row blocks of W per program (opt-in,
+  $NVL72_TRITON_GEMV=1, to compare with cuBLAS's GEMV on the GPU);
 - `add_rms_norm`: the decoder's residual add and RMSNorm in one pass (x + delta rounded to the
   activation dtype, then normed as `ops.rms_norm` rounds); without delta a plain RMSNorm;
 - `qk_norm_rope`: after the q/k projections, one pass does the gate split (gated attention), the
   per-head q/k RMSNorm and the (partial) neox RoPE, rounding where the reference rounds (bf16
   products and sums are emulated exactly: a product of two bf16 values is exact in fp32);
-- `store_kv`: the new tokens' K/V into their HND pages; slot -1 skips a row (padded rows of a
+- `store_kv`: the new tokens' K/V into their HND pages (also done by `qk_norm_rope` when given the
+  cache, saving the launch on the decode path); slot -1 skips a row (padded rows of a
   CUDA-graph batch);
 - `paged_attention`: causal GQA over the pages, one program per (sequence, KV head, block of
   query tokens) holding all the group's query heads as rows, so decode (one token) and prefill
@@ -84,6 +87,40 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
 
 
 @triton.jit
+def _gemv_kernel(x, w, bias, out, N, K, stride_w, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_ok = rows < N
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        xv = tl.load(x + k, mask=k_ok, other=0.0).to(tl.float32)
+        wv = tl.load(w + rows[:, None].to(tl.int64) * stride_w + k[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                     other=0.0).to(tl.float32)
+        acc += tl.sum(wv * xv[None, :], 1)
+    if HAS_BIAS:
+        acc += tl.load(bias + rows, mask=r_ok, other=0.0).to(tl.float32)
+    tl.store(out + rows, acc.to(out.dtype.element_ty), mask=r_ok)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for one row: x [1, K], weight [N, K] (row-contiguous), bias [N] -> [1, N] in x.dtype,
+    accumulated in fp32."""
+    (t, k), (n, kw) = x.shape, weight.shape
+    if t != 1 or k != kw or weight.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError(f"gemv: x {tuple(x.shape)} must be one row-contiguous row of weight's K "
+                         f"(weight {tuple(weight.shape)})")
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    block_n = 4 if n <= 2048 else 8
+    block_k = min(triton.next_power_of_2(k), 8192 // block_n)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, weight if bias is None else bias, out, n, k,
+                                             weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
+                                             BLOCK_K=block_k)
+    return out
+
+
+@triton.jit
 def _add_rms_norm_kernel(x, delta, w, sum_out, norm_out, rms_eps, stride_x, stride_d, H: tl.constexpr,
                          BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, ZC: tl.constexpr):
     DT = norm_out.dtype.element_ty
@@ -145,12 +182,15 @@ def _norm_rope_row(src, w, cos, sin, dst, rms_eps, D: tl.constexpr, R: tl.conste
         roped = _round(_round(y * c, DT) + _round(yp * s, DT), DT)
         y = tl.where(rot, roped, y)
     tl.store(dst + d, y.to(dst.dtype.element_ty))
+    return y
 
 
 @triton.jit
 def _qk_norm_rope_kernel(q_raw, k_raw, qw, kw, cos, sin, q_out, k_out, gate_out, rms_eps,
-                         stride_q, stride_k, stride_cs, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                         R: tl.constexpr, GATED: tl.constexpr, ZC: tl.constexpr):
+                         stride_q, stride_k, stride_cs, v, kv_cache, slots, stride_v, stride_page, stride_kind,
+                         stride_head, stride_tok, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                         R: tl.constexpr, GATED: tl.constexpr, ZC: tl.constexpr, STORE: tl.constexpr,
+                         PAGE_SIZE: tl.constexpr):
     t, h = tl.program_id(0), tl.program_id(1)
     t64 = t.to(tl.int64)
     cs = cos + t64 * stride_cs
@@ -165,13 +205,23 @@ def _qk_norm_rope_kernel(q_raw, k_raw, qw, kw, cos, sin, q_out, k_out, gate_out,
         _norm_rope_row(src, qw, cs, sn, q_out + (t64 * HQ + h) * D, rms_eps, D, R, ZC)
     else:
         hk = h - HQ
-        _norm_rope_row(k_raw + t64 * stride_k + hk * D, kw, cs, sn, k_out + (t64 * HKV + hk) * D, rms_eps, D, R, ZC)
+        y = _norm_rope_row(k_raw + t64 * stride_k + hk * D, kw, cs, sn, k_out + (t64 * HKV + hk) * D, rms_eps, D, R,
+                           ZC)
+        if STORE:  # store_kv's work for this (token, KV head): K and V into the token's page slot
+            slot = tl.load(slots + t).to(tl.int64)
+            if slot >= 0:
+                d = tl.arange(0, D)
+                dst = kv_cache + (slot // PAGE_SIZE) * stride_page + hk * stride_head + (slot % PAGE_SIZE) * stride_tok + d
+                tl.store(dst, y.to(kv_cache.dtype.element_ty))
+                tl.store(dst + stride_kind, tl.load(v + t64 * stride_v + hk * D + d).to(kv_cache.dtype.element_ty))
 
 
 def qk_norm_rope(q_raw: torch.Tensor, k_raw: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                 eps: float, zero_centered: bool, gated: bool):
+                 eps: float, zero_centered: bool, gated: bool, v: torch.Tensor | None = None,
+                 kv_cache: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None):
     """Gate split + q/k RMSNorm + RoPE in one pass, as `layers.Attention` does it with the references.
+    With v [T, Hkv, D], kv_cache and slot_mapping it also does `store_kv(kv_cache, k, v, slot_mapping)`.
 
     q_raw [T, Hq * D * (2 if gated else 1)], k_raw [T, Hkv * D], cos/sin [T, R] ->
     (q [T, Hq, D], k [T, Hkv, D], gate [T, Hq * D] or None)."""
@@ -188,9 +238,16 @@ def qk_norm_rope(q_raw: torch.Tensor, k_raw: torch.Tensor, q_weight: torch.Tenso
     k = torch.empty(t, num_kv_heads, head_dim, dtype=k_raw.dtype, device=k_raw.device)
     gate = torch.empty(t, num_heads * head_dim, dtype=q_raw.dtype, device=q_raw.device) if gated else q
     if t:
+        store = kv_cache is not None
+        if store:
+            _check_store(kv_cache, k, v)
+            cache_args = (v, kv_cache, slot_mapping, v.stride(0), *kv_cache.stride()[:4])
+        else:
+            cache_args = (q, q, q, 0, 0, 0, 0, 0)  # unread
         _qk_norm_rope_kernel[(t, num_heads + num_kv_heads)](
             q_raw, k_raw, q_weight, k_weight, cos, sin, q, k, gate, eps, q_raw.stride(0), k_raw.stride(0),
-            cos.stride(0), HQ=num_heads, HKV=num_kv_heads, D=head_dim, R=rot, GATED=gated, ZC=zero_centered)
+            cos.stride(0), *cache_args, HQ=num_heads, HKV=num_kv_heads, D=head_dim, R=rot, GATED=gated,
+            ZC=zero_centered, STORE=store, PAGE_SIZE=kv_cache.shape[3] if store else 1)
     return q, k, (gate if gated else None)
 
 
@@ -206,11 +263,18 @@ def _store_kv_kernel(k, v, kv_cache, slots, stride_kt, stride_vt, stride_page, s
         tl.store(dst + stride_kind, tl.load(v + t.to(tl.int64) * stride_vt + h * D + d).to(kv_cache.dtype.element_ty))
 
 
+def _check_store(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    d = k.shape[2]
+    if v.shape != k.shape:
+        raise ValueError(f"v {tuple(v.shape)} must have k's shape {tuple(k.shape)}")
+    if k.stride(1) != d or v.stride(1) != d or k.stride(2) != 1 or v.stride(2) != 1 or kv_cache.stride(4) != 1:
+        raise ValueError("storing K/V needs heads-contiguous k/v rows and a contiguous head_dim in the cache")
+
+
 def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Twin of `ops.write_kv`; a slot of -1 writes nothing. kv_cache [P, 2, Hkv, ps, D]; k, v [T, Hkv, D]."""
     t, hkv, d = k.shape
-    if k.stride(1) != d or v.stride(1) != d or k.stride(2) != 1 or v.stride(2) != 1 or kv_cache.stride(4) != 1:
-        raise ValueError("store_kv needs heads-contiguous k/v rows and a contiguous head_dim in the cache")
+    _check_store(kv_cache, k, v)
     if t:
         _store_kv_kernel[(t, hkv)](k, v, kv_cache, slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
                                    kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),

@@ -104,7 +104,7 @@ class Attention(nn.Module):
             if self.o_proj.bias is not None:
                 self.o_proj.bias.weight_loader = first_rank_loader(parallel.tp_rank)
 
-    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv(self, x: torch.Tensor, backend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q_proj(x), k_proj(x), v_proj(x) [T, rows] as one GEMM (at batch 1 three GEMVs were three
         launches). The first call packs the three weights (and biases) into one tensor and makes
         the parameters views of it, so loaders still write them in place; a later `.to()` that
@@ -123,18 +123,23 @@ class Attention(nn.Module):
                         p.data = packed[start : start + p.shape[0]]
                         start += p.shape[0]
             self._packed_ptrs = tuple(p.data_ptr() for lin in lins for p in lin.parameters())
-        y = torch.nn.functional.linear(x, self._qkv_weight, self._qkv_bias)
+        y = backend.linear(x, self._qkv_weight, self._qkv_bias)
         return y.split([lin.out_features for lin in lins], dim=1)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         backend = ctx.backend
-        if backend is not None and backend.fused_qk_norm_rope:  # one GEMM, then one kernel: gate split, q/k norm, RoPE
-            q_raw, k_raw, v = self._qkv(x)
+        kv_cache = ctx.caches.kv[self.cache_idx]
+        stored = False
+        if backend is not None and backend.fused_qk_norm_rope:
+            # one GEMM, then one kernel: gate split, q/k norm, RoPE and the K/V store
+            q_raw, k_raw, v = self._qkv(x, backend)
+            v = v.view(t, self.num_kv_heads, d)  # column slice of the packed output: strided rows
             q, k, gate = backend.qk_norm_rope(q_raw, k_raw, self.q_norm.weight, self.k_norm.weight,
                                               ctx.cos, ctx.sin, self.num_heads, self.num_kv_heads, d,
-                                              self.q_norm.eps, self.q_norm.zero_centered, self.gated)
-            v = v.view(t, self.num_kv_heads, d)  # column slice of the packed output: strided rows
+                                              self.q_norm.eps, self.q_norm.zero_centered, self.gated,
+                                              v, kv_cache, ctx.attn)
+            stored = True
         else:
             q = self.q_proj(x)
             gate = None
@@ -146,15 +151,16 @@ class Attention(nn.Module):
             q = ops.apply_rope(self.q_norm(q), ctx.cos, ctx.sin)  # [T, Hq, D]
             k = ops.apply_rope(self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, d)), ctx.cos, ctx.sin)
             v = self.v_proj(x).view(t, self.num_kv_heads, d)  # [T, Hkv, D]
-        kv_cache = ctx.caches.kv[self.cache_idx]
         if backend is None:
             ops.write_kv(kv_cache, k, v, ctx.attn.slot_mapping)
             out = ops.paged_attention(q, kv_cache, ctx.attn, self.scale)
         else:
-            out = backend.forward(q, k, v, kv_cache, ctx.attn, self.scale)
+            out = backend.forward(q, k, v, kv_cache, ctx.attn, self.scale, stored)
         out = out.reshape(t, self.num_heads * d)  # [T, Hq*D]
         if gate is not None:
             out = out * torch.sigmoid(gate)
+        if backend is not None:
+            return backend.linear(out, self.o_proj.weight, self.o_proj.bias)
         return self.o_proj(out)
 
 

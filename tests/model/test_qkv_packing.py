@@ -2,6 +2,7 @@
 import torch
 
 from nvl72.config import ModelConfig
+from nvl72.model.attn_backends import AttentionBackend
 from nvl72.model.loader import build_model, init_dummy_weights
 from tests.runner.test_runner_engine import CONFIGS
 
@@ -13,7 +14,7 @@ def test_packed_qkv_equals_the_three_projections_and_follows_weight_changes():
     x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
 
     def check():
-        for ref, got in zip((att.q_proj(x), att.k_proj(x), att.v_proj(x)), att._qkv(x)):
+        for ref, got in zip((att.q_proj(x), att.k_proj(x), att.v_proj(x)), att._qkv(x, AttentionBackend())):
             assert got.shape == ref.shape and torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
 
     with torch.inference_mode():

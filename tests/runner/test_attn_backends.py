@@ -86,3 +86,20 @@ def test_backend_matches_reference(name, device, monkeypatch):
         out = backend.forward(q, k, v, kv, backend.plan(batch, ps), d**-0.5)
         assert torch.equal(kv.float(), ref_kv.to(dtype).float())
         assert rel_err(out, ref) < (2e-5 if dtype == torch.float32 else 2e-2), (name, qlens)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="needs a GPU or Triton's interpreter")
+def test_triton_gemv_is_opt_in_and_single_token_only(monkeypatch):
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(24, 64, generator=g).to(device), torch.randn(24, generator=g).to(device)
+    monkeypatch.delenv(ab.GEMV_ENV, raising=False)
+    assert not ab.TritonBackend().gemv
+    monkeypatch.setenv(ab.GEMV_ENV, "1")
+    backend = ab.TritonBackend()
+    assert backend.gemv
+    for t in (1, 3):
+        x = torch.randn(t, 64, generator=g).to(device)
+        assert torch.allclose(backend.linear(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-4)

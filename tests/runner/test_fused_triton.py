@@ -106,6 +106,14 @@ def test_qk_norm_rope_matches_layer_math(device, dtype, gated, zero_centered, ro
     q, k, gate = ft.qk_norm_rope(*dev, hq, hkv, d, 1e-6, zero_centered, gated)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert rel_err(q.cpu(), q_ref) < tol and rel_err(k.cpu(), k_ref) < tol
+    # with the cache: the same outputs, and store_kv's writes (slot -1: none)
+    v = torch.randn(t, hkv, d, generator=g).to(dtype).to(device)
+    kv, kv_ref = (torch.zeros(3, 2, hkv, 4, d, dtype=dtype, device=device) for _ in range(2))
+    slots = torch.tensor([5, 0, -1, 11, 2, 7, 9], device=device)
+    q2, k2, gate2 = ft.qk_norm_rope(*dev, hq, hkv, d, 1e-6, zero_centered, gated, v, kv, slots)
+    assert torch.equal(q2, q) and torch.equal(k2, k)
+    ft.store_kv(kv_ref, k, v, slots)
+    assert torch.equal(kv, kv_ref) and int(kv.ne(0).sum()) == 2 * 6 * hkv * d
     if gated:
         assert torch.equal(gate.cpu(), gate_ref)
     else:
@@ -157,6 +165,20 @@ def test_rope_cos_sin_matches_reference(device, dtype, rot):
         assert x.dtype == dtype and rel_err(x.cpu(), r) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("n,k,bias", [(4100, 96, False), (40, 2048, True), (2048, 300, True)])
+def test_gemv_matches_linear(device, dtype, n, k, bias):
+    skip_interpreted_bf16(device, dtype)
+    g = torch.Generator().manual_seed(n + k)
+    x, w = torch.randn(1, k, generator=g).to(dtype), (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    got = ft.gemv(x.to(device), w.to(device), None if b is None else b.to(device))
+    assert got.shape == (1, n) and got.dtype == dtype
+    assert rel_err(got.cpu(), ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 def test_bad_shapes_name_the_value():
     q = torch.zeros(2, 4, 24)
     kv = torch.zeros(3, 2, 2, 4, 24)
@@ -193,6 +215,11 @@ def test_kernels_compile_for_hopper(arch):
                                                 "stride_ot": i64, "stride_oh": i64, "NSPLIT": "constexpr",
                                                 "D": "constexpr"}, constexprs={"NSPLIT": 32, "D": 128})
     assert triton.compile(src, target=target).asm["cubin"]
+    src = ASTSource(ft._gemv_kernel, {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "out": "*bf16", "N": i32, "K": i32,
+                                      "stride_w": i32, "HAS_BIAS": "constexpr", "BLOCK_N": "constexpr",
+                                      "BLOCK_K": "constexpr"}, constexprs={"HAS_BIAS": False, "BLOCK_N": 8,
+                                                                           "BLOCK_K": 1024})
+    assert triton.compile(src, target=target).asm["cubin"]
     src = ASTSource(ft._slot_mapping_kernel, {"positions": "*i64", "qsl": "*i32", "page_table": "*i32",
                                               "slots": "*i64", "num_seqs": i32, "width": i32, "stride_pt": i32,
                                               "PAGE_SIZE": "constexpr", "BLOCK_B": "constexpr"},
@@ -210,7 +237,9 @@ def test_kernels_compile_for_hopper(arch):
     assert triton.compile(src, target=target).asm["cubin"]
     norm_sig = {"q_raw": "*bf16", "k_raw": "*bf16", "qw": "*bf16", "kw": "*bf16", "cos": "*bf16", "sin": "*bf16",
                 "q_out": "*bf16", "k_out": "*bf16", "gate_out": "*bf16", "rms_eps": "fp32", "stride_q": i32,
-                "stride_k": i32, "stride_cs": i32, **{n: "constexpr" for n in ("HQ", "HKV", "D", "R", "GATED", "ZC")}}
+                "stride_k": i32, "stride_cs": i32, "v": "*bf16", "kv_cache": "*bf16", "slots": "*i64",
+                **{n: i64 for n in ("stride_v", "stride_page", "stride_kind", "stride_head", "stride_tok")},
+                **{n: "constexpr" for n in ("HQ", "HKV", "D", "R", "GATED", "ZC", "STORE", "PAGE_SIZE")}}
     src = ASTSource(ft._qk_norm_rope_kernel, norm_sig, constexprs={
-        "HQ": 32, "HKV": 4, "D": 128, "R": 128, "GATED": False, "ZC": False})
+        "HQ": 32, "HKV": 4, "D": 128, "R": 128, "GATED": False, "ZC": False, "STORE": True, "PAGE_SIZE": 16})
     assert triton.compile(src, target=target).asm["cubin"]
