@@ -55,6 +55,8 @@ SM90_MODULE = "moe.kernels.sm90_grouped_gemm"
 SM90_KERNEL_SETS = ("auto", "classic", "ws")
 SM90_WS_MODULE = "moe.kernels.sm90_grouped_gemm_ws"  # warp-specialized persistent FP8 variants ("ws_*")
 ENV_SM90_KERNELS = "NVL72_MOE_SM90_KERNELS"  # "auto" (default; = "ws"), "classic" or "ws": Sm90Gemm's FP8 defaults
+# the clusters the cluster GEMM variants launch, instead of the driver's co-resident count (measurements)
+ENV_MAX_CLUSTERS = "NVL72_MOE_MAX_CLUSTERS"
 
 
 def load_sm90_module(module: str = SM90_MODULE):
@@ -121,6 +123,9 @@ class Sm90Gemm:
         "ws_fp8_contig", "ws_fp8_contig_serial", "ws_fp8_contig_pingpong", "ws_fp8_contig_n256",
         "ws_fp8_contig_n256_e4", "ws_fp8_contig_n256_mc",
     ]
+    # variants launched in clusters: (CTAs per cluster, threads per CTA); they take one more argument
+    # after aux, the count of clusters to launch (the device's co-resident ones, moe.occupancy)
+    CLUSTERED = {"ws_fp8_contig_n256_mc": (2, 384)}
     # masked variants with the compact tile walk: their shared prefix array holds this many experts
     # (moe.kernels.sm90_grouped_gemm_ws.MAX_EXPERTS)
     COMPACT_MAX_EXPERTS = {
@@ -140,6 +145,28 @@ class Sm90Gemm:
         self.mod, self.ws, self.kernels = module, ws_module, kernels
         self.defaults = self.DEFAULTS if kernels == "classic" else {**self.DEFAULTS, **self.WS_DEFAULTS}
         self._one = {}
+        self._clusters = {}
+        env = os.environ.get(ENV_MAX_CLUSTERS)
+        self.max_clusters = int(env) if env else None
+        if self.max_clusters is not None and self.max_clusters < 1:
+            raise ValueError(f"${ENV_MAX_CLUSTERS}={env!r}: need a positive cluster count")
+
+    def clusters(self, device: torch.device, variant: str) -> int:
+        """Clusters to launch for a CLUSTERED variant on `device`: the co-resident count the driver
+        reports (once per device), or ${ENV_MAX_CLUSTERS} if set, never more than SMs / cluster size."""
+        size, threads = self.CLUSTERED[variant]
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        key = (idx, variant)
+        if key not in self._clusters:
+            from moe.occupancy import max_active_clusters
+
+            sms = torch.cuda.get_device_properties(idx).multi_processor_count
+            n = max_active_clusters(idx, size, threads, sms)
+            if self.max_clusters is not None:
+                n = min(self.max_clusters, sms // size)
+                log.info("moe: %s on cuda:%d: %d clusters (%s)", variant, idx, n, ENV_MAX_CLUSTERS)
+            self._clusters[key] = n
+        return self._clusters[key]
 
     def kernel(self, variant: str):
         """The compiled export named `variant` ("ws_*" from the warp-specialized module)."""
@@ -177,7 +204,10 @@ class Sm90Gemm:
         if masked and a.shape[0] > self.COMPACT_MAX_EXPERTS.get(variant, a.shape[0]):
             raise ValueError(f"{a.shape[0]} experts: {variant} takes at most {self.COMPACT_MAX_EXPERTS[variant]}")
         fn = self.kernel(variant)
-        fn(a3, b.permute(1, 2, 0), c3, sa, sb, aux.to(torch.int32))
+        args = (a3, b.permute(1, 2, 0), c3, sa, sb, aux.to(torch.int32))
+        if variant in self.CLUSTERED:
+            args += (self.clusters(a.device, variant),)
+        fn(*args)
         return out
 
 

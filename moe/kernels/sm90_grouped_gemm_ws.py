@@ -57,8 +57,11 @@ Prefill options of the 128 x 256 kernel (not measured yet; the A/B against _n256
     tiles name different experts) each CTA loads both halves for itself; an m tile past the end or
     unused (-1) loads its partner's operands and stores nothing, so both CTAs run the same pipeline
     steps. Every consumer warp releases a stage in both CTAs; the kernel ends on a cluster barrier.
-NUM_SMS is H100/H200 SXM's 132: on a part with fewer SMs the extra CTAs wait for a free SM
-(correct, not optimal).
+    Its grid is sized on the host (GroupedGemmSm90WSCluster: an extra `clusters` argument, the
+    number of 2-CTA clusters the device can hold at once), and each cluster strides over the units
+    by the number of clusters launched.
+NUM_SMS is H100/H200 SXM's 132 (the 1-CTA kernels' grid): on a part with fewer SMs the extra CTAs
+wait for a free SM (correct, not optimal).
 """
 from __future__ import annotations
 
@@ -500,94 +503,14 @@ class GroupedGemmSm90WSPingPong(GroupedGemmSm90WS):
     a_scale[row, k] * b_scale[n block, k], the B block of each half its own. An odd count of
     128-column tiles leaves the last pair with one half: its second half re-reads a valid B tile
     and is not stored. Rows per expert are padded to 128 (the contiguous layout's TILE_M).
-    cluster=2 and epi_buffers: the prefill options of the module docstring."""
+    epi_buffers (and cluster=2, GroupedGemmSm90WSCluster): the prefill options of the module docstring."""
 
-    def __init__(self, masked: bool = False, ordered: bool = True, cluster: int = 1, epi_buffers: int | None = None):
+    def __init__(self, masked: bool = False, ordered: bool = True, epi_buffers: int | None = None):
         if masked:
             raise ValueError(f"masked={masked}: the ping-pong kernel is for the contiguous layout only")
-        if cluster not in (1, 2):
-            raise ValueError(f"cluster={cluster}: need 1 or 2 CTAs per cluster")
         super().__init__(masked=False, n_wg=2, tile_n=SCALE_BLOCK)
         self.b_tiles = 2
-        self.ordered, self.cluster, self.epi_buffers = ordered, cluster, epi_buffers
-
-    @cute.jit
-    def __call__(
-        self,
-        a: cute.Tensor,
-        b: cute.Tensor,
-        c: cute.Tensor,
-        a_scale: cute.Tensor,
-        b_scale: cute.Tensor,
-        aux: cute.Tensor,
-        stream,
-    ):
-        if cutlass.const_expr(self.cluster == 1):
-            GroupedGemmSm90WS.__call__(self, a, b, c, a_scale, b_scale, aux, stream)
-        else:
-            self._launch_cluster(a, b, c, a_scale, b_scale, aux, stream)
-
-    @cute.jit
-    def _launch_cluster(self, a, b, c, a_scale, b_scale, aux, stream):
-        """Pairs of CTAs (a cluster of 2 along M) over pairs of 128-row tiles: B through multicast TMA."""
-        self._setup()
-        a_scale, b_scale, c, tma_a, tma_ta, _, _, tma_c, tma_tc = self._operands(a, b, c, a_scale, b_scale)
-        b = cute.make_tensor(cute.recast_ptr(b.iterator, dtype=self.ab_dtype), b.layout)
-        tma_b, tma_tb = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(), b,
-            cute.slice_(self.b_smem_staged, (None, None, 0)), (self.tile_mnk[1], self.tile_mnk[2]), num_multicast=1,
-        )
-        tiles_m = cute.ceil_div(cute.size(c, mode=[0]), self.tile_m)
-        pairs = cute.ceil_div(cute.ceil_div(cute.size(c, mode=[1]), self.tile_n), 2)
-        units = cute.ceil_div(tiles_m, 2) * pairs
-
-        @cute.struct
-        class SharedStorage:
-            bars: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_staged)], 1024]
-            prefix: cute.struct.MemRange[cutlass.Int32, self.n_prefix]
-
-        self.shared_storage = SharedStorage
-        self.kernel(
-            tma_a, tma_ta, tma_b, tma_tb, tma_c, tma_tc, a_scale, b_scale, aux,
-            self.tiled_mma, self.tiled_mma, self.tiled_mma,
-            self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
-        ).launch(
-            grid=(2 * cutlass.min(units, NUM_SMS // 2), 1, 1), block=[self.threads, 1, 1],
-            cluster=(2, 1, 1), stream=stream,
-        )
-
-    @cute.jit
-    def _unit(self, t, tiles_m, tiles_n, aux, rank):
-        """Cluster walk: unit t -> (m tile, pair of n tiles, expert of the loads, active, multicast, store).
-
-        The two CTAs of a cluster take m tiles 2q and 2q + 1 of unit (q, pair), pairs innermost. Both
-        must run the same pipeline steps, so a unit is active if either tile is; a CTA whose tile is
-        past the end or unused (-1) loads its partner's operands and stores nothing. B is multicast
-        when both tiles load the same expert's weights (not across an expert boundary)."""
-        pairs = (tiles_n + 1) // 2
-        pn = t % pairs
-        q = t // pairs
-        pm = 2 * q + rank
-        e_own = aux[cutlass.min(pm, tiles_m - 1)]
-        e_peer = aux[cutlass.min(2 * q + 1 - rank, tiles_m - 1)]
-        if pm >= tiles_m:
-            e_own = cutlass.Int32(-1)
-        if 2 * q + 1 - rank >= tiles_m:
-            e_peer = cutlass.Int32(-1)
-        store = e_own >= 0
-        e_load = e_own
-        if e_own < 0:
-            e_load = e_peer
-        e_peer_load = e_peer
-        if e_peer < 0:
-            e_peer_load = e_own
-        pm_load = pm
-        if e_own < 0:
-            pm_load = 2 * q + 1 - rank
-        return pm_load, pn, e_load, e_load >= 0, e_load == e_peer_load, store
+        self.ordered, self.cluster, self.epi_buffers = ordered, 1, epi_buffers
 
     @cute.jit
     def _tile(self, t, tiles_m, tiles_n, n_l, aux, sP):
@@ -777,6 +700,91 @@ class GroupedGemmSm90WSPingPong(GroupedGemmSm90WS):
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
 
+
+class GroupedGemmSm90WSCluster(GroupedGemmSm90WSPingPong):
+    """The 128 x 256 kernel on clusters of 2 CTAs along M (cluster=2 of the module docstring), launched
+    over a grid the host sizes: one more argument after `aux`, `clusters`, the number of 2-CTA
+    clusters that are co-resident on the device (moe.occupancy.max_active_clusters; it can be below
+    SMs / 2 when a GPC has an odd count of free SMs). The grid is 2 * min(units, clusters) CTAs, so
+    every cluster starts at once and the persistent walk strides by the clusters launched (a cluster
+    that had to wait for a free pair of SMs would run its whole share of units as a second wave)."""
+
+    def __init__(self, masked: bool = False, ordered: bool = True, epi_buffers: int | None = None):
+        super().__init__(masked=masked, ordered=ordered, epi_buffers=epi_buffers)
+        self.cluster = 2
+
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Tensor,
+        b: cute.Tensor,
+        c: cute.Tensor,
+        a_scale: cute.Tensor,
+        b_scale: cute.Tensor,
+        aux: cute.Tensor,
+        clusters: cutlass.Int32,
+        stream,
+    ):
+        """Pairs of CTAs (a cluster of 2 along M) over pairs of 128-row tiles: B through multicast TMA."""
+        self._setup()
+        a_scale, b_scale, c, tma_a, tma_ta, _, _, tma_c, tma_tc = self._operands(a, b, c, a_scale, b_scale)
+        b = cute.make_tensor(cute.recast_ptr(b.iterator, dtype=self.ab_dtype), b.layout)
+        tma_b, tma_tb = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(), b,
+            cute.slice_(self.b_smem_staged, (None, None, 0)), (self.tile_mnk[1], self.tile_mnk[2]), num_multicast=1,
+        )
+        tiles_m = cute.ceil_div(cute.size(c, mode=[0]), self.tile_m)
+        pairs = cute.ceil_div(cute.ceil_div(cute.size(c, mode=[1]), self.tile_n), 2)
+        units = cute.ceil_div(tiles_m, 2) * pairs
+
+        @cute.struct
+        class SharedStorage:
+            bars: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_staged)], 1024]
+            prefix: cute.struct.MemRange[cutlass.Int32, self.n_prefix]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            tma_a, tma_ta, tma_b, tma_tb, tma_c, tma_tc, a_scale, b_scale, aux,
+            self.tiled_mma, self.tiled_mma, self.tiled_mma,
+            self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
+        ).launch(
+            grid=(2 * cutlass.max(cutlass.min(units, clusters), 1), 1, 1), block=[self.threads, 1, 1],
+            cluster=(2, 1, 1), stream=stream,
+        )
+
+    @cute.jit
+    def _unit(self, t, tiles_m, tiles_n, aux, rank):
+        """Cluster walk: unit t -> (m tile, pair of n tiles, expert of the loads, active, multicast, store).
+
+        The two CTAs of a cluster take m tiles 2q and 2q + 1 of unit (q, pair), pairs innermost. Both
+        must run the same pipeline steps, so a unit is active if either tile is; a CTA whose tile is
+        past the end or unused (-1) loads its partner's operands and stores nothing. B is multicast
+        when both tiles load the same expert's weights (not across an expert boundary)."""
+        pairs = (tiles_n + 1) // 2
+        pn = t % pairs
+        q = t // pairs
+        pm = 2 * q + rank
+        e_own = aux[cutlass.min(pm, tiles_m - 1)]
+        e_peer = aux[cutlass.min(2 * q + 1 - rank, tiles_m - 1)]
+        if pm >= tiles_m:
+            e_own = cutlass.Int32(-1)
+        if 2 * q + 1 - rank >= tiles_m:
+            e_peer = cutlass.Int32(-1)
+        store = e_own >= 0
+        e_load = e_own
+        if e_own < 0:
+            e_load = e_peer
+        e_peer_load = e_peer
+        if e_peer < 0:
+            e_peer_load = e_own
+        pm_load = pm
+        if e_own < 0:
+            pm_load = 2 * q + 1 - rank
+        return pm_load, pn, e_load, e_load >= 0, e_load == e_peer_load, store
+
     @cute.jit
     def _load_b_pair(self, tma_b, tBgB_0, tBgB_1, tBsB, kt, index, bar, mc, rank):
         """Cluster: the B tiles of one stage. Multicast: each CTA loads the half of its rank into both
@@ -802,7 +810,8 @@ VARIANTS = {
     # _n256 with 4 epilogue buffers (32 KB: 4 A/B stages still fit), so a tile's TMA stores rarely wait
     "ws_fp8_contig_n256_e4": dict(masked=False, ordered=False, epi_buffers=4, cls=GroupedGemmSm90WSPingPong),
     # _n256_e4 on clusters of 2 CTAs along M: each CTA loads half of the shared B tile and multicasts it
-    "ws_fp8_contig_n256_mc": dict(masked=False, ordered=False, epi_buffers=4, cluster=2, cls=GroupedGemmSm90WSPingPong),
+    # (the host passes the co-resident cluster count after aux: GroupedGemmSm90WSCluster)
+    "ws_fp8_contig_n256_mc": dict(masked=False, ordered=False, epi_buffers=4, cls=GroupedGemmSm90WSCluster),
     "ws_fp8_masked_swapab": dict(masked=True, n_wg=2, tile_n=32),
     "ws_fp8_masked_swapab_m64n16": dict(masked=True, n_wg=1, tile_n=16),
     # decode: compact walk + scale prefetch (module docstring); 128 and 64 weight rows per tile
@@ -818,14 +827,16 @@ VARIANTS = {
 
 
 def compile_for_export(arch: str = "sm_90a") -> dict:
-    """{export name: compiled fn} for every entry of VARIANTS (arguments as in sm90_grouped_gemm)."""
+    """{export name: compiled fn} for every entry of VARIANTS (arguments as in sm90_grouped_gemm; the
+    cluster variants take the co-resident cluster count after aux: GroupedGemmSm90WSCluster)."""
     if not arch.startswith("sm_90"):
         raise ValueError(f"arch={arch!r}: the wgmma grouped GEMM needs sm_90a")
     kernels = {}
     for name, kw in VARIANTS.items():
         kw = dict(kw)
         cls = kw.pop("cls", GroupedGemmSm90WS)
-        kernels[name] = cute.compile(
-            cls(**kw), *_fake_args(True, kw["masked"]), options=f"--gpu-arch {arch} --enable-tvm-ffi"
-        )
+        *args, stream = _fake_args(True, kw["masked"])
+        if issubclass(cls, GroupedGemmSm90WSCluster):
+            args.append(cutlass.Int32(0))
+        kernels[name] = cute.compile(cls(**kw), *args, stream, options=f"--gpu-arch {arch} --enable-tvm-ffi")
     return kernels

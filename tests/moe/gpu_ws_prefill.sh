@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-call GPU check of the contiguous (prefill) ws variants, the 128 x 256 ones included (_n256_e4: 4
-# epilogue buffers, _n256_mc: 2-CTA clusters with multicast B), <= 135 s (45 s tests + 80 s perf, each under
-# `timeout`) on one H200 (repository root, $OUT set):
+# epilogue buffers, _n256_mc: 2-CTA clusters with multicast B), <= 155 s (30 s cluster query + 45 s tests + 80 s perf, each
+# under `timeout`) on one H200 (repository root, $OUT set):
 #   bash tests/moe/gpu_ws_prefill.sh
 # Carry: .gpucarry-moe4 (`nvl72 kernels build --arch sm_90a --out .gpucarry-moe4 --module
 # moe.kernels.sm90_grouped_gemm --module moe.kernels.sm90_grouped_gemm_ws`).
@@ -16,6 +16,11 @@ OUT=${OUT:-/tmp/moe-out}
 mkdir -p "$OUT"
 source .gpucarry-moe4/sm_90a/setup_device.sh || exit 1
 export NVL72_KERNEL_BUNDLE=$PWD/.gpucarry-moe4
+# the grid of _n256_mc: 2-CTA clusters the driver says fit at once (moe.occupancy; the kernel launches that many)
+timeout 30 python3 -c "import torch; from moe import occupancy; torch.zeros(1, device='cuda'); \
+print('co-resident 2-CTA clusters (cuOccupancyMaxActiveClusters):', occupancy.query_max_active_clusters(0, 2, 384), \
+'of SMs/2 =', torch.cuda.get_device_properties(0).multi_processor_count // 2)" > "$OUT/clusters.log" 2>&1
+echo "cluster query rc=$?"; tail -3 "$OUT/clusters.log"
 timeout 45 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/moe/test_gpu_kernels.py -k "ws_fp8_contig" \
   > "$OUT/pytest_ws.log" 2>&1
 rc=$?; echo "pytest (ws kernels) rc=$rc"; grep -E "^(FAILED|ERROR)" "$OUT/pytest_ws.log" | head -12; tail -2 "$OUT/pytest_ws.log"

@@ -36,8 +36,8 @@ def test_sm90_ws_grouped_gemm_compiles():
         mod.GroupedGemmSm90WSPingPong(masked=True)
     assert {"ws_fp8_contig_n256_e4", "ws_fp8_contig_n256_mc"} <= set(fns)
     assert {"ws_fp8_masked_swapab_cpo_kg2", "ws_fp8_masked_swapab_cpo_kg4"} <= set(fns)
-    with pytest.raises(ValueError, match="cluster=4"):
-        mod.GroupedGemmSm90WSPingPong(cluster=4)
+    with pytest.raises(ValueError, match="masked=True"):
+        mod.GroupedGemmSm90WSCluster(masked=True)
     with pytest.raises(ValueError, match="k_group=3"):
         mod.GroupedGemmSm90WS(masked=True, tile_n=32, k_group=3)
 
@@ -49,6 +49,21 @@ def test_ws_contig_variants_listed_for_the_backend():
     mod = importlib.import_module("moe.kernels.sm90_grouped_gemm_ws")
     contig = sorted(name for name, kw in mod.VARIANTS.items() if not kw["masked"])
     assert sorted(Sm90Gemm.WS_CONTIG) == contig and "ws_fp8_contig_pingpong" in contig
+
+
+def test_cluster_variants_listed_for_the_backend():
+    """Sm90Gemm passes the cluster count to exactly the cluster exports, with their launch shape."""
+    from moe.backend import Sm90Gemm
+
+    mod = importlib.import_module("moe.kernels.sm90_grouped_gemm_ws")
+    shapes = {}
+    for name, kw in mod.VARIANTS.items():
+        kw = dict(kw)
+        cls = kw.pop("cls", mod.GroupedGemmSm90WS)
+        if issubclass(cls, mod.GroupedGemmSm90WSCluster):
+            k = cls(**kw)
+            shapes[name] = (k.cluster, k.threads)
+    assert shapes == Sm90Gemm.CLUSTERED and shapes["ws_fp8_contig_n256_mc"] == (2, 384)
 
 
 def test_sm100_mxfp8_grouped_gemm_compiles():

@@ -95,6 +95,26 @@ def test_grouped_gemm_contiguous_tile_walk_edges(gemm, variant, tile_expert):
     assert torch.isnan(out[~used]).all()
 
 
+@pytest.mark.parametrize("variant", list(backend.Sm90Gemm.CLUSTERED))
+@pytest.mark.parametrize("clusters", [1, 3])
+def test_cluster_grid_gives_identical_output(gemm, variant, clusters, monkeypatch):
+    """Fewer clusters than units (each cluster strides over several units by the count launched) give
+    the bitwise output of the default grid (the driver's co-resident count)."""
+    _need(gemm, variant)
+    gen = torch.Generator(device="cuda").manual_seed(clusters)
+    te = torch.tensor([0, 0, 1, 2, 2, 2, 3, -1, 3, 3, 1], dtype=torch.int32, device="cuda")
+    m, n, k, e = 128 * te.numel(), 640, 512, 4
+    a, b, sa, sb = _operands(True, (m,), n, k, e, gen)
+    want = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gemm(a, b, want, sa, sb, te, False, variant=variant)
+    monkeypatch.setenv(backend.ENV_MAX_CLUSTERS, str(clusters))
+    few = backend.Sm90Gemm(gemm.mod, gemm.ws)
+    assert few.clusters(a.device, variant) == clusters
+    out = torch.full_like(want, float("nan"))
+    few(a, b, out, sa, sb, te, False, variant=variant)
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(), want.nan_to_num())
+
+
 @pytest.mark.parametrize("variant", MASKED)
 @pytest.mark.parametrize(
     "e,n,k,t,topk",

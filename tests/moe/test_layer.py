@@ -126,3 +126,38 @@ def test_sm90_gemm_variant_dispatch():
     auto = backend.Sm90Gemm(classic, ws, "auto")
     assert auto.defaults == g.defaults
     assert plain.defaults[(True, False)] == "grouped_gemm_fp8_contig_serial"
+
+
+def test_sm90_gemm_passes_cluster_count(monkeypatch):
+    """Cluster variants get the co-resident cluster count after aux (queried once per device;
+    $NVL72_MOE_MAX_CLUSTERS overrides it, capped at SMs / 2); the other variants get no extra argument."""
+    from types import SimpleNamespace
+
+    import moe.occupancy
+
+    calls, queries = [], []
+
+    def query(idx, size, threads, sms):
+        queries.append((idx, size, threads, sms))
+        return 62
+
+    monkeypatch.setattr(moe.occupancy, "max_active_clusters", query)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda idx: SimpleNamespace(multi_processor_count=132))
+    ws = SimpleNamespace(ws_fp8_contig_n256_mc=lambda *a: calls.append(a), ws_fp8_contig_n256=lambda *a: calls.append(a))
+    g = backend.Sm90Gemm(SimpleNamespace(), ws, "ws")
+    a = torch.zeros(256, 128, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(2, 256, 128, dtype=torch.float8_e4m3fn)
+    out = torch.empty(256, 256, dtype=torch.bfloat16)
+    sa, sb = torch.ones(1, 1, 256), torch.ones(2, 2, 1)
+    aux = torch.tensor([0, 1], dtype=torch.int32)
+    for variant in ("ws_fp8_contig_n256_mc", "ws_fp8_contig_n256", "ws_fp8_contig_n256_mc"):
+        g(a, b, out, sa, sb, aux, False, variant=variant)
+    assert [len(c) for c in calls] == [7, 6, 7] and calls[0][6] == calls[2][6] == 62
+    assert queries == [(0, 2, 384, 132)]  # once per device
+    for env, want in (("60", 60), ("500", 66)):
+        monkeypatch.setenv(backend.ENV_MAX_CLUSTERS, env)
+        assert backend.Sm90Gemm(SimpleNamespace(), ws, "ws").clusters(torch.device("cuda", 0), "ws_fp8_contig_n256_mc") == want
+    monkeypatch.setenv(backend.ENV_MAX_CLUSTERS, "0")
+    with pytest.raises(ValueError, match="NVL72_MOE_MAX_CLUSTERS"):
+        backend.Sm90Gemm(SimpleNamespace(), ws, "ws")
