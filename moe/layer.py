@@ -98,9 +98,11 @@ class MoE(nn.Module):
             self.prepare()
         return self._backend
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64)."""
-        return self._ready().route(self.gate(x), self.top_k, self.norm_topk_prob)
+    def route(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64). `router_logits` [T, E]:
+        self.gate(x) computed by the caller (the service folds it into its norm kernel)."""
+        logits = self.gate(x) if router_logits is None else router_logits
+        return self._ready().route(logits, self.top_k, self.norm_topk_prob)
 
     def run_experts(
         self,
@@ -148,7 +150,7 @@ class MoE(nn.Module):
         g.record_stream(main)
         return s, g, ready
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
         s, g, ready = self._shared_parts(x)
-        topk_weights, topk_ids = self.route(x)
+        topk_weights, topk_ids = self.route(x, router_logits)
         return self.run_experts(x, topk_weights, topk_ids, s, g, ready)

@@ -75,11 +75,12 @@ class AttentionBackend:
                                          head_dim, eps, zero_centered, gated, v, kv_cache,
                                          None if meta is None else meta.slot_mapping)
 
-    def add_rms_norm(self, x, delta, weight, eps, zero_centered):
-        """`fused_triton.add_rms_norm`'s contract: (x + delta, its RMSNorm); delta None: (x, RMSNorm(x))."""
+    def add_rms_norm(self, x, delta, weight, eps, zero_centered, router=None):
+        """`fused_triton.add_rms_norm`'s contract: (x + delta, its RMSNorm[, router logits]); delta
+        None: (x, RMSNorm(x)[, router logits])."""
         from nvl72.model import fused_triton
 
-        return fused_triton.add_rms_norm(x, delta, weight, eps, zero_centered)
+        return fused_triton.add_rms_norm(x, delta, weight, eps, zero_centered, router)
 
     def linear(self, x, weight, bias=None):
         """F.linear; the triton backend may run single-token steps through its GEMV kernel."""

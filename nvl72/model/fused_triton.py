@@ -5,7 +5,8 @@
 - `gemv`: x [1, K] @ W.T (+ bias) for single-token steps, row blocks of W per program (opt-in,
   $NVL72_TRITON_GEMV=1, to compare with cuBLAS's GEMV on the GPU);
 - `add_rms_norm`: the decoder's residual add and RMSNorm in one pass (x + delta rounded to the
-  activation dtype, then normed as `ops.rms_norm` rounds); without delta a plain RMSNorm;
+  activation dtype, then normed as `ops.rms_norm` rounds); without delta a plain RMSNorm; with
+  the MoE gate's weight also the router logits (the router GEMV folded into the same launch);
 - `qk_norm_rope`: after the q/k projections, one pass does the gate split (gated attention), the
   per-head q/k RMSNorm and the (partial) neox RoPE, rounding where the reference rounds (bf16
   products and sums are emulated exactly: a product of two bf16 values is exact in fp32);
@@ -121,41 +122,64 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 @triton.jit
-def _add_rms_norm_kernel(x, delta, w, sum_out, norm_out, rms_eps, stride_x, stride_d, H: tl.constexpr,
-                         BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, ZC: tl.constexpr):
+def _add_rms_norm_kernel(x, delta, w, sum_out, norm_out, router, logits, rms_eps, stride_x, stride_d, E,
+                         H: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, ZC: tl.constexpr,
+                         BLOCK_E: tl.constexpr):
+    """Program (t, j): token t's sum and norm (stored by j == 0); with a router (BLOCK_E > 0) also
+    logits rows [j * BLOCK_E, (j + 1) * BLOCK_E) of the normed row, so the norm is recomputed by
+    every program (a 2-row read) instead of a second launch for the router's GEMV."""
     DT = norm_out.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
     c = tl.arange(0, BLOCK)
     ok = c < H
     v = tl.load(x + t * stride_x + c, mask=ok, other=0.0).to(tl.float32)
     if HAS_DELTA:
         v = _round(v + tl.load(delta + t * stride_d + c, mask=ok, other=0.0).to(tl.float32), DT)
-        tl.store(sum_out + t * H + c, v.to(DT), mask=ok)
+        if j == 0:
+            tl.store(sum_out + t * H + c, v.to(DT), mask=ok)
     rstd = tl.rsqrt(tl.sum(v * v, 0) / H + rms_eps)
     wv = tl.load(w + c, mask=ok, other=0.0).to(tl.float32)
     if ZC:
-        y = v * rstd * (1.0 + wv)
+        y = _round(v * rstd * (1.0 + wv), DT)
     else:
-        y = _round(v * rstd, DT) * wv
-    tl.store(norm_out + t * H + c, y.to(DT), mask=ok)
+        y = _round(_round(v * rstd, DT) * wv, DT)
+    if j == 0:
+        tl.store(norm_out + t * H + c, y.to(DT), mask=ok)
+    if BLOCK_E > 0:  # logits = normed @ router.T, rounded to the activation dtype as nn.Linear's output
+        e = j * BLOCK_E + tl.arange(0, BLOCK_E)
+        e_ok = e < E
+        r = tl.load(router + e[:, None].to(tl.int64) * H + c[None, :], mask=e_ok[:, None] & ok[None, :],
+                    other=0.0).to(tl.float32)
+        tl.store(logits + t * E + e, tl.sum(r * y[None, :], 1).to(DT), mask=e_ok)
+
+
+ROUTER_BLOCK_E = 4  # router rows per program of the fused norm + router kernel
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 zero_centered: bool, router: torch.Tensor | None = None):
     """(s, ops.rms_norm(s, weight, eps, zero_centered)) with s = x + delta (x itself when delta is
-    None, returned as is). x, delta [T, H] row-contiguous; returns new [T, H] tensors in x.dtype."""
+    None, returned as is); with `router` [E, H] (the MoE gate's weight) also the router logits
+    F.linear(normed, router) [T, E] as a third element. x, delta [T, H] row-contiguous; returns
+    new tensors in x.dtype."""
     if x.dim() != 2 or x.stride(1) != 1 or (delta is not None and (delta.shape != x.shape or delta.stride(1) != 1)):
         raise ValueError(f"add_rms_norm needs row-contiguous [T, H] x (got {tuple(x.shape)}) and delta of its shape "
                          f"(got {None if delta is None else tuple(delta.shape)})")
     t, h = x.shape
+    if router is not None and (router.dim() != 2 or router.shape[1] != h or not router.is_contiguous()):
+        raise ValueError(f"router weight {tuple(router.shape)} must be a contiguous [E, {h}]")
     s = x if delta is None else torch.empty_like(x, memory_format=torch.contiguous_format)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    e = 0 if router is None else router.shape[0]
+    logits = torch.empty(t, e, dtype=x.dtype, device=x.device) if router is not None else out
     if t:
         d = x if delta is None else delta
-        _add_rms_norm_kernel[(t,)](x, d, weight, s, out, eps, x.stride(0), d.stride(0), H=h,
-                                   BLOCK=triton.next_power_of_2(h), HAS_DELTA=delta is not None, ZC=zero_centered,
-                                   num_warps=4 if h <= 4096 else 8)
-    return s, out
+        _add_rms_norm_kernel[(t, triton.cdiv(e, ROUTER_BLOCK_E) if e else 1)](
+            x, d, weight, s, out, out if router is None else router, logits, eps, x.stride(0), d.stride(0), e, H=h,
+            BLOCK=triton.next_power_of_2(h), HAS_DELTA=delta is not None, ZC=zero_centered,
+            BLOCK_E=ROUTER_BLOCK_E if e else 0, num_warps=4 if h <= 4096 else 8)
+    return (s, out) if router is None else (s, out, logits)
 
 
 @triton.jit

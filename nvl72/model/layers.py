@@ -48,16 +48,24 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, self.zero_centered)
 
 
-def add_norm(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None,
-             ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, norm(x + delta)); delta None: (x, norm(x)). One kernel where the attention
-    backend fuses them (`fused_ops`: a decode layer's torch add, casts, square, mean, rsqrt and
-    products were a dozen small kernels), else the reference add and `ops.rms_norm`."""
+def add_norm(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None, ctx: ForwardContext,
+             router: torch.Tensor | None = None):
+    """(x + delta, norm(x + delta)); delta None: (x, norm(x)); with `router` (a MoE gate's weight
+    [E, H]) also the router logits F.linear(norm(...), router) as a third element. One kernel
+    where the attention backend fuses them (`fused_ops`: a decode layer's torch add, casts,
+    square, mean, rsqrt and products were a dozen small kernels, the router a GEMV), else the
+    reference add, `ops.rms_norm` and F.linear."""
     b = ctx.backend
     if b is not None and b.fused_ops and x.dim() == 2:
-        return b.add_rms_norm(x, delta, norm.weight, norm.eps, norm.zero_centered)
+        return b.add_rms_norm(x, delta, norm.weight, norm.eps, norm.zero_centered, router)
     s = x if delta is None else x + delta
-    return s, norm(s)
+    h = norm(s)
+    return (s, h) if router is None else (s, h, torch.nn.functional.linear(h, router))
+
+
+# At or below this many tokens the MoE router's GEMV runs inside the post-attention norm kernel
+# (each token's programs read the whole gate weight: fine for decode batches, not for prefill).
+FUSED_ROUTER_TOKENS = 8
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -256,7 +264,13 @@ class DecoderLayer(nn.Module):
             i = self.cache_idx
             h = self.linear_attn(h, ctx.batch, ctx.caches.conv[i], ctx.caches.recurrent[i])
         # all-reduce of the row-parallel o_proj / out_proj, then the residual add and the second norm
-        x, h = add_norm(self.post_attention_layernorm, x, self.parallel.reduce(h), ctx)
-        if self.parallel.dispatch is not None and isinstance(self.mlp, MoE):  # DP+EP: dispatch/combine
-            return x, dp_ep.moe_forward(self.mlp, h, self.parallel.dispatch)
+        delta, norm = self.parallel.reduce(h), self.post_attention_layernorm
+        moe = self.mlp if isinstance(self.mlp, MoE) else None
+        if moe is not None and self.parallel.dispatch is not None:  # DP+EP: dispatch/combine
+            x, h = add_norm(norm, x, delta, ctx)
+            return x, dp_ep.moe_forward(moe, h, self.parallel.dispatch)
+        if moe is not None and x.shape[0] <= FUSED_ROUTER_TOKENS:
+            x, h, logits = add_norm(norm, x, delta, ctx, moe.gate.weight)
+            return x, self.parallel.reduce(moe(h, router_logits=logits))  # all-reduce of the experts
+        x, h = add_norm(norm, x, delta, ctx)
         return x, self.parallel.reduce(self.mlp(h))  # all-reduce of the MLP / experts

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Batch-1 decode kernels (issue #4), one call on the GPU host (repository root, $OUT set), <= 200 s:
 #   bash tests/runner/gpu_decode_b1.sh      carry: [".gpucarry-all"] (the CuTeDSL bundle)
-# 1) the @gpu tests of tests/runner (fused residual add + RMSNorm, RoPE table and slot-mapping
-#    kernels, split-key decode attention, packed q/k/v GEMM, Triton GEMV; greedy tokens equal to
-#    the torch reference, graphs on == off, the sm90 FP8 MoE in graphs) and of the async engine;
+# 1) the @gpu tests of tests/runner (fused residual add + RMSNorm [+ MoE router logits], RoPE
+#    table and slot-mapping kernels, K/V store inside q/k norm + RoPE, split-key decode attention,
+#    packed q/k/v GEMM, Triton GEMV; greedy tokens equal to the torch reference, graphs on == off,
+#    the sm90 FP8 MoE in graphs) and of the async engine;
 # 2) perf.serve (Qwen3-30B-A3B shape, 8 layers, triton + CUDA graphs, async) with --profile:
 #    as is (cuBLAS projections), then with NVL72_TRITON_GEMV=1 (Triton GEMV for the q/k/v and
 #    o_proj projections of single-token steps).

@@ -132,12 +132,17 @@ def test_add_rms_norm_matches_reference(device, dtype, zero_centered, with_delta
     x = (torch.randn(t, h, generator=g) * 3).to(dtype)
     delta = torch.randn(t, h, generator=g).to(dtype) if with_delta else None
     w = (torch.randn(h, generator=g) * 0.3 + (0 if zero_centered else 1)).to(dtype)
+    router = (torch.randn(10, h, generator=g) * h**-0.5).to(dtype)  # 10 experts: a partial last block
     ref_sum = x if delta is None else x + delta
     ref = ops.rms_norm(ref_sum, w, 1e-6, zero_centered)
-    s, out = ft.add_rms_norm(x.to(device), None if delta is None else delta.to(device), w.to(device), 1e-6,
-                             zero_centered)
+    dev = (x.to(device), None if delta is None else delta.to(device), w.to(device), 1e-6, zero_centered)
+    s, out = ft.add_rms_norm(*dev)
     assert torch.equal(s.cpu(), ref_sum)
     assert out.dtype == dtype and rel_err(out.cpu(), ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+    s2, out2, logits = ft.add_rms_norm(*dev, router=router.to(device))  # the MoE router's GEMV folded in
+    assert torch.equal(s2, s) and torch.equal(out2, out)
+    ref_logits = torch.nn.functional.linear(out.cpu().double(), router.double())
+    assert logits.dtype == dtype and rel_err(logits.cpu(), ref_logits) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -229,12 +234,13 @@ def test_kernels_compile_for_hopper(arch):
                                               "sin": "*bf16", "HALF": "constexpr", "BLOCK": "constexpr"},
                     constexprs={"HALF": 64, "BLOCK": 64})
     assert triton.compile(src, target=target).asm["cubin"]
-    src = ASTSource(ft._add_rms_norm_kernel, {"x": "*bf16", "delta": "*bf16", "w": "*bf16", "sum_out": "*bf16",
-                                              "norm_out": "*bf16", "rms_eps": "fp32", "stride_x": i32,
-                                              "stride_d": i32, **{n: "constexpr" for n in ("H", "BLOCK", "HAS_DELTA",
-                                                                                            "ZC")}},
-                    constexprs={"H": 2048, "BLOCK": 2048, "HAS_DELTA": True, "ZC": False})
-    assert triton.compile(src, target=target).asm["cubin"]
+    for block_e in (0, ft.ROUTER_BLOCK_E):
+        src = ASTSource(ft._add_rms_norm_kernel, {
+            "x": "*bf16", "delta": "*bf16", "w": "*bf16", "sum_out": "*bf16", "norm_out": "*bf16", "router": "*bf16",
+            "logits": "*bf16", "rms_eps": "fp32", "stride_x": i32, "stride_d": i32, "E": i32,
+            **{n: "constexpr" for n in ("H", "BLOCK", "HAS_DELTA", "ZC", "BLOCK_E")}},
+            constexprs={"H": 2048, "BLOCK": 2048, "HAS_DELTA": True, "ZC": False, "BLOCK_E": block_e})
+        assert triton.compile(src, target=target).asm["cubin"]
     norm_sig = {"q_raw": "*bf16", "k_raw": "*bf16", "qw": "*bf16", "kw": "*bf16", "cos": "*bf16", "sin": "*bf16",
                 "q_out": "*bf16", "k_out": "*bf16", "gate_out": "*bf16", "rms_eps": "fp32", "stride_q": i32,
                 "stride_k": i32, "stride_cs": i32, "v": "*bf16", "kv_cache": "*bf16", "slots": "*i64",
