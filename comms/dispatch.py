@@ -171,8 +171,9 @@ class DispatchCombine:
     expert_capacity: rows per local expert (default: every token of every rank fits).
     all_reduce: replicated mode's sum (default: comms.AllReduce on a heap, torch.distributed else).
     timeout_s: bound on every wait for a peer inside a kernel.
-    num_blocks: fused kernels' grid (default: the SM count, min over ranks). Every block must be
-        resident at once; leave SMs free with a smaller grid if other kernels run concurrently.
+    num_blocks: fused kernels' grid (default: sized per call from the token count,
+        `comms.dispatch_fused.auto_blocks`; ranks need not agree). Every block must be resident at
+        once; leave SMs free with a smaller grid if other kernels run concurrently.
     """
 
     def __init__(self, heap_or_group, num_experts: int, top_k: int, hidden: int, max_tokens_per_rank: int,

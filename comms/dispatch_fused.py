@@ -5,7 +5,8 @@ device in ``dp_ep`` mode. Everything is allocated here, once: heap regions (size
 `max_tokens_per_rank`), the packed expert inputs and their metadata, and a pinned error word.
 `dispatch` and `combine` launch one kernel each on the current stream with no host sync, so both
 can be captured in a CUDA graph; results live in the pre-allocated buffers and stay valid until
-the next `dispatch`. Errors (a peer past `timeout_s`, expert capacity overflow) are recorded by
+the next `dispatch`. The grid is chosen per call (`blocks_for`): every source signals once per
+epoch whatever its block count, so ranks need not agree on it. Errors (a peer past `timeout_s`, expert capacity overflow) are recorded by
 the kernels in the error word; `check()` synchronises and raises them.
 
 Kernels come from the ahead-of-time bundle (`aot.function`, `nvl72 kernels build`); without one,
@@ -17,7 +18,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 import aot
 from comms.dispatch import CapacityError, DispatchError, DispatchRecv, DispatchTimeoutError
@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 2048
 MAX_WORLD, MAX_LOCAL, MAX_PAIRS = 128, 512, 1024
 TOPK_VARIANTS = (1, 2, 4, 6, 8, 10)
+THREADS, PROBE_PHASES = 256, 8
+DISPATCH_PHASES = ("start", "A sent", "signalled", "waited", "tables", "C packed")
+COMBINE_PHASES = ("start", "row starts", "A sent", "signalled", "waited", "B summed")
 _ERR_KINDS = {1: "dispatch wait", 2: "combine wait", 3: "capacity"}
 REGION_ALIGN = 256
 
@@ -55,6 +58,15 @@ def heap_bytes(world: int, num_experts: int, top_k: int, hidden: int, max_tokens
                for _, n in heap_regions(world, num_experts, top_k, hidden, max_tokens))
 
 
+def auto_blocks(world: int, num_experts: int, hidden: int, tokens: int, sms: int) -> int:
+    """Grid for `tokens` tokens on this rank: one 2 KiB work unit per warp in the receive phases
+    (about world * tokens rows arrive), at least one warp per global expert for the slot scan, at
+    most one block per SM. Small batches get small grids: fewer blocks to launch, fence and count."""
+    warps = THREADS // 32
+    units = world * tokens * (hidden * 2 // CHUNK_BYTES)
+    return max(1, min(sms, max(-(-units // warps), -(-num_experts // warps))))
+
+
 class FusedDispatch:
     def __init__(self, heap, cfg, timeout_s: float, nblocks: int | None = None):
         R, M, K, H, L = cfg.world, cfg.max_tokens, cfg.top_k, cfg.hidden, cfg.num_local
@@ -75,12 +87,8 @@ class FusedDispatch:
         self.off = {name: heap.alloc(nbytes, align=REGION_ALIGN)
                     for name, nbytes in heap_regions(R, cfg.num_experts, K, H, M)}
         heap.barrier()
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        n = torch.tensor([nblocks or sms], dtype=torch.int64, device=self.device)
-        dist.all_reduce(n, op=dist.ReduceOp.MIN, group=heap.group)  # every rank counts the same arrivals
-        self.nblocks = int(n)
-        if self.nblocks > sms:
-            raise ValueError(f"nblocks={self.nblocks} exceeds the {sms} SMs: blocks must be co-resident")
+        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.set_blocks(nblocks)
         nrows = cfg.packed_rows
         kw = dict(device=self.device)
         self.out_x = torch.empty(nrows, H, dtype=torch.bfloat16, **kw)
@@ -98,11 +106,47 @@ class FusedDispatch:
         o = self.off
         self._dargs = (heap.peer_ptrs, cfg.rank, R, L, M, cfg.cap, int(cfg.layout == "contiguous"), o["rx"],
                        o["rid"], o["rw"], o["rslot"], o["rstamp"], o["rntok"], o["recnt"], o["dcnt"], o["state"],
-                       self.err.data_ptr(), self.timeout_ns, self.nblocks)
+                       self.err.data_ptr(), self.timeout_ns)
         self._cargs = (heap.peer_ptrs, cfg.rank, R, L, M, o["rid"], o["rw"], o["rstamp"], o["rntok"], o["cx"],
-                       o["ccnt"], o["state"], self.err.data_ptr(), self.timeout_ns, self.nblocks)
-        log.info("fused dispatch: %d blocks, heap used %.1f MiB, packed rows %d", self.nblocks,
+                       o["ccnt"], o["state"], self.err.data_ptr(), self.timeout_ns)
+        self.probes = None  # (dispatch, combine) int64 [SMs, PROBE_PHASES] stamp buffers, see enable_probes
+        log.info("fused dispatch: %s blocks, heap used %.1f MiB, packed rows %d", self.nblocks or "auto",
                  heap.used / 2**20, nrows)
+
+    def set_blocks(self, nblocks: int | None) -> None:
+        """Grid of later calls: a fixed block count, or None to size it per call (`auto_blocks`).
+        Takes effect at the next launch (a captured graph keeps the grid it was captured with)."""
+        if nblocks is not None and not 1 <= nblocks <= self.sms:
+            raise ValueError(f"nblocks={nblocks} must be in [1, {self.sms}] (one co-resident block per SM)")
+        self.nblocks = nblocks
+
+    def blocks_for(self, tokens: int) -> int:
+        c = self.cfg
+        return self.nblocks or auto_blocks(c.world, c.num_experts, c.hidden, tokens, self.sms)
+
+    def enable_probes(self, on: bool = True) -> None:
+        """Phase stamps (%globaltimer per block and phase boundary) of later launches; see phase_times."""
+        self.probes = tuple(torch.zeros(self.sms, PROBE_PHASES, dtype=torch.int64, device=self.device)
+                            for _ in range(2)) if on else None
+
+    def phase_times(self) -> dict[str, list[tuple[str, float]]]:
+        """Per kernel of the last probed launch: (phase, us after the first block started), the
+        latest block's time at each boundary ("start": the last block's start, i.e. launch spread)."""
+        torch.cuda.synchronize(self.device)
+        out = {}
+        for kind, names, buf in (("dispatch", DISPATCH_PHASES, self.probes[0]),
+                                 ("combine", COMBINE_PHASES, self.probes[1])):
+            st = buf[buf[:, 0] != 0, :len(names)].cpu()  # blocks of the last launch (zeroed before it)
+            t0 = int(st[:, 0].min()) if st.numel() else 0
+            out[kind] = [(n, (int(st[:, i].max()) - t0) / 1e3 if st.numel() else float("nan"))
+                         for i, n in enumerate(names)]
+        return out
+
+    def _probe(self, i: int) -> int:
+        if self.probes is None:
+            return 0
+        self.probes[i].zero_()
+        return self.probes[i].data_ptr()
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
         cfg = self.cfg
@@ -116,7 +160,7 @@ class FusedDispatch:
         ids = topk_ids.to(torch.int32).contiguous()
         w = topk_weights.to(torch.float32).contiguous()
         self._dispatch(x, ids, w, self.out_x, self.counts, self.offsets, self.o_rank, self.o_tok, self.o_w,
-                       self.row_pos, *self._dargs)
+                       self.row_pos, *self._dargs, self._probe(0), self.blocks_for(x.shape[0]))
         recv = DispatchRecv(self.recv_x, self.counts, self.offsets, self.o_rank, self.o_tok, self.o_w)
         return recv, FusedHandle(x.shape[0], ids)
 
@@ -129,7 +173,8 @@ class FusedDispatch:
                              f"got {expert_out.dtype} {tuple(expert_out.shape)}")
         y = expert_out.reshape(-1, H)  # [rows, H]
         out = torch.empty(handle.num_tokens, H, dtype=torch.bfloat16, device=self.device)
-        self._combine(y, handle.topk_ids, out, self.row_pos, *self._cargs)
+        self._combine(y, handle.topk_ids, out, self.row_pos, *self._cargs, self._probe(1),
+                      self.blocks_for(handle.num_tokens))
         return out
 
     def check(self) -> None:

@@ -3,8 +3,10 @@
 One kernel each; both are CUDA-graph safe (every epoch and counter lives in device memory, no host
 round trip) and every wait on a peer is bounded by `timeout_ns` of %globaltimer (on expiry the
 error word gets a code and the kernel carries on, so the host raises instead of the GPU hanging).
-All blocks of a launch must be co-resident (grid <= SM count, one block per SM): blocks wait for
-peers' blocks, never for blocks of their own launch.
+All blocks of a launch must be co-resident (grid <= SM count, one block per SM): a rank's arrival
+(its own included) is signalled by its launch's last block to take a ticket, so every block waits
+for every block of every launch of the epoch. The grid is any 1..SM count, chosen per call and per
+rank (`comms.dispatch_fused.auto_blocks`).
 
 Heap regions (byte offsets chosen by `comms.dispatch_fused`, identical on every rank; R ranks,
 M = max tokens per rank, K = top-k, L = local experts):
@@ -14,7 +16,7 @@ M = max tokens per rank, K = top-k, L = local experts):
                          that expert (so packing needs no cross-block scan on the receiver)
   rstamp int32 [R, M]    dispatch epoch at which row (s, t) was written (stale rows: older epochs)
   rntok int32 [R]        tokens of source s this epoch;  recnt int32 [R, L] entries per (s, expert)
-  dcnt  int32 [R]        dispatch arrival counters (every block of s adds 1: monotonic, wrap-safe)
+  dcnt  int32 [R]        dispatch arrival counters (source s adds 1 per epoch: monotonic, wrap-safe)
   cx    bf16  [R, M, H]  combine partials: row (s, t) = rank s's partial for my token t
   ccnt  int32 [R]        combine arrival counters
   state int32 [4]        dispatch epoch, dispatch ticket, combine epoch, combine ticket
@@ -24,8 +26,12 @@ dispatch (one launch):
      write each hit's index (rslot) and the per-(rank, expert) count (recnt) to the owner; all
      warps copy 2 KiB chunks of token rows (16-byte vectors, 4 per lane) to every distinct
      destination rank of the token (once per rank, not per expert), plus ids, weights and stamp.
-     Block barrier, then thread d: fence.acq_rel.sys + red.release.sys.add(dcnt[me] on rank d).
-  B. wait until dcnt[s] reaches epoch * nblocks for every s (acquire, bounded).
+     Block barrier, then thread 0: fence.acq_rel.sys (the block's writes) and a ticket (atom.acq_rel.gpu);
+     the launch's last block resets the ticket, stores the new epoch (every block read the old one at
+     its start; no exit barrier needed) and red.release.sys.add(dcnt[me] on every rank d), so each
+     source arrives once per epoch whatever its grid: ranks and calls may use different block counts
+     (the host sizes the grid per call from the token count).
+  B. wait until dcnt[s] reaches epoch for every s (acquire, bounded; warp 0, convergent).
   C. pack: each block builds the (source, expert) exclusive prefix of recnt and the expert bases
      in shared memory; then warps take (received row, chunk) units: load the chunk once and store
      it to every local expert slot of the row at base[e] + prefix[s, e] + rslot. Output order
@@ -36,6 +42,9 @@ combine (one launch):
      the owner's cx[me, t]; signal ccnt like dispatch; wait.
   B. per (own token, chunk): sum the partials of the token's distinct ranks in ascending rank
      order in fp32, round to bf16.
+Phase probe: a non-zero `probe` address makes thread 0 of every block store %globaltimer (int64) at
+each phase boundary into probe[block, phase] (PROBE_PHASES per block; DISPATCH_PHASES /
+COMBINE_PHASES name them), for `perf.comms dispatch --phases`; off (0) it costs one uniform branch.
 K is a compile-time constant (one export per top-k in TOPK_VARIANTS) so the per-slot loads are
 unrolled and in flight together.
 """
@@ -56,6 +65,9 @@ MAX_WORLD = 128      # shared-memory table bounds (checked on the host)
 MAX_LOCAL = 512
 MAX_PAIRS = 1024     # R * L (source rank, local expert) pairs
 TOPK_VARIANTS = (1, 2, 4, 6, 8, 10)
+PROBE_PHASES = 8     # int64 stamps per block in the probe buffer
+DISPATCH_PHASES = ("start", "A sent", "signalled", "waited", "tables", "C packed")
+COMBINE_PHASES = ("start", "row starts", "A sent", "signalled", "waited", "B summed")
 ERR_DISPATCH_TIMEOUT = 1 << 16   # error word = kind | detail (source rank or local expert)
 ERR_COMBINE_TIMEOUT = 2 << 16
 ERR_CAPACITY = 3 << 16
@@ -66,6 +78,12 @@ ERR_CAPACITY = 3 << 16
 def st_b32(addr, val, *, loc=None, ip=None) -> None:
     ptx._asm(None, [ptx._i64(addr, loc, ip), ptx._i32(val, loc, ip)], "st.global.b32 [$0], $1;",
              "l,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def st_b64(addr, val, *, loc=None, ip=None) -> None:
+    ptx._asm(None, [ptx._i64(addr, loc, ip), ptx._i64(val, loc, ip)], "st.global.b64 [$0], $1;",
+             "l,l,~{memory}", loc, ip)
 
 
 @dsl_user_op
@@ -102,13 +120,6 @@ def wrap_sub(a, b, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def wrap_mul(a, b, *, loc=None, ip=None) -> Int32:
-    """a * b modulo 2**32."""
-    return Int32(ptx._asm(T.i32(), [ptx._i32(a, loc, ip), ptx._i32(b, loc, ip)], "mul.lo.s32 $0, $1, $2;",
-                          "=r,r,r", loc, ip))
-
-
-@dsl_user_op
 def fma_bf16x2_sel(lo, hi, v, w, ok, *, loc=None, ip=None):
     """(lo, hi) + w * bf16x2(v) in fp32 (mul.rn, add.rn: never fused) where ok != 0, else (lo, hi)."""
     r = ptx._asm(ptx._struct(2, "f32"),
@@ -140,13 +151,30 @@ def _i64(v):
 
 
 @cute.jit
-def _signal_all(peers: cute.Tensor, tid, world, cnt_off, rank):
-    """After a bar.sync: thread d releases one arrival into dcnt/ccnt[rank] on rank d."""
-    d = tid
-    while d < world:
+def _signal_all(peers: cute.Tensor, my_base, tid, nb, world, cnt_off, state_off, epoch, rank):
+    """After a bar.sync: thread 0 makes the block's writes visible system-wide (fence.acq_rel.sys) and
+    takes a ticket (atom.acq_rel.gpu on state[1]); the launch's last block resets the ticket, stores
+    `epoch` into state[0] for the next launch and releases one arrival into dcnt/ccnt[rank] on every
+    rank. One arrival per source and epoch, so the target does not depend on any rank's grid. Every
+    block read state[0] at its start, before its ticket, so the store needs no exit barrier; thread 0
+    of the last block acquired every block's ticket release before its red.release.sys (causality
+    order is transitive). No loop here spins."""
+    if tid == 0:
         ptx.fence_acq_rel_sys()
-        red_add_release_sys(peers[d] + cnt_off + _i64(rank) * 4, 1)
-        d += THREADS
+        t = ptx.atom_add_acq_rel_gpu(my_base + state_off + 4, 1)
+        if t == nb - 1:
+            ptx.st_relaxed_gpu(my_base + state_off + 4, 0)  # the next launch starts from 0 (stream order)
+            ptx.st_relaxed_gpu(my_base + state_off, epoch)
+            for d in cutlass.range(world):
+                red_add_release_sys(peers[d] + cnt_off + _i64(rank) * 4, 1)
+
+
+@cute.jit
+def _stamp(probe, tid, bid, phase):
+    """Phase probe: thread 0 stores %globaltimer into probe[bid, phase] when probe != 0."""
+    if probe != 0:
+        if tid == 0:
+            st_b64(probe + (_i64(bid) * PROBE_PHASES + phase) * 8, ptx.globaltimer())
 
 
 @cute.jit
@@ -232,13 +260,14 @@ def _make_dispatch(K: int):
                row_pos: cute.Tensor, peers: cute.Tensor, rank: Int32, world: Int32, ntok: Int32, nvec: Int32,
                nlocal: Int32, maxt: Int32, cap: Int32, contiguous: Int32, off_rx: Int64, off_rid: Int64,
                off_rw: Int64, off_rslot: Int64, off_rstamp: Int64, off_rntok: Int64, off_recnt: Int64,
-               off_dcnt: Int64, off_state: Int64, err_addr: Int64, timeout_ns: Int64):
+               off_dcnt: Int64, off_state: Int64, err_addr: Int64, timeout_ns: Int64, probe: Int64):
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nb, _, _ = cute.arch.grid_dim()
         lane = tid % 32
         gw = bid * WARPS + tid // 32
         nw = nb * WARPS
+        _stamp(probe, tid, bid, 0)
         me = peers[rank]
         epoch = ptx.ld_relaxed_gpu(me + off_state) + 1
         xa = x.iterator.toint()
@@ -316,17 +345,20 @@ def _make_dispatch(K: int):
             u = u + nw
 
         cute.arch.sync_threads()
+        _stamp(probe, tid, bid, 1)
         if bid == 0:
             d = tid
             while d < world:
                 st_b32(peers[d] + off_rntok + _i64(rank) * 4, ntok)
                 d += THREADS
             cute.arch.sync_threads()
-        _signal_all(peers, tid, world, off_dcnt, rank)
+        _signal_all(peers, me, tid, nb, world, off_dcnt, off_state, epoch, rank)
+        _stamp(probe, tid, bid, 2)
 
-        # ---- B. wait for every source's blocks
-        _wait_all(me, tid, world, off_dcnt, wrap_mul(epoch, nb), err_addr, timeout_ns, ERR_DISPATCH_TIMEOUT)
+        # ---- B. wait for every source (one arrival per source and epoch)
+        _wait_all(me, tid, world, off_dcnt, epoch, err_addr, timeout_ns, ERR_DISPATCH_TIMEOUT)
         cute.arch.sync_threads()
+        _stamp(probe, tid, bid, 3)
 
         # ---- C. pack into per-local-expert rows
         smem = SmemAllocator()
@@ -378,6 +410,7 @@ def _make_dispatch(K: int):
                 if bid == 0:
                     offsets[nlocal] = last
         cute.arch.sync_threads()
+        _stamp(probe, tid, bid, 4)
 
         total = rstart[world]
         u = gw
@@ -425,7 +458,7 @@ def _make_dispatch(K: int):
                         o_w[posv] = ptx.i32_as_f32(wl)
                         row_pos[row * K + lane] = posv
             u = u + nw
-        ptx.advance_epoch(me, off_state, tid, nb, epoch)
+        _stamp(probe, tid, bid, 5)
 
     @cute.jit
     def launch(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, out_x: cute.Tensor, counts: cute.Tensor,
@@ -433,12 +466,12 @@ def _make_dispatch(K: int):
                row_pos: cute.Tensor, peers: cute.Tensor, rank: Int32, world: Int32, nlocal: Int32, maxt: Int32,
                cap: Int32, contiguous: Int32, off_rx: Int64, off_rid: Int64, off_rw: Int64, off_rslot: Int64,
                off_rstamp: Int64, off_rntok: Int64, off_recnt: Int64, off_dcnt: Int64, off_state: Int64,
-               err_addr: Int64, timeout_ns: Int64, nblocks: Int32, stream):
+               err_addr: Int64, timeout_ns: Int64, probe: Int64, nblocks: Int32, stream):
         ntok = x.shape[0]
         nvec = x.shape[1] // 8
         kernel(x, ids, wts, out_x, counts, offsets, o_rank, o_tok, o_w, row_pos, peers, rank, world, ntok, nvec,
                nlocal, maxt, cap, contiguous, off_rx, off_rid, off_rw, off_rslot, off_rstamp, off_rntok, off_recnt,
-               off_dcnt, off_state, err_addr, timeout_ns).launch(grid=(nblocks, 1, 1), block=(THREADS, 1, 1),
+               off_dcnt, off_state, err_addr, timeout_ns, probe).launch(grid=(nblocks, 1, 1), block=(THREADS, 1, 1),
                                                                  stream=stream)
 
     return launch
@@ -456,12 +489,6 @@ DEBUG_SKIPS = (SKIP_A_LOADS | SKIP_A_STORES | SKIP_B_LOADS | SKIP_B_STORES | SKI
 
 TRACE_WORDS = 4  # trace variant, per warp after the error word: phase, work unit, address (low, high)
 TR_START, TR_A_META, TR_A_Y, TR_A_STORE, TR_A_DONE, TR_WAITED, TR_B_LOAD, TR_B_STORE, TR_B_DONE, TR_EXIT = range(1, 11)
-
-
-@dsl_user_op
-def st_b64(addr, val, *, loc=None, ip=None) -> None:
-    ptx._asm(None, [ptx._i64(addr, loc, ip), ptx._i64(val, loc, ip)], "st.global.b64 [$0], $1;",
-             "l,l,~{memory}", loc, ip)
 
 
 @cute.jit
@@ -492,13 +519,14 @@ def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = Fals
     def kernel(y: cute.Tensor, ids: cute.Tensor, out: cute.Tensor, row_pos: cute.Tensor, peers: cute.Tensor,
                rank: Int32, world: Int32, ntok: Int32, nvec: Int32, nlocal: Int32, maxt: Int32, off_rid: Int64,
                off_rw: Int64, off_rstamp: Int64, off_rntok: Int64, off_cx: Int64, off_ccnt: Int64,
-               off_state: Int64, err_addr: Int64, timeout_ns: Int64, yrows: Int32):
+               off_state: Int64, err_addr: Int64, timeout_ns: Int64, probe: Int64, yrows: Int32):
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nb, _, _ = cute.arch.grid_dim()
         lane = tid % 32
         gw = bid * WARPS + tid // 32
         nw = nb * WARPS
+        _stamp(probe, tid, bid, 0)
         me = peers[rank]
         d_epoch = ptx.ld_relaxed_gpu(me + off_state)
         epoch = ptx.ld_relaxed_gpu(me + off_state + 8) + 1
@@ -514,6 +542,7 @@ def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = Fals
         smem = SmemAllocator()
         rstart = smem.allocate_tensor(Int32, cute.make_layout(MAX_WORLD + 1))
         _row_starts(me, off_rntok, tid, world, rstart)
+        _stamp(probe, tid, bid, 1)
 
         # ---- A. partial sums over this rank's experts, back to the token's owner
         total = rstart[world]
@@ -584,10 +613,13 @@ def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = Fals
         if cutlass.const_expr(trace):
             _trace(err_addr, gw, lane, TR_A_DONE, 0, me + off_ccnt)
         cute.arch.sync_threads()
+        _stamp(probe, tid, bid, 2)
         if cutlass.const_expr(not skip & SKIP_FLAGS):
-            _signal_all(peers, tid, world, off_ccnt, rank)
-            _wait_all(me, tid, world, off_ccnt, wrap_mul(epoch, nb), err_addr, timeout_ns, ERR_COMBINE_TIMEOUT)
+            _signal_all(peers, me, tid, nb, world, off_ccnt, off_state + 8, epoch, rank)
+            _stamp(probe, tid, bid, 3)
+            _wait_all(me, tid, world, off_ccnt, epoch, err_addr, timeout_ns, ERR_COMBINE_TIMEOUT)
         cute.arch.sync_threads()
+        _stamp(probe, tid, bid, 4)
         if cutlass.const_expr(trace):
             _trace(err_addr, gw, lane, TR_WAITED, 0, oa)
 
@@ -653,7 +685,9 @@ def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = Fals
             u = u + nw
         if cutlass.const_expr(trace):
             _trace(err_addr, gw, lane, TR_B_DONE, 0, me + off_state + 8)
-        ptx.advance_epoch(me, off_state + 8, tid, nb, epoch)
+        _stamp(probe, tid, bid, 5)
+        if cutlass.const_expr(skip & SKIP_FLAGS):  # no _signal_all: advance the epoch at the exit
+            ptx.advance_epoch(me, off_state + 8, tid, nb, epoch)
         if cutlass.const_expr(trace):
             _trace(err_addr, gw, lane, TR_EXIT, 0, me)
 
@@ -661,11 +695,11 @@ def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = Fals
     def launch(y: cute.Tensor, ids: cute.Tensor, out: cute.Tensor, row_pos: cute.Tensor, peers: cute.Tensor,
                rank: Int32, world: Int32, nlocal: Int32, maxt: Int32, off_rid: Int64, off_rw: Int64,
                off_rstamp: Int64, off_rntok: Int64, off_cx: Int64, off_ccnt: Int64, off_state: Int64,
-               err_addr: Int64, timeout_ns: Int64, nblocks: Int32, stream):
+               err_addr: Int64, timeout_ns: Int64, probe: Int64, nblocks: Int32, stream):
         ntok = out.shape[0]
         nvec = out.shape[1] // 8
         kernel(y, ids, out, row_pos, peers, rank, world, ntok, nvec, nlocal, maxt, off_rid, off_rw, off_rstamp,
-               off_rntok, off_cx, off_ccnt, off_state, err_addr, timeout_ns, y.shape[0]).launch(
+               off_rntok, off_cx, off_ccnt, off_state, err_addr, timeout_ns, probe, y.shape[0]).launch(
             grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     return launch
@@ -691,10 +725,12 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
                   offsets [L+1] i32, o_rank [rows] i32, o_tok [rows] i32, o_w [rows] f32,
                   row_pos [R*M*K] i32, peers [R] i64, rank, world, nlocal, maxt, cap, contiguous,
                   off_rx, off_rid, off_rw, off_rslot, off_rstamp, off_rntok, off_recnt, off_dcnt,
-                  off_state, err_addr, timeout_ns, nblocks)
+                  off_state, err_addr, timeout_ns, probe, nblocks)
       combine_kK(y [rows,H] bf16, ids [T,K] i32, out [T,H] bf16, row_pos, peers, rank, world, nlocal,
                  maxt, off_rid, off_rw, off_rstamp, off_rntok, off_cx, off_ccnt, off_state, err_addr,
-                 timeout_ns, nblocks)
+                 timeout_ns, probe, nblocks)
+    probe: 0, or the address of an int64 [nblocks, PROBE_PHASES] device buffer (phase stamps);
+    nblocks: any grid of 1..SM count (co-resident); ranks and calls may differ.
     """
     from cutlass.runtime import make_fake_stream
 
@@ -716,7 +752,7 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         out[f"dispatch_k{K}"] = cute.compile(
             _make_dispatch(K), x, ids, wts, out_x, counts, offsets, o_rank, o_tok, o_w, row_pos, peers,
-            i32, i32, i32, i32, i32, i32, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32, stream,
+            i32, i32, i32, i32, i32, i32, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32, stream,
             options=opts)
         y = ten(cutlass.BFloat16, (cute.sym_int(), hid), 16)
         o = ten(cutlass.BFloat16, (ntok, hid), 16)
@@ -726,6 +762,6 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
             variants += [(f"combine_k{K}_checked", 0, True), (f"combine_k{K}_trace", 0, "trace")]
         for name, skip, check in variants:
             out[name] = cute.compile(
-                _make_combine(K, skip, check is True, check == "trace"), y, ids, o, row_pos, peers, i32, i32, i32, i32, i64, i64, i64, i64,
-                i64, i64, i64, i64, i64, i32, stream, options=opts)
+                _make_combine(K, skip, check is True, check == "trace"), y, ids, o, row_pos, peers, i32, i32, i32, i32,
+                i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32, stream, options=opts)
     return out

@@ -11,6 +11,9 @@ top-k routing:
   a2a     all_to_all_single of exactly the rows that cross ranks (no permutation, no metadata),
           `iters` eager calls back to back timed with events (launch overhead included);
   floor   bytes leaving this GPU / NCCL send-recv bandwidth measured in the same run.
+`--blocks` sweeps the fused kernels' grid per row ("auto": sized per call from the token count);
+`--phases` adds, per row, when the latest block passed each phase boundary of the last dispatch and
+combine of a probed pair replay (rank 0; us after the first block started; %globaltimer stamps).
 A dispatch-only (or combine-only) replay loop reuses buffers that a peer one call ahead already
 rewrites, so its numbers are timings only; the pair loop is the real sequence.
 Prints an nccl-tests-style table on rank 0 and writes JSON (`--json`).
@@ -44,6 +47,11 @@ def add_arguments(p):
     p.add_argument("--nprocs", type=int, default=0, help="GPUs (default: all visible)")
     p.add_argument("--json", default="", help="write results here (rank 0)")
     p.add_argument("--timeout", type=float, default=300.0, help="whole run, seconds")
+    p.add_argument("--blocks", default="auto",
+                   help="fused grid per row, comma-separated block counts or 'auto' (sized per call)")
+    p.add_argument("--phases", action="store_true",
+                   help="also print per-phase times of one probed pair replay per row (rank 0)")
+    p.add_argument("--skip-nccl", action="store_true", help="leave out the NCCL reference path columns (0)")
     p.add_argument("--heap", default="auto", choices=("auto", "comms", "torch"),
                    help="symmetric memory: comms.SymmetricHeap, torch symmetric memory, or auto (comms if it works)")
 
@@ -110,6 +118,25 @@ def pick_heap(group, device) -> str:
 
 def _ints(s):
     return [int(v) for v in str(s).split(",") if v]
+
+
+def _blocks(s):
+    """'auto,16,132' -> [None, 16, 132] (None: the fused path sizes the grid per call)."""
+    out = []
+    for v in str(s).split(","):
+        if v == "auto":
+            out.append(None)
+        elif v:
+            if int(v) < 1:
+                raise ValueError(f"--blocks value {v!r}: a block count >= 1 or 'auto'")
+            out.append(int(v))
+    return out
+
+
+def _phase_line(T, blocks, times):
+    """'#   phases T=128 blocks=auto(128) dispatch: A sent 3.1 ... | combine: ...' (us)."""
+    return f"#   phases T={T} blocks={blocks}: " + " | ".join(
+        f"{k}: " + " ".join(f"{n} {t:.1f}" for n, t in times[k]) for k in ("dispatch", "combine"))
 
 
 def _sendrecv_bw(rank, world, dev, nbytes=256 << 20, reps=5):
@@ -197,7 +224,10 @@ def _worker(rank, world, store, args, out_path):
                 heap = make_heap(heap_kind, group, DispatchCombine.heap_size_hint(world, E, K, H, M), dev)
                 fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", layout=args.layout)
                 ref = DispatchCombine(group, E, K, H, M, mode="dp_ep", layout=args.layout)
-                for T in tokens:
+                for T, blocks in [(T, b) for T in tokens for b in _blocks(args.blocks)]:
+                    fused._fused.set_blocks(blocks)
+                    nb = fused._fused.blocks_for(T)
+                    bname = f"auto({nb})" if blocks is None else str(nb)
                     x = torch.randn(T, H, device=dev, generator=gen).to(torch.bfloat16)
                     ids = torch.rand(T, E, device=dev, generator=gen).topk(K, dim=1).indices.to(torch.int32)
                     w = torch.rand(T, K, device=dev, generator=gen)
@@ -214,14 +244,23 @@ def _worker(rank, world, store, args, out_path):
 
                     t_dc, _ = _graph_time(pair, args.iters, dev)
                     fused.check()
+                    phases = None
+                    if args.phases:  # a separate capture: the probe address is a kernel argument
+                        fused._fused.enable_probes()
+                        _graph_time(pair, args.iters, dev)
+                        phases = fused._fused.phase_times()
+                        fused._fused.enable_probes(False)
+                        fused.check()
                     state = {}
 
                     def nccl_dispatch():
                         state["r"] = ref.dispatch(x, ids, w)
 
-                    t_nd = _wall_median(nccl_dispatch, args.nccl_iters, dev)
-                    rr, hr = state["r"]
-                    t_nc = _wall_median(lambda: ref.combine(rr.x, hr), args.nccl_iters, dev)
+                    t_nd = t_nc = 0.0
+                    if not args.skip_nccl:
+                        t_nd = _wall_median(nccl_dispatch, args.nccl_iters, dev)
+                        rr, hr = state["r"]
+                        t_nc = _wall_median(lambda: ref.combine(rr.x, hr), args.nccl_iters, dev)
                     # rows that cross ranks, and the a2a that moves exactly them
                     mask = token_rank_mask(ids, E // world, world)  # [T, R]
                     mask[:, rank] = False
@@ -240,6 +279,7 @@ def _worker(rank, world, store, args, out_path):
                     nbytes = int(remote) * H * 2
                     floor = nbytes / bw
                     rows.append(dict(tokens=T, hidden=H, experts=E, topk=K, world=world, layout=args.layout, graph=not eager,
+                                     blocks=nb, blocks_auto=blocks is None, phases=phases,
                                      fused_dispatch_us=t_d * 1e6, fused_combine_us=t_c * 1e6,
                                      fused_pair_us=t_dc * 1e6, nccl_dispatch_us=t_nd * 1e6,
                                      nccl_combine_us=t_nc * 1e6, nccl_a2a_rows_us=t_a2a * 1e6,
@@ -248,13 +288,15 @@ def _worker(rank, world, store, args, out_path):
                                      combine_GBps=nbytes / t_c / 1e9 if t_c else 0.0))
                     if rank == 0:
                         r = rows[-1]
-                        print(f"{T:6d} {H:6d} {E:4d} {r['fused_dispatch_us']:9.1f} {r['fused_combine_us']:9.1f} "
+                        print(f"{T:6d} {H:6d} {E:4d} {bname:>9s} {r['fused_dispatch_us']:9.1f} {r['fused_combine_us']:9.1f} "
                               f"{r['fused_pair_us']:9.1f} {r['nccl_dispatch_us']:9.1f} {r['nccl_combine_us']:9.1f} "
                               f"{(r['nccl_dispatch_us'] + r['nccl_combine_us']) / r['fused_pair_us']:6.1f}x "
                               f"{r['nccl_a2a_rows_us']:9.1f} {r['floor_us']:8.1f} {r['dispatch_GBps']:7.1f} "
                               f"{r['combine_GBps']:7.1f} {100 * r['dispatch_GBps'] / r['sendrecv_GBps']:5.0f}%"
                               f"{'' if r['graph'] else ' (eager)'}",
                               flush=True)
+                        if phases:
+                            print(_phase_line(T, bname, phases), flush=True)
                 fused.destroy()
                 heap.destroy()
     finally:
@@ -265,7 +307,7 @@ def _worker(rank, world, store, args, out_path):
         dist.destroy_process_group()
 
 
-HEADER = ("tokens hidden    E  disp(us)  comb(us)  pair(us) ncclD(us) ncclC(us) speedup  a2a(us) floor(us)"
+HEADER = ("tokens hidden    E    blocks  disp(us)  comb(us)  pair(us) ncclD(us) ncclC(us) speedup  a2a(us) floor(us)"
           " dispGB/s combGB/s %sendrecv")
 
 

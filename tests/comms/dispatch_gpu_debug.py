@@ -121,7 +121,8 @@ def _combine_traced(rank, fused, recv, h, tag):
     """combine_k4_trace launched by hand: a pinned trace buffer after the error word, then every
     warp's last (phase, unit, address) printed whatever happened (host memory outlives a fault)."""
     f = fused._fused
-    warps = f.nblocks * 8
+    nb = f.blocks_for(h.num_tokens)
+    warps = nb * 8
     buf = torch.zeros((1 + warps) * TRACE_WORDS, dtype=torch.int32).pin_memory()
     f.err = buf
     cargs = list(f._cargs)
@@ -136,7 +137,7 @@ def _combine_traced(rank, fused, recv, h, tag):
     ranges.append(("trace(host)", buf.data_ptr(), buf.numel() * 4))
     fault = None
     try:
-        f._combine(y, h.topk_ids, out, f.row_pos, *cargs)
+        f._combine(y, h.topk_ids, out, f.row_pos, *cargs, 0, nb)
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001  (the trace is printed, then the fault re-raised)
         fault = e
@@ -179,7 +180,7 @@ def _worker(rank, world, store, cfg_index, num_blocks, variant=""):
 
                 fused._fused._combine = aot.function("comms.kernels.dispatch", f"combine_k{K}{variant}")
             for it in range(2):
-                tag = (f"E={E} K={K} H={H} M={M} T={T} {layout} blocks={fused._fused.nblocks} epoch {it + 1}"
+                tag = (f"E={E} K={K} H={H} M={M} T={T} {layout} blocks={fused._fused.blocks_for(T)} epoch {it + 1}"
                        + (f" {variant[1:]}" if variant else ""))
                 x, ids, w = _inputs(cases[0], rank, world, T, E, K, H, gen, dev)
                 dist.barrier()

@@ -190,6 +190,26 @@ def _worker(rank, world, store_path, log):
                          f"capture once, 3 replays on fresh inputs == reference")
                 fused.destroy()
                 heap.destroy()
+        # grids differ across ranks and calls (one arrival per source and epoch): rank 0 launches 1 block,
+        # then 5, the others size their grids per call
+        E, K, H, M = 128, 8, 4096, 128
+        T = (128, 100)[rank % 2]
+        heap = make_heap(kind, group, DispatchCombine.heap_size_hint(world, E, K, H, M), dev)
+        fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", layout="contiguous", timeout_s=5.0)
+        ref = DispatchCombine(group, E, K, H, M, mode="dp_ep", layout="contiguous")
+        errs, grids = [], []
+        for it, nb in enumerate((1, 5)):
+            fused._fused.set_blocks(nb if rank == 0 else None)
+            grids.append(fused._fused.blocks_for(T))
+            x, ids, w = _inputs("random", rank, world, T, E, K, H, gen, dev)
+            errs += _compare(rank, fused, ref, x, ids, w, f"grids E={E} T={T} it{it} blocks={grids[-1]}")[1]
+        for e in errs:
+            print("FAIL", e, flush=True)
+        failures += errs
+        note(f"{'FAIL' if errs else 'PASS'} grids  E={E} K={K} H={H}: rank 0 with {grids} blocks, "
+             f"the others sized per call, == reference")
+        fused.destroy()
+        heap.destroy()
         # capacity overflow -> CapacityError (rank 1 holds every token's experts)
         E, K, H, M = 16, 4, 1024, 64
         heap = make_heap(kind, group, DispatchCombine.heap_size_hint(world, E, K, H, M), dev)

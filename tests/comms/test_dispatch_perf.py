@@ -31,3 +31,15 @@ def test_fused_path_rejects_unsupported_shapes_by_name():
             FusedDispatch(None, SimpleNamespace(**{**cfg, **bad}), timeout_s=1.0)
     # the size hint covers every region, rounded to 256 bytes each
     assert heap_bytes(2, 128, 8, 4096, 128) >= 2 * (2 * 128 * 4096 * 2)
+
+
+def test_blocks_and_phase_arguments():
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--blocks", "auto,16,132", "--phases"])
+    assert bench._blocks(args.blocks) == [None, 16, 132] and args.phases
+    with pytest.raises(ValueError, match="'0'"):
+        bench._blocks("0")
+    line = bench._phase_line(8, "auto(16)", {"dispatch": [("start", 0.5), ("exit", 9.25)],
+                                             "combine": [("start", 0.25), ("exit", 8.0)]})
+    assert line == "#   phases T=8 blocks=auto(16): dispatch: start 0.5 exit 9.2 | combine: start 0.2 exit 8.0"
