@@ -57,6 +57,8 @@ SM90_WS_MODULE = "moe.kernels.sm90_grouped_gemm_ws"  # warp-specialized persiste
 ENV_SM90_KERNELS = "NVL72_MOE_SM90_KERNELS"  # "auto" (default; = "ws"), "classic" or "ws": Sm90Gemm's FP8 defaults
 # the clusters the cluster GEMM variants launch, instead of the driver's co-resident count (measurements)
 ENV_MAX_CLUSTERS = "NVL72_MOE_MAX_CLUSTERS"
+# a ws masked variant for the few-token calls instead of Sm90Gemm.SMALL_CAP_VARIANT ("" turns it off)
+ENV_SMALL_CAP_VARIANT = "NVL72_MOE_SMALL_CAP_VARIANT"
 
 
 def load_sm90_module(module: str = SM90_MODULE):
@@ -113,6 +115,9 @@ class Sm90Gemm:
         "ws_fp8_masked_swapab_cpo_kg4": 32,
         "ws_fp8_masked_swapab_m64n32_cp": 32,
         "ws_fp8_masked_swapab_m64n16_cp": 16,
+        "ws_fp8_masked_swapab_cps": 32,
+        "ws_fp8_masked_swapab_m64n32_cps": 32,
+        "ws_fp8_masked_swapab_m64n16_cps": 16,
     }
     WS_MASKED = [v for v in MASKED_ROW_TILE if v.startswith("ws_")]  # every warp-specialized decode variant
     # every contiguous one tiles rows by TILE_M (the padding of permute_contiguous); the ping-pong
@@ -135,7 +140,23 @@ class Sm90Gemm:
         "ws_fp8_masked_swapab_cpo_kg4": 1024,
         "ws_fp8_masked_swapab_m64n32_cp": 1024,
         "ws_fp8_masked_swapab_m64n16_cp": 1024,
+        "ws_fp8_masked_swapab_cps": 1024,
+        "ws_fp8_masked_swapab_m64n32_cps": 1024,
+        "ws_fp8_masked_swapab_m64n16_cps": 1024,
     }
+    # variants that stage a tile's promotion factors in shared memory: the largest K they take
+    # (128 * moe.kernels.sm90_grouped_gemm_ws.MAX_SCALE_K_TILES)
+    STAGED_MAX_K = {
+        "ws_fp8_masked_swapab_cps": 8192,
+        "ws_fp8_masked_swapab_m64n32_cps": 8192,
+        "ws_fp8_masked_swapab_m64n16_cps": 8192,
+    }
+    # few-token routing of the FP8 masked default (kernels "ws"/"auto"): a masked call whose capacity
+    # (T rounded up to DECODE_ALIGN) is at most SMALL_CAP_MAX runs SMALL_CAP_VARIANT instead. Off (None)
+    # until perf.moe shows the staged-scales kernel faster at 1-8 tokens on the GPU;
+    # $NVL72_MOE_SMALL_CAP_VARIANT overrides it per process (A/B in the engine).
+    SMALL_CAP_VARIANT: str | None = None
+    SMALL_CAP_MAX = 32
 
     def __init__(self, module, ws_module=None, kernels: str = "classic"):
         if kernels not in SM90_KERNEL_SETS:
@@ -150,6 +171,10 @@ class Sm90Gemm:
         self.max_clusters = int(env) if env else None
         if self.max_clusters is not None and self.max_clusters < 1:
             raise ValueError(f"${ENV_MAX_CLUSTERS}={env!r}: need a positive cluster count")
+        small = os.environ.get(ENV_SMALL_CAP_VARIANT, self.SMALL_CAP_VARIANT)
+        self.small_cap_variant = small or None
+        if self.small_cap_variant is not None and self.small_cap_variant not in self.WS_MASKED:
+            raise ValueError(f"small-cap variant {small!r} (${ENV_SMALL_CAP_VARIANT}): expected one of {self.WS_MASKED}")
 
     def clusters(self, device: torch.device, variant: str) -> int:
         """Clusters to launch for a CLUSTERED variant on `device`: the co-resident count the driver
@@ -195,6 +220,9 @@ class Sm90Gemm:
         else:
             m = a.shape[0]
             a3, c3 = a.view(1, m, -1).permute(1, 2, 0), out.view(1, m, -1).permute(1, 2, 0)  # (M, K, 1)
+        if variant is None and fp8 and masked and self.kernels != "classic" and self.small_cap_variant is not None:
+            if a.shape[1] <= self.SMALL_CAP_MAX:
+                variant = self.small_cap_variant
         variant = variant or self.defaults[(fp8, masked)]
         if masked and a.shape[1] % self.MASKED_ROW_TILE.get(variant, TILE_M):
             raise ValueError(
@@ -203,6 +231,8 @@ class Sm90Gemm:
             )
         if masked and a.shape[0] > self.COMPACT_MAX_EXPERTS.get(variant, a.shape[0]):
             raise ValueError(f"{a.shape[0]} experts: {variant} takes at most {self.COMPACT_MAX_EXPERTS[variant]}")
+        if a.shape[-1] > self.STAGED_MAX_K.get(variant, a.shape[-1]):
+            raise ValueError(f"K={a.shape[-1]}: {variant} takes K <= {self.STAGED_MAX_K[variant]}")
         fn = self.kernel(variant)
         args = (a3, b.permute(1, 2, 0), c3, sa, sb, aux.to(torch.int32))
         if variant in self.CLUSTERED:

@@ -1,6 +1,6 @@
 """MoE expert GEMM benchmark: our grouped GEMMs beside torch's, against the hardware floor.
 
-    python -m perf.moe [--models qwen3-235b,qwen3.5-397b] [--tokens 1,2,...,16384] [--json out.json] [--no-ws]
+    python -m perf.moe [--models qwen3-235b,qwen3.5-397b,qwen3-30b-a3b] [--tokens 1,2,...,16384] [--json out.json] [--no-ws]
 
 For each model's expert shape (E experts, hidden H, intermediate I, top-k) and token count T, with
 uniformly random routing, it times the two expert GEMMs of one MoE layer (w13: [T*k, H] x [2I, H]^T,
@@ -37,7 +37,9 @@ from nvl72.cuda_timing import hbm_copy_bandwidth, time_cuda
 MODELS = {
     "qwen3-235b": dict(E=128, H=4096, I=1536, k=8),
     "qwen3.5-397b": dict(E=512, H=4096, I=1024, k=10),
+    "qwen3-30b-a3b": dict(E=128, H=2048, I=768, k=8),  # the engine's single-GPU decode model
 }
+DEFAULT_MODELS = ["qwen3-235b", "qwen3.5-397b"]
 DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 WS_MAX_REL_ERR = 1e-2
 
@@ -216,7 +218,7 @@ def _fmt(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m perf.moe", description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"any of {','.join(MODELS)}")
     ap.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)))
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default="perf/out/moe.json")

@@ -46,6 +46,14 @@ the copy bandwidth at 128 tokens, slower than the classic kernel at 1-8 tokens):
     as k_group * 128 contiguous bytes at once instead of 128-byte pieces a stage apart (the weight
     stream at 74% of copy bandwidth is not short of bytes in flight: ~10 stages of 20 KB per SM;
     the hypothesis is DRAM locality). Not measured yet.
+  * stage_scales (needs compact and overlap; the `_cps` variants, few tokens): at the start of each
+    tile the consumer threads load all its promotion factors, token scale x weight scale for every
+    (token column, K tile), into shared memory in one round of independent loads (one L2 latency
+    per tile, overlapped with the producer's first TMA loads), then each K step reads its factors
+    from shared memory. In `_cpo` each K step's promotion waits for its own global scale loads, so
+    a CTA retires at most one K step per L2 round trip: at 1 token (235B shape) ~1.1 us per
+    20 KB step, 18 GB/s per SM, against ~0.6 us at 8 tokens where DRAM is the limit. Needs
+    K <= 128 * MAX_SCALE_K_TILES (8 KB of shared memory at tile_n 32). Not measured yet.
 Prefill options of the 128 x 256 kernel (not measured yet; the A/B against _n256 is in perf.moe):
   * epi_buffers=4 (`_n256_e4`): four 128 x 32 epilogue buffers (32 KB; 4 A/B stages of 48 KB still
     fit) instead of two, so the store warp's wait for a TMA store to leave shared memory rarely blocks
@@ -79,6 +87,7 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128 * 40 + 256 * 232 <= 64K registers 
 MAX_AB_STAGES = 16
 MAX_EXPERTS = 1024  # the compact walk's shared prefix array (experts per masked call)
 LOG_MAX_EXPERTS = 10
+MAX_SCALE_K_TILES = 64  # stage_scales: K tiles of 128 whose promotion factors fit the shared array (K <= 8192)
 
 
 class GroupedGemmSm90WS(GroupedGemmSm90):
@@ -87,7 +96,7 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
     masked: the swap-AB masked layout (decode) instead of the contiguous one.
     n_wg: consumer warpgroups (tile rows = 64 * n_wg). tile_n: tile columns (tokens for swap-AB).
     overlap: promotion of K tile t overlapped with the wgmma of K tile t+1 (two temporaries).
-    compact, prefetch: the decode options of the module docstring (masked only).
+    compact, prefetch, k_group, stage_scales: the decode options of the module docstring (masked only).
     """
 
     def __init__(
@@ -99,6 +108,7 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
         compact: bool = False,
         prefetch: bool = False,
         k_group: int = 1,
+        stage_scales: bool = False,
     ):
         super().__init__(fp8=True, masked=masked, swap_ab=masked, overlap=overlap)
         if k_group not in (1, 2, 4):
@@ -111,7 +121,9 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
             raise ValueError(f"compact={compact}: the compact tile walk is for the masked layout only")
         if prefetch and (overlap or not compact):
             raise ValueError(f"prefetch={prefetch} needs compact=True and overlap=False (got {compact}, {overlap})")
-        self.compact, self.prefetch = compact, prefetch
+        if stage_scales and not (compact and overlap):
+            raise ValueError(f"stage_scales={stage_scales} needs compact=True and overlap=True (got {compact}, {overlap})")
+        self.compact, self.prefetch, self.stage_scales = compact, prefetch, stage_scales
         if not masked and tile_n != SCALE_BLOCK:
             raise ValueError(f"tile_n={tile_n}: the contiguous kernel needs tile_n == {SCALE_BLOCK} (one B scale per tile)")
         self.tile_m, self.tile_n, self.n_wg = 64 * n_wg, tile_n, n_wg
@@ -132,7 +144,8 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
         epi_bytes = m * n * self.epi_stage * self.c_dtype.width // 8
         stage_bytes = (self.tile_m + self.b_tiles * self.tile_n) * self.tile_mnk[2] * self.ab_dtype.width // 8
         self.n_prefix = MAX_EXPERTS + 1 if self.compact else 1
-        free = self.smem_capacity - 2048 - epi_bytes - 4 * self.n_prefix
+        self.n_factors = self.tile_n * MAX_SCALE_K_TILES if self.stage_scales else 1
+        free = self.smem_capacity - 2048 - epi_bytes - 4 * self.n_prefix - 4 * self.n_factors
         self.ab_stage = min(MAX_AB_STAGES, free // stage_bytes)
         if self.ab_stage < max(self.k_group, 3):
             raise ValueError(f"{self.ab_stage} A/B stages fit in shared memory: need 3 and k_group={self.k_group}")
@@ -170,6 +183,7 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)], 1024]
             sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_staged)], 1024]
             prefix: cute.struct.MemRange[cutlass.Int32, self.n_prefix]
+            factors: cute.struct.MemRange[cutlass.Float32, self.n_factors]
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -200,6 +214,18 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
         pm = t // tiles_n
         expert = aux[pm]
         return pm, pn, cutlass.Int32(0), expert, expert >= 0
+
+    @cute.jit
+    def _stage_factors(self, sF, mSA, mSB, k_tiles, pm, pn, pl, expert, ctid, factor_bar):
+        """stage_scales: sF[kt * tile_n + j] = token scale (row pn * tile_n + j) x weight scale of K tile kt,
+        for the whole tile, by all consumer threads (independent loads), then a consumer-wide barrier.
+        The previous tile's reads are over: its epilogue ended on a consumer-wide barrier."""
+        n0 = pn * self.tile_n
+        wrow = pm * self.tile_m // SCALE_BLOCK
+        for idx in cutlass.range(ctid, k_tiles * self.tile_n, self.mma_threads, unroll=1):
+            kt = idx // self.tile_n
+            sF[idx] = mSB[(n0 + idx % self.tile_n, kt, pl)] * mSA[(wrow, kt, expert)]
+        factor_bar.arrive_and_wait()
 
     @cute.jit
     def _prefix(self, sP, aux, n_l, tiles_n, tidx, warp_idx):
@@ -247,11 +273,15 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
             prod.advance()
         return prod
 
-    def _scales(self, mSA, mSB, tCcC, kt, pm, pn, pl, expert, f=None):
-        """Per-element promotion factors of K tile kt (loaded before the wgmma wait), into f if given."""
+    def _scales(self, mSA, mSB, tCcC, kt, pm, pn, pl, expert, f=None, sF=None):
+        """Per-element promotion factors of K tile kt (loaded before the wgmma wait), into f if given;
+        from the tile's staged factors sF (stage_scales: [K tile][token column]) if given."""
         if cutlass.const_expr(f is None):
             f = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
-        if cutlass.const_expr(self.swap_ab):  # A = weights (one scale per 128 rows), B = tokens
+        if cutlass.const_expr(sF is not None):
+            for i in range(cute.size(f)):
+                f[i] = sF[kt * self.tile_n + tCcC[i][1]]
+        elif cutlass.const_expr(self.swap_ab):  # A = weights (one scale per 128 rows), B = tokens
             sw = mSA[(pm * self.tile_m // SCALE_BLOCK, kt, expert)]
             n0 = pn * self.tile_n
             for i in range(cute.size(f)):
@@ -372,6 +402,9 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
         num_tiles = tiles_m * tiles_n * n_l
         k_tiles = cute.size(gA, mode=[3])
         sP = storage.prefix.get_tensor(cute.make_layout(self.n_prefix))
+        sF = None
+        if cutlass.const_expr(self.stage_scales):
+            sF = storage.factors.get_tensor(cute.make_layout(self.n_factors))
         if cutlass.const_expr(self.compact):
             self._prefix(sP, aux, n_l, tiles_n, tidx, warp_idx)
             num_tiles = sP[n_l] * tiles_m
@@ -421,6 +454,7 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
             num_kb = cute.size(tCrA, mode=[2])
 
             tiled_r2s, tRS_sC, rD_layout, c_pipe, epi_bar = self._epilogue_setup(epi_mma, sC, ctid)
+            factor_bar = pipeline.NamedBarrier(barrier_id=2, num_threads=self.mma_threads)
 
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
@@ -449,27 +483,29 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
                             rel = self._promote(ab_pipe, rel, acc, part0, f_cur)
                             f_cur.store(f_nxt.load())
                     elif cutlass.const_expr(self.overlap):
+                        if cutlass.const_expr(self.stage_scales):
+                            self._stage_factors(sF, mSA, mSB, k_tiles, pm, pn, pl, expert, ctid, factor_bar)
                         # branch-free pairs, so ptxas can prove which temporary each wait retires
                         cons = self._mma(ab_pipe, cons, mmas, part0, tCrA, tCrB, num_kb, True)
                         for j in cutlass.range((k_tiles - 1) // 2, unroll=1):
                             cons = self._mma(ab_pipe, cons, mmas, part1, tCrA, tCrB, num_kb, True)
-                            f = self._scales(mSA, mSB, tCcC, 2 * j, pm, pn, pl, expert)
+                            f = self._scales(mSA, mSB, tCcC, 2 * j, pm, pn, pl, expert, sF=sF)
                             cute.nvgpu.warpgroup.wait_group(1)
                             rel = self._promote(ab_pipe, rel, acc, part0, f)
                             cons = self._mma(ab_pipe, cons, mmas, part0, tCrA, tCrB, num_kb, True)
-                            f = self._scales(mSA, mSB, tCcC, 2 * j + 1, pm, pn, pl, expert)
+                            f = self._scales(mSA, mSB, tCcC, 2 * j + 1, pm, pn, pl, expert, sF=sF)
                             cute.nvgpu.warpgroup.wait_group(1)
                             rel = self._promote(ab_pipe, rel, acc, part1, f)
                         if k_tiles % 2 == 0:
                             cons = self._mma(ab_pipe, cons, mmas, part1, tCrA, tCrB, num_kb, True)
-                            f = self._scales(mSA, mSB, tCcC, k_tiles - 2, pm, pn, pl, expert)
+                            f = self._scales(mSA, mSB, tCcC, k_tiles - 2, pm, pn, pl, expert, sF=sF)
                             cute.nvgpu.warpgroup.wait_group(1)
                             rel = self._promote(ab_pipe, rel, acc, part0, f)
-                            f = self._scales(mSA, mSB, tCcC, k_tiles - 1, pm, pn, pl, expert)
+                            f = self._scales(mSA, mSB, tCcC, k_tiles - 1, pm, pn, pl, expert, sF=sF)
                             cute.nvgpu.warpgroup.wait_group(0)
                             rel = self._promote(ab_pipe, rel, acc, part1, f)
                         else:
-                            f = self._scales(mSA, mSB, tCcC, k_tiles - 1, pm, pn, pl, expert)
+                            f = self._scales(mSA, mSB, tCcC, k_tiles - 1, pm, pn, pl, expert, sF=sF)
                             cute.nvgpu.warpgroup.wait_group(0)
                             rel = self._promote(ab_pipe, rel, acc, part0, f)
                     else:
@@ -823,6 +859,15 @@ VARIANTS = {
     # _cpo with the producer requesting 2 or 4 K tiles at once (256 / 512 contiguous bytes per weight row)
     "ws_fp8_masked_swapab_cpo_kg2": dict(masked=True, n_wg=2, tile_n=32, compact=True, overlap=True, k_group=2),
     "ws_fp8_masked_swapab_cpo_kg4": dict(masked=True, n_wg=2, tile_n=32, compact=True, overlap=True, k_group=4),
+    # few tokens: _cpo with each tile's promotion factors staged in shared memory (stage_scales), on
+    # 128- and 64-row weight tiles (64: twice the tiles, so a handful of experts spreads over more SMs)
+    "ws_fp8_masked_swapab_cps": dict(masked=True, n_wg=2, tile_n=32, compact=True, overlap=True, stage_scales=True),
+    "ws_fp8_masked_swapab_m64n32_cps": dict(
+        masked=True, n_wg=1, tile_n=32, compact=True, overlap=True, stage_scales=True
+    ),
+    "ws_fp8_masked_swapab_m64n16_cps": dict(
+        masked=True, n_wg=1, tile_n=16, compact=True, overlap=True, stage_scales=True
+    ),
 }
 
 

@@ -218,3 +218,28 @@ def test_triton_gather_quant_mx_matches_reference():
     got = torch.cat([mxfp8.unswizzle_scales(sf[i * per : (i + 1) * per], cap, 20) for i in range(16)])
     want = torch.cat([mxfp8.unswizzle_scales(rsf[i * per : (i + 1) * per], cap, 20) for i in range(16)])
     assert torch.equal(got[valid], want[valid])
+
+
+FEW_ROWS = [v for v in backend.Sm90Gemm.WS_MASKED if v.endswith("_cps")] + [backend.Sm90Gemm.WS_DEFAULTS[(True, True)]]
+
+
+@pytest.mark.parametrize("variant", FEW_ROWS)
+@pytest.mark.parametrize("n,k", [(1536, 2048), (2048, 768)])  # Qwen3-30B-A3B w13 and w2 (E=128, top-8)
+def test_grouped_gemm_masked_few_rows(gemm, variant, n, k):
+    """Decode at 1-8 tokens: 128 experts, capacity 32, a few experts holding 1, 3 or 8 rows and the
+    rest 0; rows past each count are NaN in A (must not leak), the output is NaN-poisoned; the valid
+    rows match the fp32 product of the dequantized operands."""
+    _need(gemm, variant)
+    e, cap = 128, 32
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    counts = torch.zeros(e, dtype=torch.int32, device="cuda")
+    for expert, rows in ((0, 1), (5, 3), (17, 8), (64, 1), (127, 3), (90, 8)):
+        counts[expert] = rows
+    a, b, sa, sb = _operands(True, (e, cap), n, k, e, gen)
+    valid = torch.arange(cap, device="cuda")[None, :] < counts[:, None]
+    a.view(torch.uint8)[~valid] = 0x7F  # e4m3 NaN
+    out = torch.full((e, cap, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gemm(a, b, out, sa, sb, counts, True, variant=variant)
+    ref = reference.grouped_gemm(a, b, torch.zeros(e, cap, n, device="cuda"), sa, sb, counts, True)
+    assert not torch.isnan(out[valid]).any()
+    assert _rel(out[valid], ref[valid]) < 1e-2
