@@ -134,16 +134,18 @@ def _permute_masked_kernel(ids_ptr, row_ptr, count_ptr, n_pairs, num_local, expe
 def _unpermute_kernel(
     y_ptr, row_ptr, w_ptr, out_ptr, sh_ptr, g_ptr, H, K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr
 ):
+    """Sums the k rows in pair order; a row of -1 (an expert of another EP rank) loads as 0, so the
+    k loads carry no branch and are all in flight at once."""
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < H
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(K):
         r = tl.load(row_ptr + t * K + j)
-        if r >= 0:  # -1: an expert of another EP rank
-            w = tl.load(w_ptr + t * K + j)
-            v = tl.load(y_ptr + r.to(tl.int64) * H + cols, mask=m, other=0.0)
-            acc += v.to(tl.float32) * w
+        w = tl.load(w_ptr + t * K + j)
+        ok = m & (tl.zeros([BLOCK], tl.int64) + r >= 0)
+        v = tl.load(y_ptr + tl.maximum(r, 0).to(tl.int64) * H + cols, mask=ok, other=0.0)
+        acc += v.to(tl.float32) * w
     if HAS_SHARED:
         g = tl.load(g_ptr + t).to(tl.float32)
         sv = tl.load(sh_ptr + t.to(tl.int64) * H + cols, mask=m, other=0.0).to(tl.float32)
@@ -152,24 +154,33 @@ def _unpermute_kernel(
 
 
 @triton.jit
-def _topk_softmax_kernel(logit_ptr, w_ptr, id_ptr, E, K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
+def _topk_softmax_kernel(logit_ptr, w_ptr, id_ptr, E, K: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr,
+                         BLOCK_E: tl.constexpr):
+    """One token per program. Each top-k step is one int64 max over keys (bits of p << 32 | the
+    reversed index: p >= 0, so its bits order as p does, and the lowest index wins ties, as
+    torch.topk); the k picks stay in registers and are stored once."""
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     x = tl.load(logit_ptr + t.to(tl.int64) * E + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
+    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - offs).to(tl.int64)
+    key = tl.where(offs < E, key, -1)
+    kk = tl.arange(0, KP)
+    wv = tl.zeros([KP], tl.float32)
+    iv = tl.zeros([KP], tl.int64)
     total = 0.0
     for j in tl.static_range(K):
-        best = tl.max(p, axis=0)
-        idx = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)  # lowest index among ties, as torch.topk
-        tl.store(w_ptr + t * K + j, best)
-        tl.store(id_ptr + t * K + j, idx.to(tl.int64))
-        total += best
-        p = tl.where(offs == idx, -1.0, p)
+        best = tl.max(key, axis=0)
+        w = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        wv = tl.where(kk == j, w, wv)
+        iv = tl.where(kk == j, BLOCK_E - 1 - (best & 0xFFFFFFFF), iv)
+        total += w
+        key = tl.where(key == best, -1, key)
     if RENORM:
-        for j in tl.static_range(K):
-            w = tl.load(w_ptr + t * K + j)
-            tl.store(w_ptr + t * K + j, w / total)
+        wv = wv / total
+    tl.store(w_ptr + t * K + kk, wv, mask=kk < K)
+    tl.store(id_ptr + t * K + kk, iv, mask=kk < K)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,8 +188,10 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     w = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=router_logits.device)
     if t:
-        _topk_softmax_kernel[(t,)](
-            router_logits.contiguous(), w, ids, e, K=top_k, RENORM=renormalize, BLOCK_E=triton.next_power_of_2(e)
+        block_e = triton.next_power_of_2(e)
+        _topk_softmax_kernel[(t,)](  # one warp: the reductions stay in shuffles (no shared memory)
+            router_logits.contiguous(), w, ids, e, K=top_k, KP=triton.next_power_of_2(top_k), RENORM=renormalize,
+            BLOCK_E=block_e, num_warps=1 if block_e <= 1024 else 4
         )
     return w, ids
 
@@ -190,7 +203,7 @@ def gather_quant(x: torch.Tensor, row_of: torch.Tensor, num_rows: int, rows_per_
     s = torch.empty(num_rows // rows_per_batch, nkb, rows_per_batch, dtype=torch.float32, device=x.device)
     if t:
         _gather_quant_kernel[(t * k, nkb)](
-            x.contiguous(), row_of.contiguous(), q, s, h, nkb, rows_per_batch, K=k, BLOCK=BLOCK_K
+            x.contiguous(), row_of.contiguous(), q, s, h, nkb, rows_per_batch, K=k, BLOCK=BLOCK_K, num_warps=1
         )
     return q, s
 
@@ -218,7 +231,8 @@ def silu_mul_quant(h: torch.Tensor, rows_per_batch: int, row_of: torch.Tensor | 
     if m and n:
         rows = h if row_of is None else row_of.contiguous()  # any pointer when unread
         _silu_mul_quant_kernel[(n, nkb)](
-            h.contiguous(), rows, q, s, inter, nkb, rows_per_batch, BY_PAIR=row_of is not None, BLOCK=BLOCK_K
+            h.contiguous(), rows, q, s, inter, nkb, rows_per_batch, BY_PAIR=row_of is not None, BLOCK=BLOCK_K,
+            num_warps=1,
         )
     return q, s
 
@@ -237,7 +251,8 @@ def permute_masked(topk_ids: torch.Tensor, num_local: int, capacity: int, expert
     n = t * k
     block = min(1024, max(16, triton.next_power_of_2(max(n, 1))))
     _permute_masked_kernel[(num_local + 1,)](
-        topk_ids.contiguous(), row, counts, n, num_local, expert_offset, capacity, BLOCK=block
+        topk_ids.contiguous(), row, counts, n, num_local, expert_offset, capacity, BLOCK=block,
+        num_warps=1 if block <= 256 else 4,
     )
     return Permutation("masked", row, None, counts, num_local * capacity, 1, capacity=capacity)
 
@@ -248,7 +263,7 @@ def unpermute(y, row_of, topk_weights, shared=None, shared_gate=None):
     out = torch.empty(t, h, dtype=y.dtype, device=y.device)
     has_shared = shared is not None
     if t:
-        block = 1024
+        block = 256 if t < 64 else 1024  # decode: more programs over the row (latency, not bandwidth)
         _unpermute_kernel[(t, triton.cdiv(h, block))](
             y.reshape(-1, h),
             row_of.contiguous(),
@@ -260,5 +275,6 @@ def unpermute(y, row_of, topk_weights, shared=None, shared_gate=None):
             K=k,
             HAS_SHARED=has_shared,
             BLOCK=block,
+            num_warps=2 if block == 256 else 4,
         )
     return out

@@ -306,7 +306,7 @@ def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 
 
 @triton.jit
-def _paged_attention_kernel(q, kv_cache, out, part_acc, part_ml, qsl, seq_lens, page_table, scale,
+def _paged_attention_kernel(q, kv_cache, out, part_acc, part_ml, counters, qsl, seq_lens, page_table, scale,
                             stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_kind, stride_head,
                             stride_tok, stride_pt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
@@ -364,28 +364,49 @@ def _paged_attention_kernel(q, kv_cache, out, part_acc, part_ml, qsl, seq_lens, 
             tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                      o.to(out.dtype.element_ty), mask=row_ok[:, None])
         else:  # partial (max, sum, unnormalised acc) per row and split; an empty split writes l = 0 only
-            part = (tok * (tl.num_programs(1) * GROUP) + head) * NSPLIT + split  # [R]
-            tl.store(part_ml + part * 2, m_i, mask=row_ok)
-            tl.store(part_ml + part * 2 + 1, l_i, mask=row_ok)
+            base = (tok * (tl.num_programs(1) * GROUP) + head) * NSPLIT  # [R] the row's split 0
+            tl.store(part_ml + (base + split) * 2, m_i, mask=row_ok)
+            tl.store(part_ml + (base + split) * 2 + 1, l_i, mask=row_ok)
             if lo < hi:
-                tl.store(part_acc + part[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
-
-
-@triton.jit
-def _combine_splits_kernel(part_acc, part_ml, out, stride_ot, stride_oh, NSPLIT: tl.constexpr, D: tl.constexpr):
-    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    sp = (t * tl.num_programs(1) + h) * NSPLIT + tl.arange(0, NSPLIT)
-    l = tl.load(part_ml + sp * 2 + 1)
-    used = l > 0.0
-    mx = tl.load(part_ml + sp * 2, mask=used, other=float("-inf"))
-    w = tl.where(used, tl.exp(mx - tl.max(mx, 0)), 0.0)
-    d = tl.arange(0, D)
-    acc = tl.load(part_acc + sp[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
-    o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
-    tl.store(out + t * stride_ot + h * stride_oh + d, o.to(out.dtype.element_ty))
+                tl.store(part_acc + (base + split)[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
+            # the last of the NSPLIT programs of (sequence, KV head) to finish combines the partials:
+            # every thread's stores precede the barrier, the counter's acq_rel add publishes them
+            tl.debug_barrier()
+            cnt = counters + seq * tl.num_programs(1) + kvh
+            if tl.atomic_add(cnt, 1) == NSPLIT - 1:
+                sp = tl.arange(0, NSPLIT)
+                ml = part_ml + (base[:, None] + sp[None, :]) * 2  # [R, NSPLIT]
+                l_all = tl.load(ml + 1, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+                used = l_all > 0.0
+                m_all = tl.load(ml, mask=row_ok[:, None] & used, other=float("-inf"), cache_modifier=".cg")
+                mx = tl.max(m_all, 1)
+                mx = tl.where(mx == float("-inf"), 0.0, mx)
+                w = tl.where(used, tl.exp(m_all - mx[:, None]), 0.0)  # [R, NSPLIT]
+                den = tl.sum(l_all * w, 1)
+                o = tl.zeros([BLOCK_M * GROUP_PAD, D], tl.float32)
+                for j in range(0, tl.cdiv(kv_end, tl.maximum(chunk, 1))):  # the splits that saw keys (the others: w = 0)
+                    wj = tl.sum(tl.where(sp[None, :] == j, w, 0.0), 1)
+                    aj = tl.load(part_acc + (base + j)[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0,
+                                 cache_modifier=".cg")
+                    o += aj * wj[:, None]
+                o = o / tl.where(den > 0.0, den, 1.0)[:, None]
+                tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                         o.to(out.dtype.element_ty), mask=row_ok[:, None])
+                tl.atomic_xchg(cnt, 0)  # ready for the next launch (graph replays included)
 
 
 _SM_COUNT: dict[int, int] = {}
+_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """[>= n] int32 zeros kept per device: the arrival counters of the split programs, reset by
+    the program that combines (so one zeroing at allocation serves every later launch; launches
+    on one device must not overlap, as the decoder's layers on one stream do not)."""
+    c = _SPLIT_COUNTERS.get(device)
+    if c is None or c.numel() < n:
+        c = _SPLIT_COUNTERS[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+    return c
 
 
 def decode_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_keys: int, block_n: int) -> int:
@@ -412,7 +433,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     q [T, Hq, D]; kv_cache [P, 2, Hkv, ps, D]; query_start_loc [B+1]; seq_lens [B]; page_table
     [B, max_pages] -> [T, Hq, D]. A sequence with no query tokens is skipped. Decode batches
     (max_query_len 1) split each sequence's keys over `splits` programs (default
-    `decode_splits`), combined by a second kernel."""
+    `decode_splits`); the last of a (sequence, KV head)'s programs to finish combines them."""
     t, hq, d = q.shape
     hkv, page_size = kv_cache.shape[2], kv_cache.shape[3]
     if hq % hkv or d & (d - 1) or d < 16:
@@ -434,16 +455,15 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         raise ValueError(f"splits={splits}: a power of two, above 1 only for single-token queries "
                          f"(max_query_len={max_query_len})")
     if t and b and max_query_len > 0:
-        part_acc = part_ml = out  # unread without splits
+        part_acc = part_ml = counters = out  # unread without splits
         if splits > 1:
             part_acc = torch.empty(t, hq, splits, d, dtype=torch.float32, device=q.device)
             part_ml = torch.empty(t, hq, splits, 2, dtype=torch.float32, device=q.device)
+            counters = _split_counters(q.device, b * hkv)
         grid = (b, hkv, triton.cdiv(max_query_len, block_m) * splits)
         _paged_attention_kernel[grid](
-            q, kv_cache, out, part_acc, part_ml, query_start_loc, seq_lens, page_table, scale, q.stride(0),
+            q, kv_cache, out, part_acc, part_ml, counters, query_start_loc, seq_lens, page_table, scale, q.stride(0),
             q.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
             kv_cache.stride(3), page_table.stride(0), GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m,
             BLOCK_N=block_n, D=d, PAGE_SIZE=page_size, IEEE=q.dtype == torch.float32, NSPLIT=splits)
-        if splits > 1:
-            _combine_splits_kernel[(t, hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), NSPLIT=splits, D=d)
     return out

@@ -109,3 +109,43 @@ def test_fp8_pipeline_with_triton_ops_matches_emulated(tokens, ep):
     got = kernels.run(x, w, ids, wts, offset, shared, gate)
     want = emulated.run(x, rw, rids, wts, offset, shared, gate)
     assert torch.isfinite(got).all() and _rel(got, want) < DEQ_TOL
+
+
+@pytest.mark.parametrize("t,e,k,renorm", [(1, 128, 8, True), (7, 512, 10, True), (3, 8, 1, False), (2, 60, 3, True)])
+def test_route_kernel_matches_reference(t, e, k, renorm):
+    """Ids equal to torch.topk on the fp32 softmax, weights within fp32 rounding; non-power-of-two
+    E and k. Token 0 ties at the top (up to 4 ways, inside the top k): torch's order among ties is
+    unspecified (CPU), the kernel's is the lowest index first, so both are compared in that order."""
+    gen = torch.Generator().manual_seed(t * e + k)
+    logits = torch.randn(t, e, generator=gen) * 2
+    ties = min(k, 4)
+    logits[0, 5:5 + ties] = logits[0].max() + 1
+    logits = logits.to(DEV)
+    w, ids = triton_moe.route(logits, k, renorm)
+    rw, rids = reference.route(logits, k, renorm)
+
+    def canonical(w, ids):  # descending weight, ascending id among equal weights
+        by_id = ids.sort(dim=1, stable=True)
+        order = w.gather(1, by_id.indices).sort(dim=1, descending=True, stable=True).indices
+        return by_id.values.gather(1, order)
+
+    assert torch.equal(ids, canonical(w, ids)) and torch.equal(ids, canonical(rw, rids))
+    assert torch.equal(ids[0, :ties], torch.arange(5, 5 + ties, device=DEV))
+    assert torch.allclose(w, rw, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("t,h,shared", [(1, 2048, True), (3, 320, False), (70, 512, True)])
+def test_unpermute_kernel_matches_reference(t, h, shared):
+    """Weighted sum of each token's k rows (rows of other EP ranks, -1, skipped) plus the gated
+    shared expert; decode (T < 64, 256-column programs) and prefill block sizes."""
+    gen = torch.Generator().manual_seed(t + h)
+    k, m = 4, 64
+    row_of = torch.randint(0, m, (t, k), generator=gen)
+    row_of[0, 1] = -1
+    y = torch.randn(m, h, generator=gen).to(torch.bfloat16).to(DEV)
+    w = torch.rand(t, k, generator=gen).to(DEV)
+    sh = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(DEV) if shared else None
+    g = torch.randn(t, 1, generator=gen).to(torch.bfloat16).to(DEV) if shared else None
+    got = triton_moe.unpermute(y, row_of.to(DEV), w, sh, g)
+    want = reference.unpermute(y, row_of.to(DEV), w, sh, g)
+    assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
