@@ -5,7 +5,8 @@
 # 1) the @gpu tests of tests/runner (fused residual add + RMSNorm [+ MoE router logits], RoPE
 #    table and slot-mapping kernels, K/V store inside q/k norm + RoPE, split-key decode attention,
 #    packed q/k/v GEMM, Triton GEMV; greedy tokens equal to the torch reference, graphs on == off,
-#    the sm90 FP8 MoE in graphs) and of the async engine;
+#    the sm90 FP8 MoE in graphs), of the async engine and the MoE Triton data-path kernels (route,
+#    quantize, un-permute) against their references;
 # 2) perf.serve (Qwen3-30B-A3B shape, 8 layers, triton + CUDA graphs, async) with --profile; with
 #    --gemv twice: as is (cuBLAS projections) and with NVL72_TRITON_GEMV=1 (Triton GEMV for the
 #    q/k/v and o_proj projections of single-token steps).
@@ -22,7 +23,7 @@ if [ "${1:-}" = "--gemv" ]; then
 else
   runs="cublas:0"
   timeout -k 5 100 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/runner \
-    tests/engine/test_engine_async.py 2>&1 | tee "$OUT/pytest.log" | tail -15
+    tests/engine/test_engine_async.py "tests/moe/test_gpu_kernels.py::test_triton_route_and_quant_ops" 2>&1 | tee "$OUT/pytest.log" | tail -15
   echo "pytest rc=${PIPESTATUS[0]}"
 fi
 for run in $runs; do
