@@ -102,7 +102,10 @@ class Sm90Gemm:
         (False, False): "grouped_gemm_bf16_contig",
         (False, True): "grouped_gemm_bf16_masked",
     }
-    WS_DEFAULTS = {(True, False): "ws_fp8_contig", (True, True): "ws_fp8_masked_swapab_cpo"}
+    # masked default: staged scales (measured fastest at 1..128 tokens, 85% of copy bandwidth at 128 on an
+    # H200, perf/RESULTS.md); past its K limit the same kernel without staging
+    WS_DEFAULTS = {(True, False): "ws_fp8_contig", (True, True): "ws_fp8_masked_swapab_cps"}
+    STAGED_FALLBACK = "ws_fp8_masked_swapab_cpo"
     # rows of A per CTA tile of the masked variants (the capacity must be a multiple: the kernels
     # index the a_scale rows of a tile without bounds checks)
     MASKED_ROW_TILE = {
@@ -223,7 +226,10 @@ class Sm90Gemm:
         if variant is None and fp8 and masked and self.kernels != "classic" and self.small_cap_variant is not None:
             if a.shape[1] <= self.SMALL_CAP_MAX:
                 variant = self.small_cap_variant
-        variant = variant or self.defaults[(fp8, masked)]
+        if variant is None:
+            variant = self.defaults[(fp8, masked)]
+            if a.shape[-1] > self.STAGED_MAX_K.get(variant, a.shape[-1]):
+                variant = self.STAGED_FALLBACK
         if masked and a.shape[1] % self.MASKED_ROW_TILE.get(variant, TILE_M):
             raise ValueError(
                 f"capacity {a.shape[1]} is not a multiple of {variant}'s row tile "

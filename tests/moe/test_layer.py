@@ -109,7 +109,7 @@ def test_sm90_gemm_variant_dispatch():
     from types import SimpleNamespace
 
     classic = SimpleNamespace(grouped_gemm_fp8_masked_swapab="classic-masked", grouped_gemm_bf16_contig="bf16")
-    ws = SimpleNamespace(ws_fp8_masked_swapab_cpo="ws-masked", ws_fp8_contig="ws-contig")
+    ws = SimpleNamespace(ws_fp8_masked_swapab_cps="ws-masked", ws_fp8_contig="ws-contig")
     g = backend.Sm90Gemm(classic, ws, "ws")
     assert g.kernel(g.defaults[(True, True)]) == "ws-masked"
     assert g.kernel(g.defaults[(True, False)]) == "ws-contig"

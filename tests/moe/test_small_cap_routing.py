@@ -34,11 +34,11 @@ def test_small_cap_routing_is_off_by_default(monkeypatch):
 
 
 def test_small_cap_routing_by_env(monkeypatch):
-    g, calls = _gemm(monkeypatch, "ws_fp8_masked_swapab_cps")
+    g, calls = _gemm(monkeypatch, "ws_fp8_masked_swapab_m64n16_cps")
     _call(g, 32)
     _call(g, 64)  # above SMALL_CAP_MAX: the default
-    assert calls == ["ws_fp8_masked_swapab_cps", backend.Sm90Gemm.WS_DEFAULTS[(True, True)]]
-    classic, calls = _gemm(monkeypatch, "ws_fp8_masked_swapab_cps", kernels="classic")
+    assert calls == ["ws_fp8_masked_swapab_m64n16_cps", backend.Sm90Gemm.WS_DEFAULTS[(True, True)]]
+    classic, calls = _gemm(monkeypatch, "ws_fp8_masked_swapab_m64n16_cps", kernels="classic")
     _call(classic, 32)
     assert calls == ["classic"]
     off, calls = _gemm(monkeypatch, "")
@@ -54,3 +54,13 @@ def test_staged_scales_k_limit(monkeypatch):
     with pytest.raises(ValueError, match="K=8320"):
         _call(g, 32, k=8320)
     assert calls == ["ws_fp8_masked_swapab_m64n16_cps"]
+
+
+def test_default_past_the_staged_k_limit_falls_back(monkeypatch):
+    """The masked default stages its scales (K <= its limit); a larger K runs the unstaged kernel."""
+    g, calls = _gemm(monkeypatch)
+    default = backend.Sm90Gemm.WS_DEFAULTS[(True, True)]
+    limit = backend.Sm90Gemm.STAGED_MAX_K[default]
+    _call(g, 32, k=limit)
+    _call(g, 32, k=limit + 128)
+    assert calls == [default, backend.Sm90Gemm.STAGED_FALLBACK]
