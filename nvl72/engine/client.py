@@ -1,7 +1,8 @@
 """`EngineClient` implementations: the engine in a background thread, or in its own process.
 
 Both deliver outputs from a non-asyncio thread (the engine thread, or the ZeroMQ reader thread)
-into one asyncio queue per request (`loop.call_soon_threadsafe`). `generate` validates what it can
+into one stream per request (one `loop.call_soon_threadsafe` per batch of outputs); a consumer that
+fell behind gets its pending outputs merged into one. `generate` validates what it can
 locally (raising `InvalidRequest` before anything is sent), streams outputs until one carries a
 finish_reason, and aborts the request if the consumer stops early.
 
@@ -25,8 +26,8 @@ import torch
 
 from nvl72.engine.core import EngineCore, build_engine
 from nvl72.engine.engine import InvalidRequest, LLMEngine, validate_request
-from nvl72.engine.protocol import (AbortRequest, AddRequest, EngineClient, LoadReport, Message, ProtocolError,
-                                   RequestOutput, Shutdown)
+from nvl72.engine.protocol import (AbortRequest, AddRequest, EngineClient, LoadReport, Message, OutputBatch,
+                                   ProtocolError, RequestOutput, Shutdown, merge_outputs)
 
 log = logging.getLogger(__name__)
 
@@ -35,40 +36,79 @@ class EngineDeadError(RuntimeError):
     """The engine thread or process is gone (shut down, crashed, or stopped answering)."""
 
 
+class _Stream:
+    """One request's undelivered outputs, appended on its event loop; the consumer takes all of them
+    at once (a consumer that fell behind then handles several steps' tokens in one go)."""
+
+    __slots__ = ("loop", "pending", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.pending: list[RequestOutput] = []
+        self.waiter: asyncio.Future | None = None
+
+    def push(self, out: RequestOutput) -> None:
+        self.pending.append(out)
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def take(self, timeout: float) -> list[RequestOutput]:
+        if not self.pending:  # no timer armed while outputs are waiting
+            async with asyncio.timeout(timeout):
+                while not self.pending:
+                    self.waiter = self.loop.create_future()
+                    try:
+                        await self.waiter
+                    finally:
+                        self.waiter = None
+        outs, self.pending = self.pending, []
+        return outs
+
+
+def _push_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.push(out)
+
+
 class _Streams:
-    """request_id -> (event loop, asyncio.Queue), fed from any thread."""
+    """request_id -> _Stream, fed from any thread: one `call_soon_threadsafe` per event loop per
+    batch of outputs (an engine step), not per output."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, _Stream] = {}
 
-    def open(self, request_id: str) -> asyncio.Queue:
-        q: asyncio.Queue = asyncio.Queue()
+    def open(self, request_id: str) -> _Stream:
+        s = _Stream(asyncio.get_running_loop())
         with self._lock:
-            if request_id in self._queues:
+            if request_id in self._streams:
                 raise InvalidRequest(f"duplicate request_id {request_id!r}")
-            self._queues[request_id] = (asyncio.get_running_loop(), q)
-        return q
+            self._streams[request_id] = s
+        return s
 
     def close(self, request_id: str) -> None:
         with self._lock:
-            self._queues.pop(request_id, None)
+            self._streams.pop(request_id, None)
 
-    def deliver(self, out: RequestOutput) -> None:
+    def deliver(self, outs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         with self._lock:
-            entry = self._queues.get(out.request_id)
-        if entry is not None:
-            loop, q = entry
+            for o in outs:
+                s = self._streams.get(o.request_id)
+                if s is not None:
+                    by_loop.setdefault(s.loop, []).append((s, o))
+        for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(q.put_nowait, out)
-            except RuntimeError:  # the consumer's loop is closed
-                self.close(out.request_id)
+                loop.call_soon_threadsafe(_push_all, items)
+            except RuntimeError:  # the consumers' loop is closed
+                for s, o in items:
+                    self.close(o.request_id)
 
     def fail_all(self, error: str) -> None:
         with self._lock:
-            ids = list(self._queues)
-        for rid in ids:
-            self.deliver(RequestOutput(rid, [], "error", error=error))
+            ids = list(self._streams)
+        self.deliver([RequestOutput(rid, [], "error", error=error) for rid in ids])
 
 
 class _StreamingClient(EngineClient):
@@ -88,15 +128,16 @@ class _StreamingClient(EngineClient):
             raise EngineDeadError(self._dead)
         validate_request(request, self.max_model_len, self.vocab_size)
         rid = request.request_id
-        q = self._streams.open(rid)
+        stream = self._streams.open(rid)
         finished = False
         try:
             self._submit(request)
             while True:
                 try:
-                    out = await asyncio.wait_for(q.get(), timeout=self.output_timeout)
-                except asyncio.TimeoutError:
+                    outs = await stream.take(self.output_timeout)
+                except TimeoutError:
                     raise TimeoutError(f"request {rid!r}: no output from the engine in {self.output_timeout} s") from None
+                out = merge_outputs(outs)
                 finished = out.finish_reason is not None
                 yield out
                 if finished:
@@ -143,8 +184,7 @@ class ThreadEngineClient(_StreamingClient):
                 except queue.Empty:
                     msg = None
                 if msg is not None:
-                    for o in core.handle(msg):
-                        self._streams.deliver(o)
+                    self._streams.deliver(core.handle(msg))
                     dirty = True
                     continue  # drain the inbox before stepping
                 outs = core.step()
@@ -154,11 +194,10 @@ class ThreadEngineClient(_StreamingClient):
                 if dirty and (not core.busy or now - last >= self._report_interval):
                     self._stats = core.load_report().stats
                     last, dirty = now, core.busy
-                for o in outs:
-                    self._streams.deliver(o)
+                if outs:
+                    self._streams.deliver(outs)
                 dirty = dirty or bool(outs)
-            for o in core.close():
-                self._streams.deliver(o)
+            self._streams.deliver(core.close())
             self._stats = core.load_report().stats
         except Exception as e:  # pragma: no cover - a bug in the loop itself
             log.exception("engine thread died")
@@ -182,10 +221,12 @@ class EngineStartError(RuntimeError):
 
 class ProcessEngineClient(_StreamingClient):
     """The engine core in a child process (`python -m nvl72.engine.core`), over ZeroMQ ipc
-    sockets this client binds, msgpack messages (`nvl72.engine.protocol`)."""
+    sockets this client binds, msgpack messages (`nvl72.engine.protocol`). `engine_module` is the
+    child's entry point (its `main` takes `nvl72.engine.core`'s arguments; perf.front swaps in a
+    paced token source to measure the front alone)."""
 
     def __init__(self, engine_args: dict, *, startup_timeout: float = 300.0, heartbeat_timeout: float = 30.0,
-                 output_timeout: float = 600.0, report_interval: float = 0.25):
+                 output_timeout: float = 600.0, report_interval: float = 0.25, engine_module: str = "nvl72.engine.core"):
         import zmq
 
         from nvl72.engine.protocol import decode
@@ -205,7 +246,7 @@ class ProcessEngineClient(_StreamingClient):
         self._log_path = os.path.join(self._dir, "engine.log")
         self._log = open(self._log_path, "wb")
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "nvl72.engine.core", "--input", inp, "--output", outp,
+            [sys.executable, "-m", engine_module, "--input", inp, "--output", outp,
              "--engine-args", json.dumps(engine_args), "--report-interval", str(report_interval)],
             stdout=self._log, stderr=subprocess.STDOUT)
         self.heartbeat_timeout = heartbeat_timeout
@@ -251,8 +292,10 @@ class ProcessEngineClient(_StreamingClient):
                 except ProtocolError as e:
                     log.error("dropping undecodable message from the engine: %s", e)
                     continue
-                if isinstance(msg, RequestOutput):
-                    self._streams.deliver(msg)
+                if isinstance(msg, OutputBatch):
+                    self._streams.deliver(msg.outputs)
+                elif isinstance(msg, RequestOutput):
+                    self._streams.deliver([msg])
                 elif isinstance(msg, LoadReport):
                     self._on_report(msg)
                 continue

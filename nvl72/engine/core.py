@@ -3,8 +3,8 @@
 `EngineCore` turns protocol messages into engine calls and engine steps into `RequestOutput`s;
 `build_engine` makes an engine from plain (JSON-able) arguments; `main` is the separate-process
 entry point (`python -m nvl72.engine.core`), speaking msgpack over ZeroMQ: it PULLs `AddRequest`,
-`AbortRequest` and `Shutdown` from the client and PUSHes `RequestOutput`s plus a `LoadReport`
-every `report_interval` seconds (the first one says "ready", later ones are the heartbeat).
+`AbortRequest` and `Shutdown` from the client and PUSHes each step's `RequestOutput`s as one
+`OutputBatch`, plus a `LoadReport` every `report_interval` seconds (the first one says "ready", later ones are the heartbeat).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import time
 import torch
 
 from nvl72.engine.engine import EngineConfig, InvalidRequest, LLMEngine
-from nvl72.engine.protocol import AbortRequest, AddRequest, LoadReport, Message, RequestOutput, Shutdown
+from nvl72.engine.protocol import AbortRequest, AddRequest, LoadReport, Message, OutputBatch, RequestOutput, Shutdown
 from nvl72.engine.spec import HistoryDrafter, MTPDrafter, ngram_proposal
 
 log = logging.getLogger(__name__)
@@ -165,20 +165,21 @@ def serve_zmq(core: EngineCore, input_addr: str, output_addr: str, report_interv
     try:
         while not core.stopped:
             if pull.poll(0 if core.busy else 50):
+                outs: list[RequestOutput] = []
                 while True:
                     try:
                         raw = pull.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     try:
-                        outs = core.handle(decode(raw))
+                        outs += core.handle(decode(raw))
                     except (ProtocolError, InvalidRequest) as e:
                         log.error("dropping bad message: %s", e)
-                        continue
-                    for o in outs:
-                        push.send(encode(o))
-            for o in core.step():
-                push.send(encode(o))
+                if outs:
+                    push.send(encode(OutputBatch(outs)))
+            outs = core.step()
+            if outs:  # one message per step, however many requests it advanced
+                push.send(encode(OutputBatch(outs)))
             now = time.monotonic()
             if now - last_report >= report_interval:
                 push.send(encode(core.load_report()))
@@ -186,8 +187,9 @@ def serve_zmq(core: EngineCore, input_addr: str, output_addr: str, report_interv
                 if os.getppid() != parent:
                     log.error("parent process %d went away; exiting", parent)
                     break
-        for o in core.close():
-            push.send(encode(o))
+        outs = core.close()
+        if outs:
+            push.send(encode(OutputBatch(outs)))
     finally:
         pull.close(linger=0)
         push.close(linger=1000)

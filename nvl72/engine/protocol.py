@@ -83,6 +83,37 @@ class RequestOutput(Message):
     queue_time: float | None = None
 
 
+def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    """Several consecutive outputs of one request as one (a consumer that fell behind takes all it
+    has at once); nothing after a finished output is kept."""
+    if len(outs) == 1:
+        return outs[0]
+    ids: list[int] = []
+    lps: list[TokenLogprob] | None = None
+    queue_time, cached = None, 0
+    for o in outs:
+        ids += o.new_token_ids
+        if o.logprobs is not None:
+            lps = (lps or []) + o.logprobs
+        if queue_time is None:
+            queue_time = o.queue_time
+        cached = max(cached, o.num_cached_tokens)
+        last = o
+        if o.finish_reason is not None:
+            break
+    return RequestOutput(last.request_id, ids, last.finish_reason, last.num_prompt_tokens, cached, lps, last.error,
+                         queue_time)
+
+
+@dataclass
+class OutputBatch(Message):
+    """All `RequestOutput`s of one engine step, sent as one message (one ZeroMQ send and one
+    wake-up of the front per step instead of one per request)."""
+
+    KIND: ClassVar[str] = "outputs"
+    outputs: list[RequestOutput]
+
+
 @dataclass
 class LoadReport(Message):
     """Periodic load and health report of one engine rank (doubles as its heartbeat)."""
@@ -104,7 +135,8 @@ class Shutdown(Message):
     reason: str = ""
 
 
-_KINDS: dict[str, type[Message]] = {c.KIND: c for c in (AddRequest, AbortRequest, RequestOutput, LoadReport, Shutdown)}
+_KINDS: dict[str, type[Message]] = {c.KIND: c for c in (AddRequest, AbortRequest, RequestOutput, OutputBatch, LoadReport,
+                                                         Shutdown)}
 
 
 def _to_plain(obj: Any) -> Any:
@@ -115,8 +147,30 @@ def _to_plain(obj: Any) -> Any:
     return obj
 
 
+def _output_plain(o: RequestOutput) -> dict[str, Any]:
+    """`_to_plain` of a RequestOutput without the generic dataclass walk (it runs per request per step)."""
+    return {"request_id": o.request_id, "new_token_ids": o.new_token_ids, "finish_reason": o.finish_reason,
+            "num_prompt_tokens": o.num_prompt_tokens, "num_cached_tokens": o.num_cached_tokens,
+            "logprobs": None if o.logprobs is None else _to_plain(o.logprobs), "error": o.error,
+            "queue_time": o.queue_time}
+
+
 def encode(msg: Message) -> bytes:
-    return msgpack.packb({"v": PROTOCOL_VERSION, "kind": msg.KIND, "body": _to_plain(msg)}, use_bin_type=True)
+    if isinstance(msg, OutputBatch):
+        body: Any = {"outputs": [_output_plain(o) for o in msg.outputs]}
+    elif isinstance(msg, RequestOutput):
+        body = _output_plain(msg)
+    else:
+        body = _to_plain(msg)
+    return msgpack.packb({"v": PROTOCOL_VERSION, "kind": msg.KIND, "body": body}, use_bin_type=True)
+
+
+def _output(body: dict[str, Any]) -> RequestOutput:
+    if body.get("logprobs") is not None:
+        body["logprobs"] = [
+            TokenLogprob(lp["token_id"], lp["logprob"], [tuple(t) for t in lp["top"]]) for lp in body["logprobs"]
+        ]
+    return RequestOutput(**body)
 
 
 def decode(data: bytes) -> Message:
@@ -133,12 +187,12 @@ def decode(data: bytes) -> Message:
     try:
         if cls is AddRequest:
             body["sampling"] = SamplingParams(**body["sampling"])
-        if cls is RequestOutput and body.get("logprobs") is not None:
-            body["logprobs"] = [
-                TokenLogprob(lp["token_id"], lp["logprob"], [tuple(t) for t in lp["top"]]) for lp in body["logprobs"]
-            ]
+        if cls is RequestOutput:
+            return _output(body)
+        if cls is OutputBatch:
+            return OutputBatch([_output(dict(o)) for o in body["outputs"]])
         return cls(**body)
-    except (TypeError, KeyError) as e:
+    except (TypeError, KeyError, ValueError) as e:
         raise ProtocolError(f"bad fields for {cls.KIND!r}: {e}") from e
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import json.encoder
 import logging
 import time
 import uuid
@@ -34,6 +35,7 @@ from nvl72.server.parsers import THINK_START, ParsedToolCall, ReasoningParser, S
 from nvl72.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
+_encode_str = json.encoder.encode_basestring  # json.dumps(s, ensure_ascii=False) of one str, without an encoder
 
 
 @dataclass
@@ -80,12 +82,24 @@ class OutputPipeline:
         now = time.monotonic()
         self.first_output_time = self.first_output_time or now
         self.last_output_time = now
-        self.num_output_tokens += len(out.new_token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.queue_time is not None:
             self.queue_time = out.queue_time
-        d = self._route(self._stops.feed(self._detok.add(out.new_token_ids)))
-        d.logprobs = out.logprobs or []
+        ids = out.new_token_ids
+        if self._stops.stops and len(ids) > 1:
+            # Several tokens at once (a merged output): one by one, so that usage and logprobs end
+            # at the token completing a stop string.
+            text, used = "", 0
+            for t in ids:
+                used += 1
+                text += self._stops.feed(self._detok.add((t,)))
+                if self._stops.stopped:
+                    break
+        else:
+            text, used = self._stops.feed(self._detok.add(ids)), len(ids)
+        self.num_output_tokens += used
+        d = self._route(text)
+        d.logprobs = out.logprobs[:used] if out.logprobs else []
         return d
 
     def finish(self) -> Delta:
@@ -390,6 +404,8 @@ class OpenAIServer:
     async def _chat_stream(self, p: Prepared, base: dict[str, Any], want_logprobs: bool) -> AsyncIterator[str]:
         pipe = self._pipeline(p)
         chunk = {**base, "object": "chat.completion.chunk"}
+        content_event = _TextEvent(chunk, 'choices": [{"index": 0, "delta": {"content": ',
+                                   '}, "finish_reason": null, "logprobs": null}]}')
 
         def event(delta: dict[str, Any], reason: str | None = None, lps: list[TokenLogprob] | None = None) -> str:
             c = {"index": 0, "delta": delta, "finish_reason": reason,
@@ -416,7 +432,9 @@ class OpenAIServer:
                     if r is not None:
                         reason = r
                         break
-                    if d:
+                    if d.content and not (d.reasoning or d.tool_calls or d.logprobs):
+                        yield content_event(d.content)
+                    elif d:
                         yield event(fields(d), None, d.logprobs)
             tail = pipe.finish()
             if reason is not None:
@@ -445,6 +463,7 @@ class OpenAIServer:
     async def _completion_stream(self, p: Prepared, base: dict[str, Any], want_lps: bool) -> AsyncIterator[str]:
         pipe = self._pipeline(p)
         chunk = {**base, "object": "text_completion"}
+        text_event = _TextEvent(chunk, 'choices": [{"index": 0, "text": ', ', "finish_reason": null, "logprobs": null}]}')
 
         def event(d: Delta, reason: str | None) -> str:
             lps = self._completion_logprobs(d.logprobs) if want_lps and d.logprobs else None
@@ -460,7 +479,9 @@ class OpenAIServer:
                         tail = pipe.finish()
                         yield event(Delta(d.content + tail.content, logprobs=d.logprobs), r)
                         break
-                    if d:
+                    if d.content and not (want_lps and d.logprobs):
+                        yield text_event(d.content)
+                    elif d:
                         yield event(d, None)
             if p.include_usage:
                 yield _sse({**chunk, "choices": [], "usage": self._usage(p, pipe)})
@@ -546,6 +567,19 @@ def _add(total: Delta, d: Delta) -> Delta:
 
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _TextEvent:
+    """`_sse` of `{**chunk, "choices": [...]}` whose only varying value is one string, built from
+    fixed text around the encoded string (a JSON encoder per token costs more than the rest of
+    the chunk); the same bytes as `_sse`."""
+
+    def __init__(self, chunk: dict[str, Any], before: str, after: str):
+        self._head = f'data: {json.dumps(chunk, ensure_ascii=False)[:-1]}, "{before}'
+        self._tail = after + "\n\n"
+
+    def __call__(self, text: str) -> str:
+        return self._head + _encode_str(text) + self._tail
 
 
 def _error(e: APIError) -> JSONResponse:
