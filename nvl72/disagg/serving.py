@@ -2,7 +2,7 @@
 
 Data plane (beside the launcher's control plane): the front rank binds a ZeroMQ ROUTER, every
 prefill/decode rank connects a DEALER (identity `data<rank>`); msgpack messages with a version field,
-the engine protocol's (`AddRequest` inside, `RequestOutput`, `LoadReport`, `AbortRequest`) plus the
+the engine protocol's (`AddRequest` inside, `RequestOutput`, `OutputBatch`, `LoadReport`, `AbortRequest`) plus the
 kinds below. One request's path:
 
   front   --PrefillRequest(request, seq, decode rank)-->   prefill leader (TP rank 0)
@@ -12,7 +12,7 @@ kinds below. One request's path:
   prefill --Handoff(first output, seq, prefill ranks)-->   front  (streams the first token)
   front   --ExpectTransfer(request, seq, prefill ranks)--> decode rank
   decode:  reserves pages/slot, receives (`Receiver`, completion rule), commits, decodes;
-  decode  --RequestOutput ...-->                          front  (streams the rest)
+  decode  --OutputBatch (one per step) ...-->             front  (streams the rest)
 Decode ranks send a `LoadReport` every report interval; one silent for `lost_timeout` is dead: its
 requests end with `EngineDeadError` (HTTP 503) and new requests go to the others (a prefill leader
 likewise; none left -> 503 at once). The front picks
@@ -39,10 +39,10 @@ from typing import ClassVar
 import msgpack
 
 from nvl72.engine import protocol
-from nvl72.engine.client import EngineDeadError
+from nvl72.engine.client import EngineDeadError, _Streams
 from nvl72.engine.engine import InvalidRequest, validate_request
-from nvl72.engine.protocol import (AbortRequest, AddRequest, EngineClient, LoadReport, Message, ProtocolError,
-                                   RequestOutput)
+from nvl72.engine.protocol import (AbortRequest, AddRequest, EngineClient, LoadReport, Message, OutputBatch,
+                                   ProtocolError, RequestOutput)
 
 log = logging.getLogger("nvl72.disagg")
 
@@ -137,6 +137,11 @@ class _RankLink:
 
     def send(self, msg: Message) -> None:
         self.sock.send(encode(msg))
+
+    def send_outputs(self, outs: list[RequestOutput]) -> None:
+        """One message for all of a step's outputs (one send here, one wake-up of the front)."""
+        if outs:
+            self.send(OutputBatch(outs))
 
     def recv_all(self, timeout_ms: int) -> list[Message]:
         import zmq
@@ -431,6 +436,7 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
     transport = _open_transport(ctx, opts, caches)
     ready()
     last, received, others_busy = 0.0, 0, False
+    outs: list[RequestOutput] = []  # this pass's outputs, sent as one OutputBatch after its step
     try:
         while not agree_stop(ctx.agent.stop_reason is not None or ctx.stop.is_set()):
             ctx.agent.beat(poll_s=0.0)
@@ -443,7 +449,7 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
                     try:
                         h = eng.reserve_transfer(msg.request, msg.num_tokens)
                     except (OutOfCapacity, InvalidRequest) as e:
-                        link.send(RequestOutput(rid, [], "error", error=str(e)))
+                        outs.append(RequestOutput(rid, [], "error", error=str(e)))
                         continue
                     try:
                         plan = _transfer_plan(eng, h, len(msg.prefill_ranks))
@@ -452,7 +458,7 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
                         tokens[rid] = msg.num_tokens
                     except (TransferPlanError, RuntimeError) as e:
                         eng.abort_request(rid)
-                        link.send(RequestOutput(rid, [], "error", error=f"KV transfer failed: {e}"))
+                        outs.append(RequestOutput(rid, [], "error", error=f"KV transfer failed: {e}"))
                 elif isinstance(msg, AbortRequest):
                     rcv = receiving.pop(msg.request_id, None)
                     if rcv is not None:  # its late parts are dropped (send/recv: land in its buffers, time out)
@@ -460,7 +466,7 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
                     tokens.pop(msg.request_id, None)
                     out = eng.abort_request(msg.request_id)
                     if out is not None:
-                        link.send(out)
+                        outs.append(out)
             for rid, rcv in list(receiving.items()):
                 try:
                     if not rcv.poll():
@@ -476,17 +482,18 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
                     log.error("decode rank %d: transfer of %s failed: %s", r.rank, rid, e)
                     rcv.close()
                     eng.abort_request(rid)
-                    link.send(RequestOutput(rid, [], "error", error=f"KV transfer failed: {e}"))
+                    outs.append(RequestOutput(rid, [], "error", error=f"KV transfer failed: {e}"))
                 del receiving[rid], tokens[rid]
             if sync is None:
-                outs = core.step()
+                outs += core.step()
             else:  # a model error raises here (the group's collectives are out of step): fatal
                 idle = sync.idle_passes
-                outs = eng.step() if eng.has_unfinished() else []
+                if eng.has_unfinished():
+                    outs += eng.step()
                 sync.finish()
                 others_busy = sync.idle_passes > idle
-            for o in outs:
-                link.send(o)
+            link.send_outputs(outs)
+            outs = []
             now = time.monotonic()
             if now - last >= opts.report_interval:
                 rep = core.load_report()
@@ -495,11 +502,11 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
                 last = now
     except Exception as e:  # DP+EP: a collective failed (a lost rank) or the model did; a lone rank re-raises
         if sync is None:
+            link.send_outputs(outs)  # what the pass produced before the failure
             raise
         why = f"decode instance {r.name} failed on rank {r.rank}: {type(e).__name__}: {e}"
         log.exception("%s; failing its %d requests", why, len(eng.seqs))
-        for rid in list(eng.seqs):
-            link.send(RequestOutput(rid, [], "error", error=why))
+        link.send_outputs(outs + [RequestOutput(rid, [], "error", error=why) for rid in eng.seqs])
         link.close()
         # Out of the data plane (no load reports: the front marks this rank dead and routes around
         # the instance), still on the control plane: leaving would stop the whole deployment.
@@ -507,8 +514,7 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
             ctx.agent.beat()
         return 1
     generated = int(eng.counters["generation_tokens"])
-    for o in core.close():
-        link.send(o)
+    link.send_outputs(core.close())
     transport.close()
     link.close()
     log.info("decode rank %d: %d requests received, %d tokens decoded", r.rank, received, generated)
@@ -522,8 +528,6 @@ def decode_role(ctx, opts: ServingOptions, ready) -> int:
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class _Flight:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
     request: AddRequest
     seq: int
     prefill_rank: int
@@ -537,7 +541,9 @@ _SUMMED = ("running", "waiting", "kv_pages_total", "kv_pages_used", "state_slots
 
 class DisaggClient(EngineClient):
     """Routes each request to a prefill rank, then to the live decode rank with the fewest requests
-    in flight (under `batch_threshold`); streams its tokens back. One I/O thread owns the socket."""
+    in flight (under `batch_threshold`); streams its tokens back. One I/O thread owns the socket and
+    delivers each message's outputs (a decode rank's step: one `OutputBatch`) into the requests'
+    streams with one event-loop wake-up (`nvl72.engine.client._Streams`)."""
 
     def __init__(self, hub: FrontHub, prefill_ranks: list[int], decode_ranks: list[int], *, batch_threshold: int = 128,
                  lost_timeout: float = 5.0, output_timeout: float = 600.0):
@@ -554,6 +560,7 @@ class DisaggClient(EngineClient):
         self._reports: dict[int, LoadReport] = {}
         self._last_seen: dict[int, float] = {}
         self._flights: dict[str, _Flight] = {}
+        self._streams = _Streams()
         self._lock = threading.Lock()
         self._outbox: queue.Queue = queue.Queue()
         self._seq = itertools.count(1)
@@ -615,20 +622,12 @@ class DisaggClient(EngineClient):
                 f = self._flights.get(msg.output.request_id)
             if f is None:
                 return  # aborted meanwhile: the decode rank never reserves; the sender times out
-            self._deliver(f, msg.output)
+            self._streams.deliver([msg.output])
             self._send(f.decode_rank, ExpectTransfer(f.request, f.seq, msg.prefill_ranks, msg.num_tokens))
+        elif isinstance(msg, OutputBatch):
+            self._streams.deliver(msg.outputs)
         elif isinstance(msg, RequestOutput):
-            with self._lock:
-                f = self._flights.get(msg.request_id)
-            if f is not None:
-                self._deliver(f, msg)
-
-    @staticmethod
-    def _deliver(f: _Flight, item) -> None:
-        try:
-            f.loop.call_soon_threadsafe(f.queue.put_nowait, item)
-        except RuntimeError:  # the consumer's loop is closed
-            pass
+            self._streams.deliver([msg])
 
     def _check_lost(self) -> None:
         now = time.monotonic()
@@ -640,9 +639,8 @@ class DisaggClient(EngineClient):
             log.error("front: %s; failing its requests, routing around it", why)
             self.dead[rank] = why
             with self._lock:
-                lost = [f for f in self._flights.values() if rank in (f.decode_rank, f.prefill_rank)]
-            for f in lost:
-                self._deliver(f, EngineDeadError(why))
+                lost = [rid for rid, f in self._flights.items() if rank in (f.decode_rank, f.prefill_rank)]
+            self._streams.fail(lost, EngineDeadError(why))
 
     # ---- EngineClient
     def _pick(self, ranks: list[int], limit: int | None) -> int:
@@ -657,27 +655,28 @@ class DisaggClient(EngineClient):
     async def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
         validate_request(request, self.max_model_len, self.vocab_size)
         rid = request.request_id
-        with self._lock:
-            if rid in self._flights:
-                raise InvalidRequest(f"duplicate request_id {rid!r}")
-            p, d = self._pick(self.prefill_ranks, None), self._pick(self.decode_ranks, self.batch_threshold)
-            f = _Flight(asyncio.get_running_loop(), asyncio.Queue(), request, next(self._seq), p, d)
-            self._flights[rid] = f
-            self.inflight[p] += 1
-            self.inflight[d] += 1
+        stream = self._streams.open(rid)  # InvalidRequest on a duplicate id
+        try:
+            with self._lock:
+                p, d = self._pick(self.prefill_ranks, None), self._pick(self.decode_ranks, self.batch_threshold)
+                f = _Flight(request, next(self._seq), p, d)
+                self._flights[rid] = f
+                self.inflight[p] += 1
+                self.inflight[d] += 1
+        except BaseException:
+            self._streams.close(rid)
+            raise
         finished = False
         try:
             self._send(p, PrefillRequest(request, f.seq, d))
             while True:
                 try:
-                    item = await asyncio.wait_for(f.queue.get(), timeout=self.output_timeout)
-                except asyncio.TimeoutError:
-                    raise TimeoutError(f"request {rid!r}: no output within {self.output_timeout} s") from None
-                if isinstance(item, Exception):
+                    out = await stream.next(self.output_timeout)
+                except EngineDeadError:  # its rank is lost or the front shuts down: nothing to abort
                     finished = True
-                    raise item
-                finished = item.finish_reason is not None
-                yield item
+                    raise
+                finished = out.finish_reason is not None
+                yield out
                 if finished:
                     return
         finally:
@@ -685,6 +684,7 @@ class DisaggClient(EngineClient):
                 self._flights.pop(rid, None)
                 self.inflight[p] -= 1
                 self.inflight[d] -= 1
+            self._streams.close(rid)
             if not finished:
                 for rank in (p, d):
                     self._send(rank, AbortRequest(rid))
@@ -710,6 +710,5 @@ class DisaggClient(EngineClient):
         self._stop.set()
         await asyncio.to_thread(self._thread.join, 5)
         with self._lock:
-            flights = list(self._flights.values())
-        for f in flights:
-            self._deliver(f, EngineDeadError("the front is shutting down"))
+            ids = list(self._flights)
+        self._streams.fail(ids, EngineDeadError("the front is shutting down"))

@@ -38,37 +38,63 @@ class EngineDeadError(RuntimeError):
 
 class _Stream:
     """One request's undelivered outputs, appended on its event loop; the consumer takes all of them
-    at once (a consumer that fell behind then handles several steps' tokens in one go)."""
+    at once (a consumer that fell behind then handles several steps' tokens in one go). An error
+    (`fail`) is raised once the outputs before it were taken."""
 
-    __slots__ = ("loop", "pending", "waiter")
+    __slots__ = ("request_id", "loop", "pending", "error", "waiter")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
         self.loop = loop
         self.pending: list[RequestOutput] = []
+        self.error: Exception | None = None
         self.waiter: asyncio.Future | None = None
 
-    def push(self, out: RequestOutput) -> None:
-        self.pending.append(out)
+    def _wake(self) -> None:
         w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
 
+    def push(self, out: RequestOutput) -> None:
+        self.pending.append(out)
+        self._wake()
+
+    def fail(self, error: Exception) -> None:
+        self.error = self.error or error
+        self._wake()
+
     async def take(self, timeout: float) -> list[RequestOutput]:
         if not self.pending:  # no timer armed while outputs are waiting
             async with asyncio.timeout(timeout):
-                while not self.pending:
+                while not self.pending and self.error is None:
                     self.waiter = self.loop.create_future()
                     try:
                         await self.waiter
                     finally:
                         self.waiter = None
+            if not self.pending:
+                raise self.error
         outs, self.pending = self.pending, []
         return outs
+
+    async def next(self, timeout: float) -> RequestOutput:
+        """The request's outputs since the last call, merged into one; TimeoutError naming the
+        request when none came within `timeout` seconds."""
+        try:
+            outs = await self.take(timeout)
+        except TimeoutError:
+            raise TimeoutError(f"request {self.request_id!r}: no output from the engine in {timeout} s") from None
+        return merge_outputs(outs)
 
 
 def _push_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
     for stream, out in items:
         stream.push(out)
+
+
+def _fail_all(items: list[tuple[_Stream, Exception]]) -> None:
+    for stream, error in items:
+        stream.fail(error)
 
 
 class _Streams:
@@ -80,7 +106,7 @@ class _Streams:
         self._streams: dict[str, _Stream] = {}
 
     def open(self, request_id: str) -> _Stream:
-        s = _Stream(asyncio.get_running_loop())
+        s = _Stream(request_id, asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
                 raise InvalidRequest(f"duplicate request_id {request_id!r}")
@@ -92,18 +118,26 @@ class _Streams:
             self._streams.pop(request_id, None)
 
     def deliver(self, outs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        self._dispatch(_push_all, [(o.request_id, o) for o in outs])
+
+    def fail(self, request_ids: list[str], error: Exception) -> None:
+        """End these requests' streams with `error` raised to their consumers (after the outputs
+        delivered before it)."""
+        self._dispatch(_fail_all, [(rid, error) for rid in request_ids])
+
+    def _dispatch(self, apply, items: list[tuple[str, object]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, object]]] = {}
         with self._lock:
-            for o in outs:
-                s = self._streams.get(o.request_id)
+            for rid, x in items:
+                s = self._streams.get(rid)
                 if s is not None:
-                    by_loop.setdefault(s.loop, []).append((s, o))
-        for loop, items in by_loop.items():
+                    by_loop.setdefault(s.loop, []).append((s, x))
+        for loop, batch in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_push_all, items)
+                loop.call_soon_threadsafe(apply, batch)
             except RuntimeError:  # the consumers' loop is closed
-                for s, o in items:
-                    self.close(o.request_id)
+                for s, _ in batch:
+                    self.close(s.request_id)
 
     def fail_all(self, error: str) -> None:
         with self._lock:
@@ -133,11 +167,7 @@ class _StreamingClient(EngineClient):
         try:
             self._submit(request)
             while True:
-                try:
-                    outs = await stream.take(self.output_timeout)
-                except TimeoutError:
-                    raise TimeoutError(f"request {rid!r}: no output from the engine in {self.output_timeout} s") from None
-                out = merge_outputs(outs)
+                out = await stream.next(self.output_timeout)
                 finished = out.finish_reason is not None
                 yield out
                 if finished:

@@ -406,6 +406,8 @@ class OpenAIServer:
         chunk = {**base, "object": "chat.completion.chunk"}
         content_event = _TextEvent(chunk, 'choices": [{"index": 0, "delta": {"content": ',
                                    '}, "finish_reason": null, "logprobs": null}]}')
+        logprobs_event = _TextEvent(chunk, 'choices": [{"index": 0, "delta": {"content": ',
+                                    '}, "finish_reason": null, "logprobs": ', '}]}')
 
         def event(delta: dict[str, Any], reason: str | None = None, lps: list[TokenLogprob] | None = None) -> str:
             c = {"index": 0, "delta": delta, "finish_reason": reason,
@@ -432,8 +434,11 @@ class OpenAIServer:
                     if r is not None:
                         reason = r
                         break
-                    if d.content and not (d.reasoning or d.tool_calls or d.logprobs):
-                        yield content_event(d.content)
+                    if d.content and not (d.reasoning or d.tool_calls):
+                        if want_logprobs and d.logprobs:
+                            yield logprobs_event(d.content, self._chat_logprobs(d.logprobs))
+                        else:
+                            yield content_event(d.content)
                     elif d:
                         yield event(fields(d), None, d.logprobs)
             tail = pipe.finish()
@@ -464,6 +469,8 @@ class OpenAIServer:
         pipe = self._pipeline(p)
         chunk = {**base, "object": "text_completion"}
         text_event = _TextEvent(chunk, 'choices": [{"index": 0, "text": ', ', "finish_reason": null, "logprobs": null}]}')
+        logprobs_event = _TextEvent(chunk, 'choices": [{"index": 0, "text": ', ', "finish_reason": null, "logprobs": ',
+                                    '}]}')
 
         def event(d: Delta, reason: str | None) -> str:
             lps = self._completion_logprobs(d.logprobs) if want_lps and d.logprobs else None
@@ -479,7 +486,9 @@ class OpenAIServer:
                         tail = pipe.finish()
                         yield event(Delta(d.content + tail.content, logprobs=d.logprobs), r)
                         break
-                    if d.content and not (want_lps and d.logprobs):
+                    if want_lps and d.logprobs:
+                        yield logprobs_event(d.content, self._completion_logprobs(d.logprobs))
+                    elif d.content:
                         yield text_event(d.content)
                     elif d:
                         yield event(d, None)
@@ -570,16 +579,23 @@ def _sse(obj: dict[str, Any]) -> str:
 
 
 class _TextEvent:
-    """`_sse` of `{**chunk, "choices": [...]}` whose only varying value is one string, built from
-    fixed text around the encoded string (a JSON encoder per token costs more than the rest of
-    the chunk); the same bytes as `_sse`."""
+    """`_sse` of `{**chunk, "choices": [...]}` whose varying values are one string and, optionally,
+    JSON values after it (a chunk's logprobs), built from fixed text around them (the chunk's
+    invariant parts are serialised once, not per token); the same bytes as `_sse`. `after` holds
+    the fixed text after the string and after each further value."""
 
-    def __init__(self, chunk: dict[str, Any], before: str, after: str):
+    def __init__(self, chunk: dict[str, Any], before: str, *after: str):
         self._head = f'data: {json.dumps(chunk, ensure_ascii=False)[:-1]}, "{before}'
-        self._tail = after + "\n\n"
+        self._mids = after[:-1]
+        self._tail = after[-1] + "\n\n"
 
-    def __call__(self, text: str) -> str:
-        return self._head + _encode_str(text) + self._tail
+    def __call__(self, text: str, *values: Any) -> str:
+        if len(values) != len(self._mids):
+            raise ValueError(f"this chunk template takes {len(self._mids)} values after the text, got {len(values)}")
+        out = self._head + _encode_str(text)
+        for mid, v in zip(self._mids, values):
+            out += mid + json.dumps(v, ensure_ascii=False)
+        return out + self._tail
 
 
 def _error(e: APIError) -> JSONResponse:
