@@ -154,6 +154,13 @@ def _worker(rank, world, store_path, log):
             lines.append(msg)
             print(msg, flush=True)
 
+    def report(errs, what):
+        """Print this rank's failures, keep them, and note one PASS/FAIL line for the check."""
+        for e in errs:
+            print("FAIL", e, flush=True)
+        failures.extend(errs)
+        note(f"{'FAIL' if errs else 'PASS'} {what}")
+
     kind = os.environ.get("DISPATCH_TEST_HEAP") or pick_heap(group, dev)
     note(f"heap: {kind}")
 
@@ -173,21 +180,15 @@ def _worker(rank, world, store_path, log):
                         x, ids, w = _inputs(case, rank, world, T, E, K, H, gen, dev)
                         m, e = _compare(rank, fused, ref, x, ids, w, f"E={E} K={K} H={H} T={T} {layout} {case} it{it}")
                         n, errs = n + m, errs + e
-                    for e in errs:
-                        print("FAIL", e, flush=True)
-                    failures += errs
-                    note(f"{'FAIL' if errs else 'PASS'} exact  E={E:3d} K={K} H={H} M={M} T={T:3d} {layout:10s} "
-                         f"{case:15s} entries={n} ({time.perf_counter() - t0:.2f}s)")
+                    report(errs, f"exact  E={E:3d} K={K} H={H} M={M} T={T:3d} {layout:10s} "
+                                 f"{case:15s} entries={n} ({time.perf_counter() - t0:.2f}s)")
                 if layout == layouts[0] and E == 128:
                     try:
                         errs = _graph_check(rank, world, fused, ref, E, K, H, T, gen)
                     except Exception as e:  # noqa: BLE001  (capture itself failed: report, go on)
                         errs = [f"rank {rank} graph capture: {type(e).__name__}: {e}"]
-                    for e in errs:
-                        print("FAIL", e, flush=True)
-                    failures += errs
-                    note(f"{'FAIL' if errs else 'PASS'} graph  E={E} K={K} H={H} T={T} {layout}: "
-                         f"capture once, 3 replays on fresh inputs == reference")
+                    report(errs, f"graph  E={E} K={K} H={H} T={T} {layout}: "
+                                 f"capture once, 3 replays on fresh inputs == reference")
                 fused.destroy()
                 heap.destroy()
         # grids differ across ranks and calls (one arrival per source and epoch): rank 0 launches 1 block,
@@ -203,11 +204,8 @@ def _worker(rank, world, store_path, log):
             grids.append(fused._fused.blocks_for(T))
             x, ids, w = _inputs("random", rank, world, T, E, K, H, gen, dev)
             errs += _compare(rank, fused, ref, x, ids, w, f"grids E={E} T={T} it{it} blocks={grids[-1]}")[1]
-        for e in errs:
-            print("FAIL", e, flush=True)
-        failures += errs
-        note(f"{'FAIL' if errs else 'PASS'} grids  E={E} K={K} H={H}: rank 0 with {grids} blocks, "
-             f"the others sized per call, == reference")
+        report(errs, f"grids  E={E} K={K} H={H}: rank 0 with {grids} blocks, "
+                     f"the others sized per call, == reference")
         fused.destroy()
         heap.destroy()
         # capacity overflow -> CapacityError (rank 1 holds every token's experts)
