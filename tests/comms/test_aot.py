@@ -96,7 +96,7 @@ def test_wheel_unpacked_once_by_concurrent_ranks(tmp_path):
         z.writestr("tvm_ffi/__init__.py", "")
         z.writestr("tvm_ffi/lib/libfake.so", payload)
     with mp.get_context("spawn").Pool(4) as pool:
-        stats = pool.map(_unpack_and_stat, [(str(bundle), str(site))] * 8, chunksize=1)
+        stats = pool.map_async(_unpack_and_stat, [(str(bundle), str(site))] * 8, chunksize=1).get(timeout=120)
     assert len(set(stats)) == 1, f"the wheel was unpacked more than once: {stats}"
     assert (site / "tvm_ffi" / "lib" / "libfake.so").read_bytes() == payload
     with pytest.raises(aot.BundleError, match="carries no wheel"):
