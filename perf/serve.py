@@ -136,6 +136,22 @@ def profile_decode(engine: LLMEngine, batch: int, out_dir: str, steps: int = 24)
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
 
 
+def profile_prefill(engine: LLMEngine, prompt_len: int, out_dir: str) -> None:
+    """Where one prompt's prefill goes (TTFT on an idle engine): GPU kernel time by kernel beside the
+    wall time of the steps that prefill it (chunked by max_num_batched_tokens)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(out_dir, exist_ok=True)
+    ttft(engine, prompt_len, seed=prompt_len + 7)  # warm
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = ttft(engine, prompt_len, seed=prompt_len + 8)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(os.path.join(out_dir, f"prefill_{prompt_len}.json"))
+    busy = sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages()) / 1e3
+    print(f"\nPROFILE prefill {prompt_len} tokens: wall {wall * 1e3:.3f} ms, GPU kernel time {busy:.3f} ms")
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8, help="decoder layers of the 48 (the bound uses the same count)")
@@ -149,7 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-ttft", action="store_true", help="skip the 1K/8K TTFT rows (and their warm-up)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, metavar="DIR",
-                    help="also profile decode at batch 1 and 64 (graphs): kernel table printed, traces in DIR")
+                    help="also profile decode at batch 1 and 64 (graphs) and one 1K / 8K prefill: kernel tables "
+                         "printed, traces in DIR")
     args = ap.parse_args(argv)
     want = set(args.modes.split(","))
     if not want or want - {"graphs", "eager", "flashinfer"}:
@@ -199,6 +216,8 @@ def main(argv=None) -> int:
     if args.profile:
         for b in (1, 64):
             profile_decode(engine, b, args.profile)
+        for n in ttft_lens:
+            profile_prefill(engine, n, args.profile)
     for n in ttft_lens:
         s = ttft(engine, n, seed=n)
         res["rows"].append({"what": f"TTFT {n // 1024}K", "mode": triton.name, "ms": s * 1e3})
