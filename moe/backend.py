@@ -310,7 +310,7 @@ class Fp8PipelineBackend(ExpertBackend):
             perm = ops.permute_masked(topk_ids, num_local, cap, expert_offset)
             aux, rows_per_batch = perm.counts, cap
         else:
-            perm = permute_contiguous(topk_ids, num_local, expert_offset, TILE_M)
+            perm = ops.permute_contiguous(topk_ids, num_local, expert_offset, TILE_M)
             aux, rows_per_batch = perm.tile_expert, max(perm.num_rows, 1)
         a, sa = ops.gather_quant(x, perm.row_of, perm.num_rows, rows_per_batch)
         shape = (num_local, cap) if masked else (perm.num_rows,)
@@ -346,6 +346,7 @@ def _reference_ops() -> SimpleNamespace:
     return SimpleNamespace(
         route=reference.route,
         permute_masked=permute_masked,
+        permute_contiguous=permute_contiguous,
         gather_quant=reference.gather_quant,
         silu_mul_quant=reference.silu_mul_quant,
         grouped_gemm=reference.grouped_gemm,
@@ -365,6 +366,7 @@ def _sm90_ops() -> SimpleNamespace:
     return SimpleNamespace(
         route=triton_moe.route,
         permute_masked=triton_moe.permute_masked,
+        permute_contiguous=triton_moe.permute_contiguous,
         gather_quant=triton_moe.gather_quant,
         silu_mul_quant=triton_moe.silu_mul_quant,
         grouped_gemm=gemm,

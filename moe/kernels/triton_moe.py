@@ -30,27 +30,32 @@ def _pow2_scale(amax):
 
 
 @triton.jit
-def _quant_store(v, q_ptr, s_ptr, row, kb, cols, ncols, nkb, rows_per_batch):
-    """Quantize one [BLOCK_K] slice of a row; scale goes to [row // R, kb, row % R]."""
-    amax = tl.max(tl.abs(v), axis=0)
+def _quant_store(v, q_ptr, s_ptr, row, kb0, ncols, nkb, rows_per_batch, KBP: tl.constexpr, BLOCK: tl.constexpr):
+    """Quantize K-blocks kb0 .. kb0 + KBP - 1 of one row (v [KBP, BLOCK] fp32), one scale per block
+    at [row // R, kb, row % R]; blocks past nkb are masked."""
+    kb = kb0 + tl.arange(0, KBP)
+    cols = kb[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    amax = tl.max(tl.abs(v), axis=1)
     scale, inv = _pow2_scale(amax)
-    q = (v * inv).to(tl.float8e4nv)
+    q = (v * inv[:, None]).to(tl.float8e4nv)
     tl.store(q_ptr + row.to(tl.int64) * ncols + cols, q, mask=cols < ncols)
     batch = row // rows_per_batch
     r = row % rows_per_batch
-    tl.store(s_ptr + (batch.to(tl.int64) * nkb + kb) * rows_per_batch + r, scale)
+    tl.store(s_ptr + (batch.to(tl.int64) * nkb + kb) * rows_per_batch + r, scale, mask=kb < nkb)
 
 
 @triton.jit
-def _gather_quant_kernel(x_ptr, row_ptr, q_ptr, s_ptr, H, nkb, rows_per_batch, K: tl.constexpr, BLOCK: tl.constexpr):
+def _gather_quant_kernel(x_ptr, row_ptr, q_ptr, s_ptr, H, nkb, rows_per_batch, K: tl.constexpr, KBP: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """Program (pair, j): K-blocks j * KBP .. of the pair's token row, into its grouped row."""
     pair = tl.program_id(0)
-    kb = tl.program_id(1)
+    kb0 = tl.program_id(1) * KBP
     row = tl.load(row_ptr + pair)
     if row >= 0:
         tok = pair // K
-        cols = kb * BLOCK + tl.arange(0, BLOCK)
+        cols = (kb0 + tl.arange(0, KBP))[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
         v = tl.load(x_ptr + tok.to(tl.int64) * H + cols, mask=cols < H, other=0.0)
-        _quant_store(v.to(tl.float32), q_ptr, s_ptr, row, kb, cols, H, nkb, rows_per_batch)
+        _quant_store(v.to(tl.float32), q_ptr, s_ptr, row, kb0, H, nkb, rows_per_batch, KBP, BLOCK)
 
 
 @triton.jit
@@ -90,22 +95,23 @@ def _gather_quant_mx_kernel(
 
 @triton.jit
 def _silu_mul_quant_kernel(
-    h_ptr, row_ptr, q_ptr, s_ptr, inter, nkb, rows_per_batch, BY_PAIR: tl.constexpr, BLOCK: tl.constexpr
+    h_ptr, row_ptr, q_ptr, s_ptr, inter, nkb, rows_per_batch, BY_PAIR: tl.constexpr, KBP: tl.constexpr,
+    BLOCK: tl.constexpr
 ):
-    """Program (i, kb): row i, or with BY_PAIR the row of routed pair i (-1: none here), so that a
-    masked layout's work is the routed rows, not E x capacity."""
+    """Program (i, j): K-blocks j * KBP .. of row i, or with BY_PAIR of the row of routed pair i (-1:
+    none here), so that a masked layout's work is the routed rows, not E x capacity."""
     if BY_PAIR:
         row = tl.load(row_ptr + tl.program_id(0))
     else:
         row = tl.program_id(0).to(tl.int64)
-    kb = tl.program_id(1)
+    kb0 = tl.program_id(1) * KBP
     if row >= 0:
-        cols = kb * BLOCK + tl.arange(0, BLOCK)
+        cols = (kb0 + tl.arange(0, KBP))[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
         base = h_ptr + row * (2 * inter)
         g = tl.load(base + cols, mask=cols < inter, other=0.0).to(tl.float32)
         u = tl.load(base + inter + cols, mask=cols < inter, other=0.0).to(tl.float32)
         v = g / (1.0 + tl.exp(-g)) * u
-        _quant_store(v, q_ptr, s_ptr, row, kb, cols, inter, nkb, rows_per_batch)
+        _quant_store(v, q_ptr, s_ptr, row, kb0, inter, nkb, rows_per_batch, KBP, BLOCK)
 
 
 @triton.jit
@@ -128,6 +134,35 @@ def _permute_masked_kernel(ids_ptr, row_ptr, count_ptr, n_pairs, num_local, expe
         seen += tl.sum(mine.to(tl.int32), axis=0)
     if e < num_local:
         tl.store(count_ptr + e, seen)
+
+
+@triton.jit
+def _contig_rows_kernel(ids_ptr, row_ptr, count_ptr, pstart_ptr, tile_ptr, n_pairs, num_local, expert_offset,
+                        num_tiles, ALIGN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
+                        BLOCK_T: tl.constexpr):
+    """Program p, after _permute_masked_kernel with capacity 0 left each local pair's rank inside its
+    expert in row_ptr (-1: another rank's expert): rows of pairs [p * BLOCK, +BLOCK) = the padded start
+    of their expert + rank, and tile_expert of tiles [p * BLOCK_T, +BLOCK_T) (-1 past the last
+    expert's padded end). Every program computes the same padded starts from the counts and stores
+    them to pstart_ptr (identical values, so the overlapping stores agree) to gather them per pair."""
+    p = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    cnt = tl.load(count_ptr + e, mask=e < num_local, other=0)
+    padded = (cnt + ALIGN - 1) // ALIGN * ALIGN
+    pend = tl.cumsum(padded, axis=0)
+    tl.store(pstart_ptr + e, pend - padded, mask=e < num_local)
+    tl.debug_barrier()
+    offs = p * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n_pairs
+    rank = tl.load(row_ptr + offs, mask=m, other=-1)
+    local = tl.load(ids_ptr + offs, mask=m, other=0) - expert_offset
+    ok = m & (rank >= 0)
+    start = tl.load(pstart_ptr + local, mask=ok, other=0)
+    tl.store(row_ptr + offs, tl.where(ok, start + rank, -1), mask=m)
+    tiles = p * BLOCK_T + tl.arange(0, BLOCK_T)
+    first = tiles * ALIGN  # first row of each tile; its expert: the experts ending at or before it
+    owner = tl.sum(((pend[None, :] <= first[:, None]) & (e[None, :] < num_local)).to(tl.int32), axis=1)
+    tl.store(tile_ptr + tiles, tl.where(first < tl.sum(padded, axis=0), owner, -1), mask=tiles < num_tiles)
 
 
 @triton.jit
@@ -196,14 +231,29 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return w, ids
 
 
+ROW_SPLIT_MIN_ROWS = 1024  # from here on a program quantizes up to 8 K-blocks of a row (prefill)
+
+
+def _row_split(rows: int, nkb: int) -> tuple[int, int]:
+    """(K-blocks per program, warps) of the quantizing kernels: one 128-block per one-warp program
+    while rows are few (decode: more programs in flight); for prefill-sized launches up to 8 blocks
+    per four-warp program (a million one-warp programs of 128 values made 8K-token prefills spend
+    more time in launch overhead than in bytes)."""
+    if rows < ROW_SPLIT_MIN_ROWS:
+        return 1, 1
+    return min(8, triton.next_power_of_2(nkb)), 4
+
+
 def gather_quant(x: torch.Tensor, row_of: torch.Tensor, num_rows: int, rows_per_batch: int):
     (t, k), h = row_of.shape, x.shape[1]
     nkb = triton.cdiv(h, BLOCK_K)
     q = torch.empty(num_rows, h, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(num_rows // rows_per_batch, nkb, rows_per_batch, dtype=torch.float32, device=x.device)
     if t:
-        _gather_quant_kernel[(t * k, nkb)](
-            x.contiguous(), row_of.contiguous(), q, s, h, nkb, rows_per_batch, K=k, BLOCK=BLOCK_K, num_warps=1
+        kbp, warps = _row_split(t * k, nkb)
+        _gather_quant_kernel[(t * k, triton.cdiv(nkb, kbp))](
+            x.contiguous(), row_of.contiguous(), q, s, h, nkb, rows_per_batch, K=k, KBP=kbp, BLOCK=BLOCK_K,
+            num_warps=warps
         )
     return q, s
 
@@ -230,9 +280,10 @@ def silu_mul_quant(h: torch.Tensor, rows_per_batch: int, row_of: torch.Tensor | 
     n = m if row_of is None else row_of.numel()
     if m and n:
         rows = h if row_of is None else row_of.contiguous()  # any pointer when unread
-        _silu_mul_quant_kernel[(n, nkb)](
-            h.contiguous(), rows, q, s, inter, nkb, rows_per_batch, BY_PAIR=row_of is not None, BLOCK=BLOCK_K,
-            num_warps=1,
+        kbp, warps = _row_split(n, nkb)
+        _silu_mul_quant_kernel[(n, triton.cdiv(nkb, kbp))](
+            h.contiguous(), rows, q, s, inter, nkb, rows_per_batch, BY_PAIR=row_of is not None, KBP=kbp,
+            BLOCK=BLOCK_K, num_warps=warps,
         )
     return q, s
 
@@ -255,6 +306,44 @@ def permute_masked(topk_ids: torch.Tensor, num_local: int, capacity: int, expert
         num_warps=1 if block <= 256 else 4,
     )
     return Permutation("masked", row, None, counts, num_local * capacity, 1, capacity=capacity)
+
+
+def contiguous_rows_bound(pairs: int, num_local: int, align: int) -> int:
+    """Rows of the contiguous layout that no routing can exceed: every pair, plus at most align - 1
+    padding rows per expert that has pairs; a multiple of align."""
+    return -(-(pairs + min(num_local, pairs) * (align - 1)) // align) * align
+
+
+def permute_contiguous(topk_ids: torch.Tensor, num_local: int, expert_offset: int = 0, align: int = 128):
+    """moe.routing.permute_contiguous without a host sync (two kernels instead of a dozen torch ops
+    and three device-to-host reads per prefill layer): rows and counts are the reference's;
+    num_rows is `contiguous_rows_bound` (known on the host before the routing is), tile_expert
+    equals the reference's on its tiles and is -1 on the spare ones after, which the grouped GEMMs
+    skip. token_of is not built (the FP8 pipeline never reads it)."""
+    from moe.routing import Permutation
+
+    if align <= 0:
+        raise ValueError(f"align={align} must be positive")
+    t, k = topk_ids.shape
+    n = t * k
+    num_rows = contiguous_rows_bound(n, num_local, align)
+    row = torch.empty(t, k, dtype=torch.int64, device=topk_ids.device)
+    counts = torch.empty(num_local, dtype=torch.int32, device=topk_ids.device)
+    tiles = torch.empty(num_rows // align, dtype=torch.int32, device=topk_ids.device)
+    if n:
+        ids = topk_ids.contiguous()
+        block = min(1024, max(16, triton.next_power_of_2(n)))
+        _permute_masked_kernel[(num_local + 1,)](ids, row, counts, n, num_local, expert_offset, 0, BLOCK=block,
+                                                num_warps=1 if block <= 256 else 4)
+        pstart = torch.empty(num_local, dtype=torch.int32, device=topk_ids.device)
+        nt, bt = tiles.numel(), 16
+        _contig_rows_kernel[(max(triton.cdiv(n, 256), triton.cdiv(nt, bt)),)](
+            ids, row, counts, pstart, tiles, n, num_local, expert_offset, nt, ALIGN=align, BLOCK=256,
+            BLOCK_E=triton.next_power_of_2(num_local), BLOCK_T=bt, num_warps=4)
+    else:
+        counts.zero_()
+        tiles.fill_(-1)
+    return Permutation("contiguous", row, None, counts, num_rows, align, tile_expert=tiles)
 
 
 def unpermute(y, row_of, topk_weights, shared=None, shared_gate=None):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe import backend, reference
-from moe.routing import permute_masked
+from moe.routing import permute_contiguous, permute_masked
 
 triton_moe = pytest.importorskip("moe.kernels.triton_moe")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -43,6 +43,51 @@ def test_permute_masked_kernel_matches_torch(t, e, k, num_local, offset):
     assert (got.num_rows, got.capacity, got.layout) == (want.num_rows, want.capacity, "masked")
     if offset or num_local < e:
         assert bool((got.row_of == -1).any())
+
+
+@pytest.mark.parametrize("t,e,k,num_local,offset,align", [(1, 128, 8, 128, 0, 128), (300, 16, 4, 8, 8, 128),
+                                                         (257, 32, 4, 16, 0, 64), (40, 64, 8, 64, 0, 16),
+                                                         (3, 8, 2, 4, 4, 128)])
+def test_permute_contiguous_kernel_matches_torch(t, e, k, num_local, offset, align):
+    """Rows and counts bit for bit; tile_expert equal on the reference's tiles and -1 on the spare
+    tiles up to the host-side bound; every tile's rows are its expert's (so the GEMM sees them)."""
+    gen = torch.Generator().manual_seed(t * 3 + e + align)
+    ids = _ids(t, e, k, gen)
+    ids[0, 0] = offset  # the first local expert is never empty, the others may be
+    got = triton_moe.permute_contiguous(ids, num_local, offset, align)
+    want = permute_contiguous(ids, num_local, offset, align)
+    assert torch.equal(got.row_of, want.row_of)
+    assert torch.equal(got.counts.long(), want.counts)
+    assert got.num_rows == triton_moe.contiguous_rows_bound(t * k, num_local, align) >= want.num_rows
+    nt = want.num_rows // align
+    assert torch.equal(got.tile_expert[:nt], want.tile_expert)
+    assert bool((got.tile_expert[nt:] == -1).all())
+    rows = got.row_of[got.row_of >= 0]
+    local = (ids[got.row_of >= 0] - offset).to(torch.int32)
+    assert torch.equal(got.tile_expert[rows // align], local)
+
+
+def test_quant_kernels_row_split_equals_one_block_programs(monkeypatch):
+    """Prefill-sized launches (several K-blocks per program, a partial last group: 3 blocks of 128
+    under a 4-block program) write the same bytes and scales as the one-block-per-program launch."""
+    gen = torch.Generator().manual_seed(5)
+    t, k, e, h = 6, 4, 8, 384
+    p = permute_contiguous(_ids(t, e, k, gen), e, 0, 128)
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(DEV) * 3
+    hh = torch.randn(p.num_rows, 2 * h, generator=gen).to(torch.bfloat16).to(DEV)
+    assert triton_moe._row_split(triton_moe.ROW_SPLIT_MIN_ROWS, h // 128) == (4, 4)
+    monkeypatch.setattr(triton_moe, "ROW_SPLIT_MIN_ROWS", 1)  # the prefill launch at a size the interpreter runs fast
+    q, s = triton_moe.gather_quant(x, p.row_of, p.num_rows, p.num_rows)
+    q2, s2 = triton_moe.silu_mul_quant(hh, p.num_rows, p.row_of)
+    monkeypatch.setattr(triton_moe, "ROW_SPLIT_MIN_ROWS", 1 << 30)
+    q1, s1 = triton_moe.gather_quant(x, p.row_of, p.num_rows, p.num_rows)
+    q21, s21 = triton_moe.silu_mul_quant(hh, p.num_rows, p.row_of)
+    rows = p.row_of[p.row_of >= 0]
+    assert torch.equal(q[rows].view(torch.uint8), q1[rows].view(torch.uint8))
+    assert torch.equal(s[0][:, rows], s1[0][:, rows])
+    assert torch.equal(q2[rows].view(torch.uint8), q21[rows].view(torch.uint8))
+    assert torch.equal(s2[0][:, rows], s21[0][:, rows])
+    assert torch.equal(s[0][:, rows], reference.gather_quant(x, p.row_of, p.num_rows, p.num_rows)[1][0][:, rows])
 
 
 def test_permute_masked_kernel_refuses_small_capacity():
@@ -79,9 +124,9 @@ def test_silu_mul_quant_routed_rows(t, e, k, inter):
     assert torch.isfinite(deq).all() and _rel(deq, rdeq) < DEQ_TOL
 
 
-@pytest.mark.parametrize("tokens,ep", [(1, False), (6, False), (9, True)])
+@pytest.mark.parametrize("tokens,ep", [(1, False), (6, False), (9, True), (300, True)])
 def test_fp8_pipeline_with_triton_ops_matches_emulated(tokens, ep):
-    """The decode (masked) FP8 pipeline with every Triton data-path kernel (route, permute, gather
+    """The decode (masked; the prefill contiguous layout at 300 tokens) FP8 pipeline with every Triton data-path kernel (route, permute, gather
     + quantize, SiLU-and-mul + quantize on routed rows, un-permute with the shared expert) and the
     reference grouped GEMM == the all-reference pipeline (mxfp8-emulated), EP slice included."""
     torch.manual_seed(tokens)
@@ -96,6 +141,7 @@ def test_fp8_pipeline_with_triton_ops_matches_emulated(tokens, ep):
     ops = SimpleNamespace(
         route=triton_moe.route,
         permute_masked=triton_moe.permute_masked,
+        permute_contiguous=triton_moe.permute_contiguous,
         gather_quant=triton_moe.gather_quant,
         silu_mul_quant=triton_moe.silu_mul_quant,
         grouped_gemm=reference.grouped_gemm,
