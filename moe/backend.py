@@ -59,6 +59,10 @@ ENV_SM90_KERNELS = "NVL72_MOE_SM90_KERNELS"  # "auto" (default; = "ws"), "classi
 ENV_MAX_CLUSTERS = "NVL72_MOE_MAX_CLUSTERS"
 # a ws masked variant for the few-token calls instead of Sm90Gemm.SMALL_CAP_VARIANT ("" turns it off)
 ENV_SMALL_CAP_VARIANT = "NVL72_MOE_SMALL_CAP_VARIANT"
+# the contiguous (prefill) FP8 ws variant instead of Sm90Gemm.CONTIG_TABLE: "VARIANT" (both GEMMs) or
+# "w13=VARIANT,w2=VARIANT" (a GEMM left out keeps the table; "" = the table)
+ENV_CONTIG_VARIANT = "NVL72_MOE_CONTIG_VARIANT"
+GEMM_ROLES = ("w13", "w2")
 
 
 def load_sm90_module(module: str = SM90_MODULE):
@@ -94,7 +98,9 @@ class Sm90Gemm:
     warp-specialized persistent FP8 kernels the defaults: on the H200 (perf/RESULTS.md, 2026-11-22) the
     contiguous one took 0.54-0.65x the serial kernel's time from 1024 to 16384 tokens, and the masked
     compact-walk one (`_cpo`) 0.60-0.78x the swap-AB kernel's at 1-256 tokens (74% of copy bandwidth
-    at 128 tokens against 58%)."""
+    at 128 tokens against 58%). A contiguous FP8 call that names its GEMM (role="w13" / "w2", as the
+    FP8 pipeline does) takes its ws variant from CONTIG_TABLE by rows ($NVL72_MOE_CONTIG_VARIANT
+    overrides it)."""
 
     DEFAULTS = {
         (True, False): "grouped_gemm_fp8_contig_serial",
@@ -160,6 +166,17 @@ class Sm90Gemm:
     # $NVL72_MOE_SMALL_CAP_VARIANT overrides it per process (A/B in the engine).
     SMALL_CAP_VARIANT: str | None = None
     SMALL_CAP_MAX = 32
+    # contiguous FP8 (kernels "ws"/"auto", calls that name their GEMM: role "w13" or "w2"): the variant
+    # by rows of A, ((fewest rows, variant), ...) largest first. Source: perf/RESULTS.md, "moe: expert
+    # grouped GEMMs", 2026-11-22T03:37Z (H200, w13 + w2 timed together): n256_mc fastest at 4096 tokens
+    # (Qwen3-235B 32K rows, Qwen3.5-397B 41K), n256 at 16384 (131K / 164K rows), for both models; below
+    # 4096 tokens the 128 x 128 contig kernel (fastest measured at 1024, before the 128 x 256 ones
+    # existed). Thresholds halfway (in log rows) between measured sizes. Both GEMMs share the entries
+    # until tests/moe/gpu_prefill_sweep.sh times them apart (perf.moe's per-GEMM columns).
+    CONTIG_TABLE = {
+        role: ((98304, "ws_fp8_contig_n256"), (24576, "ws_fp8_contig_n256_mc"), (0, "ws_fp8_contig"))
+        for role in GEMM_ROLES
+    }
 
     def __init__(self, module, ws_module=None, kernels: str = "classic"):
         if kernels not in SM90_KERNEL_SETS:
@@ -178,6 +195,16 @@ class Sm90Gemm:
         self.small_cap_variant = small or None
         if self.small_cap_variant is not None and self.small_cap_variant not in self.WS_MASKED:
             raise ValueError(f"small-cap variant {small!r} (${ENV_SMALL_CAP_VARIANT}): expected one of {self.WS_MASKED}")
+        self.contig_table = contig_table(os.environ.get(ENV_CONTIG_VARIANT, ""), self.CONTIG_TABLE, self.WS_CONTIG)
+        if kernels != "classic":
+            log.info("moe: contiguous FP8 GEMM per role (min rows: variant): %s", "; ".join(
+                f"{r} " + ", ".join(f"{m}: {v}" for m, v in t) for r, t in self.contig_table.items()))
+
+    def contig_variant(self, role: str, rows: int) -> str:
+        """The table's contiguous FP8 ws variant for GEMM `role` ("w13" or "w2") on `rows` rows of A."""
+        if role not in self.contig_table:
+            raise ValueError(f"role={role!r}: expected one of {GEMM_ROLES}")
+        return next(v for m, v in self.contig_table[role] if rows >= m)
 
     def clusters(self, device: torch.device, variant: str) -> int:
         """Clusters to launch for a CLUSTERED variant on `device`: the co-resident count the driver
@@ -209,7 +236,9 @@ class Sm90Gemm:
             self._one[device] = torch.ones(1, 1, 1, dtype=torch.float32, device=device)
         return self._one[device]
 
-    def __call__(self, a, b, out, a_scale, b_scale, aux, masked, tile_m=TILE_M, variant=None):
+    def __call__(self, a, b, out, a_scale, b_scale, aux, masked, tile_m=TILE_M, variant=None, role=None):
+        """role ("w13" / "w2", or None): picks the contiguous FP8 ws variant from contig_table when
+        `variant` is None (None: the fixed default)."""
         if out.numel() == 0:
             return out
         fp8 = a.dtype == torch.float8_e4m3fn
@@ -226,6 +255,8 @@ class Sm90Gemm:
         if variant is None and fp8 and masked and self.kernels != "classic" and self.small_cap_variant is not None:
             if a.shape[1] <= self.SMALL_CAP_MAX:
                 variant = self.small_cap_variant
+        if variant is None and fp8 and not masked and self.kernels != "classic" and role is not None:
+            variant = self.contig_variant(role, a.shape[0])
         if variant is None:
             variant = self.defaults[(fp8, masked)]
             if a.shape[-1] > self.STAGED_MAX_K.get(variant, a.shape[-1]):
@@ -245,6 +276,20 @@ class Sm90Gemm:
             args += (self.clusters(a.device, variant),)
         fn(*args)
         return out
+
+
+def contig_table(spec: str, table: dict, known: list[str]) -> dict:
+    """Sm90Gemm's per-GEMM contiguous table with ${ENV_CONTIG_VARIANT} applied: "VARIANT" for both
+    GEMMs at every size, "w13=VARIANT,w2=VARIANT" per GEMM (one left out keeps `table`), "" = `table`."""
+    out = dict(table)
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        role, _, name = part.rpartition("=")
+        roles = [role] if role else list(GEMM_ROLES)
+        if role and role not in GEMM_ROLES or name not in known:
+            raise ValueError(f"${ENV_CONTIG_VARIANT}={spec!r}: {part!r} needs [w13=|w2=] and one of {known}")
+        for r in roles:
+            out[r] = ((0, name),)
+    return out
 
 
 class ExpertBackend:
@@ -315,10 +360,10 @@ class Fp8PipelineBackend(ExpertBackend):
         a, sa = ops.gather_quant(x, perm.row_of, perm.num_rows, rows_per_batch)
         shape = (num_local, cap) if masked else (perm.num_rows,)
         h = torch.empty(*shape, two_i, dtype=x.dtype, device=x.device)
-        ops.grouped_gemm(a.view(*shape, hidden), weights.w13, h, sa, weights.w13_scale, aux, masked)
+        ops.grouped_gemm(a.view(*shape, hidden), weights.w13, h, sa, weights.w13_scale, aux, masked, role="w13")
         a2, sa2 = ops.silu_mul_quant(h.view(-1, two_i), rows_per_batch, perm.row_of)  # routed rows only
         y = torch.empty(*shape, hidden, dtype=x.dtype, device=x.device)
-        ops.grouped_gemm(a2.view(*shape, two_i // 2), weights.w2, y, sa2, weights.w2_scale, aux, masked)
+        ops.grouped_gemm(a2.view(*shape, two_i // 2), weights.w2, y, sa2, weights.w2_scale, aux, masked, role="w2")
         if shared_ready is not None:
             torch.cuda.current_stream(x.device).wait_event(shared_ready)
         return ops.unpermute(y.view(-1, hidden), perm.row_of, topk_weights, shared, shared_gate)

@@ -93,8 +93,10 @@ def grouped_gemm(
     aux: torch.Tensor,
     masked: bool,
     tile_m: int = 128,
+    role: str | None = None,
 ) -> torch.Tensor:
     """out = dequant(a) @ dequant(b[e])^T per expert, in fp32, stored in out's dtype.
+    (`role`, "w13" or "w2", picks a kernel in moe.backend.Sm90Gemm; the reference has one.)
 
     contiguous (masked=False): a [M, K], out [M, N], aux = tile_expert [M / tile_m];
     masked: a [E, cap, K], out [E, cap, N], aux = counts [E] (rows past counts[e] untouched).
