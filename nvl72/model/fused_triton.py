@@ -427,16 +427,13 @@ def decode_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_ke
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     page_table: torch.Tensor, max_query_len: int, scale: float,
-                    out: torch.Tensor | None = None, splits: int | None = None,
-                    block_rows: int | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
     """Twin of `ops.paged_attention` from raw batch tensors (no metadata object, no host sync).
 
     q [T, Hq, D]; kv_cache [P, 2, Hkv, ps, D]; query_start_loc [B+1]; seq_lens [B]; page_table
     [B, max_pages] -> [T, Hq, D]. A sequence with no query tokens is skipped. Decode batches
     (max_query_len 1) split each sequence's keys over `splits` programs (default
-    `decode_splits`); the last of a (sequence, KV head)'s programs to finish combines them.
-    block_rows: query rows (tokens x padded group) per program, 16, 64 or 128 (default by the
-    query length: 128 for long prefills, so each loaded key block serves twice the rows)."""
+    `decode_splits`); the last of a (sequence, KV head)'s programs to finish combines them."""
     t, hq, d = q.shape
     hkv, page_size = kv_cache.shape[2], kv_cache.shape[3]
     if hq % hkv or d & (d - 1) or d < 16:
@@ -447,11 +444,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     out = torch.empty_like(q) if out is None else out
     group = hq // hkv
     group_pad = triton.next_power_of_2(group)
-    rows = block_rows
-    if rows is None:  # tl.dot wants >= 16 rows
-        rows = 16 if max_query_len * group_pad <= 16 else 64 if max_query_len * group_pad < 1024 else 128
-    if rows not in (16, 64, 128):
-        raise ValueError(f"block_rows={block_rows}: expected 16, 64 or 128")
+    rows = 16 if max_query_len * group_pad <= 16 else 64  # tl.dot wants >= 16 rows
     block_m = max(rows // group_pad, 1)
     block_n = 64 if d <= 128 else 32
     b = seq_lens.shape[0]
@@ -472,6 +465,5 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             q, kv_cache, out, part_acc, part_ml, counters, query_start_loc, seq_lens, page_table, scale, q.stride(0),
             q.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
             kv_cache.stride(3), page_table.stride(0), GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m,
-            BLOCK_N=block_n, D=d, PAGE_SIZE=page_size, IEEE=q.dtype == torch.float32, NSPLIT=splits,
-            num_warps=8 if rows == 128 else 4)
+            BLOCK_N=block_n, D=d, PAGE_SIZE=page_size, IEEE=q.dtype == torch.float32, NSPLIT=splits)
     return out

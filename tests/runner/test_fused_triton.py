@@ -29,15 +29,14 @@ def skip_interpreted_bf16(device, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("case", [
-    # (qlens, ctx, page_size, hq, hkv, d, block_rows)
-    ([1, 1, 1], [0, 17, 40], 4, 8, 2, 16, None),       # decode, GQA 4
-    ([5, 1, 9, 2], [3, 30, 0, 15], 4, 4, 4, 32, None),  # mixed prefill/decode, MHA
-    ([20, 3], [6, 0], 16, 6, 2, 16, None),              # group 3 (padded to 4), several q blocks
-    ([45, 3], [6, 50], 16, 6, 2, 16, 128),              # the long-prefill tile: 32 tokens x 4 rows
+    # (qlens, ctx, page_size, hq, hkv, d)
+    ([1, 1, 1], [0, 17, 40], 4, 8, 2, 16),       # decode, GQA 4
+    ([5, 1, 9, 2], [3, 30, 0, 15], 4, 4, 4, 32),  # mixed prefill/decode, MHA
+    ([20, 3], [6, 0], 16, 6, 2, 16),              # group 3 (padded to 4), several q blocks
 ])
 def test_paged_attention_matches_reference(device, dtype, case):
     skip_interpreted_bf16(device, dtype)
-    qlens, ctx, ps, hq, hkv, d, block_rows = case
+    qlens, ctx, ps, hq, hkv, d = case
     batch, kv, q, k, v = random_batch(qlens, ctx, ps, hq, hkv, d, dtype, device, seed=len(qlens) + d)
     meta = ops.AttentionMetadata.build(batch, ps)
     ref_kv = kv.float().clone()
@@ -45,8 +44,7 @@ def test_paged_attention_matches_reference(device, dtype, case):
     ref = ops.paged_attention(q.float(), ref_kv, meta, d**-0.5)
     ft.store_kv(kv, k, v, meta.slot_mapping)
     assert torch.equal(kv.float(), ref_kv.to(dtype).float())
-    out = ft.paged_attention(q, kv, batch.query_start_loc, batch.seq_lens, batch.page_table, max(qlens), d**-0.5,
-                             block_rows=block_rows)
+    out = ft.paged_attention(q, kv, batch.query_start_loc, batch.seq_lens, batch.page_table, max(qlens), d**-0.5)
     assert rel_err(out, ref) < TOL[dtype]
 
 
@@ -77,9 +75,6 @@ def test_decode_splits_choice():
     with pytest.raises(ValueError, match="splits=2"):
         ft.paged_attention(torch.zeros(2, 2, 16), torch.zeros(3, 2, 2, 4, 16), torch.tensor([0, 2]),
                            torch.tensor([2]), torch.zeros(1, 1, dtype=torch.int32), 2, 1.0, splits=2)
-    with pytest.raises(ValueError, match="block_rows=32"):
-        ft.paged_attention(torch.zeros(2, 2, 16), torch.zeros(3, 2, 2, 4, 16), torch.tensor([0, 2]),
-                           torch.tensor([2]), torch.zeros(1, 1, dtype=torch.int32), 2, 1.0, block_rows=32)
 
 
 @pytest.mark.parametrize("device", DEVICES)
