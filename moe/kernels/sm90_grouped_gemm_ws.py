@@ -157,6 +157,21 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
         )
         self.epi_smem_staged = sm90_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage)
 
+    def _shared_storage(self, factors: bool = True):
+        """The shared-memory struct of every variant (after _setup): the A/B ring's barriers, the A, B
+        and epilogue buffers, the compact walk's prefix and, with `factors`, the staged promotion factors."""
+        align = cute.struct.Align
+        fields = {
+            "bars": cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2],
+            "sA": align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)], 1024],
+            "sB": align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)], 1024],
+            "sC": align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_staged)], 1024],
+            "prefix": cute.struct.MemRange[cutlass.Int32, self.n_prefix],
+        }
+        if factors:
+            fields["factors"] = cute.struct.MemRange[cutlass.Float32, self.n_factors]
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
     @cute.jit
     def __call__(
         self,
@@ -176,16 +191,7 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
             * cute.size(c, mode=[2])
         )
 
-        @cute.struct
-        class SharedStorage:
-            bars: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_staged)], 1024]
-            prefix: cute.struct.MemRange[cutlass.Int32, self.n_prefix]
-            factors: cute.struct.MemRange[cutlass.Float32, self.n_factors]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = self._shared_storage()
         self.kernel(
             tma_a, tma_ta, tma_b, tma_tb, tma_c, tma_tc, a_scale, b_scale, aux,
             self.tiled_mma, self.tiled_mma, self.tiled_mma,
@@ -773,15 +779,7 @@ class GroupedGemmSm90WSCluster(GroupedGemmSm90WSPingPong):
         pairs = cute.ceil_div(cute.ceil_div(cute.size(c, mode=[1]), self.tile_n), 2)
         units = cute.ceil_div(tiles_m, 2) * pairs
 
-        @cute.struct
-        class SharedStorage:
-            bars: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_staged)], 1024]
-            prefix: cute.struct.MemRange[cutlass.Int32, self.n_prefix]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = self._shared_storage(factors=False)
         self.kernel(
             tma_a, tma_ta, tma_b, tma_tb, tma_c, tma_tc, a_scale, b_scale, aux,
             self.tiled_mma, self.tiled_mma, self.tiled_mma,
