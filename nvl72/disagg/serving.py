@@ -39,7 +39,7 @@ from typing import ClassVar
 import msgpack
 
 from nvl72.engine import protocol
-from nvl72.engine.client import EngineDeadError, _Streams
+from nvl72.engine.client import EngineDeadError, OutputStreams
 from nvl72.engine.engine import InvalidRequest, validate_request
 from nvl72.engine.protocol import (AbortRequest, AddRequest, EngineClient, LoadReport, Message, OutputBatch,
                                    ProtocolError, RequestOutput)
@@ -543,7 +543,7 @@ class DisaggClient(EngineClient):
     """Routes each request to a prefill rank, then to the live decode rank with the fewest requests
     in flight (under `batch_threshold`); streams its tokens back. One I/O thread owns the socket and
     delivers each message's outputs (a decode rank's step: one `OutputBatch`) into the requests'
-    streams with one event-loop wake-up (`nvl72.engine.client._Streams`)."""
+    streams with one event-loop wake-up (`nvl72.engine.client.OutputStreams`)."""
 
     def __init__(self, hub: FrontHub, prefill_ranks: list[int], decode_ranks: list[int], *, batch_threshold: int = 128,
                  lost_timeout: float = 5.0, output_timeout: float = 600.0):
@@ -560,7 +560,7 @@ class DisaggClient(EngineClient):
         self._reports: dict[int, LoadReport] = {}
         self._last_seen: dict[int, float] = {}
         self._flights: dict[str, _Flight] = {}
-        self._streams = _Streams()
+        self._streams = OutputStreams()
         self._lock = threading.Lock()
         self._outbox: queue.Queue = queue.Queue()
         self._seq = itertools.count(1)

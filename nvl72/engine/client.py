@@ -97,9 +97,9 @@ def _fail_all(items: list[tuple[_Stream, Exception]]) -> None:
         stream.fail(error)
 
 
-class _Streams:
+class OutputStreams:
     """request_id -> _Stream, fed from any thread: one `call_soon_threadsafe` per event loop per
-    batch of outputs (an engine step), not per output."""
+    batch of outputs (an engine step), not per output. Public: nvl72.disagg.serving uses it too."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -150,7 +150,7 @@ class _StreamingClient(EngineClient):
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.output_timeout = output_timeout
-        self._streams = _Streams()
+        self._streams = OutputStreams()
         self._stats: dict[str, float] = {}
         self._dead: str | None = None
 

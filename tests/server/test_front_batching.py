@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from nvl72.engine.client import _Streams
+from nvl72.engine.client import OutputStreams
 from nvl72.engine.protocol import OutputBatch, RequestOutput, TokenLogprob, decode, encode, merge_outputs
 from nvl72.server.app import OutputPipeline, _sse, _TextEvent
 from nvl72.tokenizer import Tokenizer
@@ -49,7 +49,7 @@ def test_merge_outputs_stops_at_finish():
 
 def test_streams_merge_pending_outputs():
     async def run():
-        streams = _Streams()
+        streams = OutputStreams()
         s = streams.open("r")
         other = streams.open("q")
         outs = [RequestOutput("r", [i]) for i in range(5)] + [RequestOutput("q", [9], "stop")]
