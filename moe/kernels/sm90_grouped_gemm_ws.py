@@ -68,6 +68,13 @@ Prefill options of the 128 x 256 kernel (not measured yet; the A/B against _n256
     Its grid is sized on the host (GroupedGemmSm90WSCluster: an extra `clusters` argument, the
     number of 2-CTA clusters the device can hold at once), and each cluster strides over the units
     by the number of clusters launched.
+  * prefetch_scales (`_n256_sp`): the promotion factors' operands of K step kt + 1 (one A-row scale per
+    distinct row of a thread's fragment, 2, and the two B-block scales) are loaded while the wgmmas of
+    step kt run, and on a tile's last step those of the CTA's next tile's first step; `_n256` loads them
+    after issuing the step's wgmmas and waits for them before promoting, so each half-step's promotion
+    can wait on an L2 round trip (more than the ~64 x 128 x 128 wgmma of a warpgroup takes). Registers:
+    2 x (2 + 2) more per consumer thread, no spills (ptxas -v on the PTX).
+  * _n256_mc_e2: _n256_mc with the 2 epilogue buffers of _n256 (the A/B for the _e4 part of _mc).
 NUM_SMS is H100/H200 SXM's 132 (the 1-CTA kernels' grid): on a part with fewer SMs the extra CTAs
 wait for a free SM (correct, not optimal).
 """
@@ -545,14 +552,18 @@ class GroupedGemmSm90WSPingPong(GroupedGemmSm90WS):
     a_scale[row, k] * b_scale[n block, k], the B block of each half its own. An odd count of
     128-column tiles leaves the last pair with one half: its second half re-reads a valid B tile
     and is not stored. Rows per expert are padded to 128 (the contiguous layout's TILE_M).
-    epi_buffers (and cluster=2, GroupedGemmSm90WSCluster): the prefill options of the module docstring."""
+    epi_buffers, prefetch_scales (and cluster=2, GroupedGemmSm90WSCluster): the prefill options of the
+    module docstring."""
 
-    def __init__(self, masked: bool = False, ordered: bool = True, epi_buffers: int | None = None):
+    def __init__(
+        self, masked: bool = False, ordered: bool = True, epi_buffers: int | None = None, prefetch_scales: bool = False
+    ):
         if masked:
             raise ValueError(f"masked={masked}: the ping-pong kernel is for the contiguous layout only")
         super().__init__(masked=False, n_wg=2, tile_n=SCALE_BLOCK)
         self.b_tiles = 2
         self.ordered, self.cluster, self.epi_buffers = ordered, 1, epi_buffers
+        self.prefetch_scales = prefetch_scales
 
     @cute.jit
     def _tile(self, t, tiles_m, tiles_n, n_l, aux, sP):
@@ -575,6 +586,73 @@ class GroupedGemmSm90WSPingPong(GroupedGemmSm90WS):
         cute.nvgpu.warpgroup.commit_group()
         if cutlass.const_expr(self.ordered):
             pass_turn.arrive()
+
+    def _row_slots(self, tCcC):
+        """prefetch_scales: the distinct tile rows of a thread's accumulator fragment (2 for a 64-row wgmma
+        slice), from the fragment's static layout: (a representative element per row, row slot per element)."""
+        offs = [cute.get(tCcC.layout(i), mode=[0]) for i in range(cute.size(tCcC))]
+        rows = sorted(set(offs))
+        return [offs.index(r) for r in rows], [rows.index(o) for o in offs]
+
+    @cute.jit
+    def _load_scales(self, mSA, mSB, tCcC, fa, sb, j, kt, pm, nb0, nb1, expert):
+        """prefetch_scales: slot j (0: the K step in progress, 1: the next) of fa (one A-row scale per
+        distinct row of the thread's fragment) and sb (B-block scales of n tiles nb0 / nb1, expert
+        `expert`) = the scales of m tile pm, K tile kt."""
+        m0 = pm * self.tile_m
+        reps, _ = self._row_slots(tCcC)
+        for r, i in enumerate(reps):
+            fa[j * len(reps) + r] = mSA[(m0 + tCcC[i][0], kt, 0)]
+        sb[2 * j] = mSB[(nb0, kt, expert)]
+        sb[2 * j + 1] = mSB[(nb1, kt, expert)]
+
+    @cute.jit
+    def _mainloop_prefetched(
+        self, ab_pipe, cons, mmas, part, acc0, acc1, tCrA, tCrB, num_kb, my_turn, pass_turn,
+        mSA, mSB, tCcC, fa, sb, t, pre_t, pm, pn, nb1, expert, k_tiles, tiles_m, tiles_n, num_tiles, n_ctas, aux,
+    ):
+        """The K loop of one tile with the scales of each K step loaded one step ahead (prefetch_scales):
+        while the wgmmas of step kt run, the consumers load the scales of step kt + 1, or on the last
+        step those of the first step of this CTA's next tile when it is active (this tile's first step
+        otherwise: an in-bounds load nobody uses), so a promotion never waits on a global load. The
+        first tile, and one that follows an unused (-1) tile, loads its first step's scales up front.
+        Returns (consumer state, the tile whose first-step scales fa[0] / sb[0] now hold, or -1)."""
+        reps, slot = self._row_slots(tCcC)
+        n_rows = len(reps)
+        if pre_t != t:
+            self._load_scales(mSA, mSB, tCcC, fa, sb, 0, 0, pm, 2 * pn, nb1, expert)
+        tn = t + n_ctas
+        qm, qn, _, qe, qa = self._tile(cutlass.min(tn, num_tiles - 1), tiles_m, tiles_n, 1, aux, None)
+        nxt = cutlass.Int32(tn < num_tiles) * cutlass.Int32(qa)  # 1: the next tile is real and active
+        qb1 = cutlass.min(2 * qn + 1, tiles_n - 1)
+        for kt in cutlass.range(k_tiles, unroll=1):
+            ab_pipe.consumer_wait(cons)
+            self._issue(mmas, part, tCrA, tCrB, cons.index, 2 * cons.index, num_kb, my_turn, pass_turn)
+            same = cutlass.Int32(kt + 1 < k_tiles)  # 1: step kt + 1 of this tile, 0: a first step
+            go = (1 - same) * nxt  # 1: the next tile's first step
+            self._load_scales(
+                mSA, mSB, tCcC, fa, sb, 1, same * (kt + 1),
+                pm + go * (qm - pm), 2 * pn + go * (2 * qn - 2 * pn), nb1 + go * (qb1 - nb1), expert + go * (qe - expert),
+            )
+            cute.nvgpu.warpgroup.wait_group(0)
+            f = [fa[r] * sb[0] for r in range(n_rows)]
+            for i, r in enumerate(slot):  # unrolled at trace time (slot: one row slot per element)
+                acc0[i] = acc0[i] + part[i] * f[r]
+            self._issue(mmas, part, tCrA, tCrB, cons.index, 2 * cons.index + 1, num_kb, my_turn, pass_turn)
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipe.consumer_release(cons)
+            cons.advance()
+            f = [fa[r] * sb[1] for r in range(n_rows)]
+            for i, r in enumerate(slot):
+                acc1[i] = acc1[i] + part[i] * f[r]
+            for r in cutlass.range_constexpr(n_rows):
+                fa[r] = fa[n_rows + r]
+            sb[0] = sb[2]
+            sb[1] = sb[3]
+        pre = cutlass.Int32(-1)
+        if nxt == 1:
+            pre = tn
+        return cons, pre
 
     @cute.kernel
     def kernel(
@@ -703,6 +781,12 @@ class GroupedGemmSm90WSPingPong(GroupedGemmSm90WS):
                     pass_turn.arrive()
 
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            # prefetch_scales: fa / sb hold the A-row / B-block scales of the K step in progress (slot 0) and
+            # of the next (slot 1); pre_t names the tile whose first step slot 0 holds (-1: none)
+            n_fa = 2 * len(self._row_slots(tCcC)[0]) if self.prefetch_scales else 1
+            fa = cute.make_rmem_tensor(n_fa, self.acc_dtype)
+            sb = cute.make_rmem_tensor(4 if self.prefetch_scales else 1, self.acc_dtype)
+            pre_t = cutlass.Int32(-1)
             for t in cutlass.range(bid, num_tiles, n_ctas, unroll=1):
                 store = True
                 pl = cutlass.Int32(0)
@@ -714,20 +798,27 @@ class GroupedGemmSm90WSPingPong(GroupedGemmSm90WS):
                     acc0.fill(0.0)
                     acc1.fill(0.0)
                     nb1 = cutlass.min(2 * pn + 1, tiles_n - 1)
-                    for kt in cutlass.range(k_tiles, unroll=1):
-                        ab_pipe.consumer_wait(cons)
-                        self._issue(mmas, part, tCrA, tCrB, cons.index, 2 * cons.index, num_kb, my_turn, pass_turn)
-                        f = self._scales(mSA, mSB, tCcC, kt, pm, 2 * pn, pl, expert)
-                        cute.nvgpu.warpgroup.wait_group(0)
-                        for i in range(cute.size(acc0)):
-                            acc0[i] = acc0[i] + part[i] * f[i]
-                        self._issue(mmas, part, tCrA, tCrB, cons.index, 2 * cons.index + 1, num_kb, my_turn, pass_turn)
-                        f = self._scales(mSA, mSB, tCcC, kt, pm, nb1, pl, expert)
-                        cute.nvgpu.warpgroup.wait_group(0)
-                        ab_pipe.consumer_release(cons)
-                        cons.advance()
-                        for i in range(cute.size(acc1)):
-                            acc1[i] = acc1[i] + part[i] * f[i]
+                    if cutlass.const_expr(self.prefetch_scales):
+                        cons, pre_t = self._mainloop_prefetched(
+                            ab_pipe, cons, mmas, part, acc0, acc1, tCrA, tCrB, num_kb, my_turn, pass_turn,
+                            mSA, mSB, tCcC, fa, sb, t, pre_t, pm, pn, nb1, expert, k_tiles, tiles_m, tiles_n,
+                            num_tiles, n_ctas, aux,
+                        )
+                    else:
+                        for kt in cutlass.range(k_tiles, unroll=1):
+                            ab_pipe.consumer_wait(cons)
+                            self._issue(mmas, part, tCrA, tCrB, cons.index, 2 * cons.index, num_kb, my_turn, pass_turn)
+                            f = self._scales(mSA, mSB, tCcC, kt, pm, 2 * pn, pl, expert)
+                            cute.nvgpu.warpgroup.wait_group(0)
+                            for i in range(cute.size(acc0)):
+                                acc0[i] = acc0[i] + part[i] * f[i]
+                            self._issue(mmas, part, tCrA, tCrB, cons.index, 2 * cons.index + 1, num_kb, my_turn, pass_turn)
+                            f = self._scales(mSA, mSB, tCcC, kt, pm, nb1, pl, expert)
+                            cute.nvgpu.warpgroup.wait_group(0)
+                            ab_pipe.consumer_release(cons)
+                            cons.advance()
+                            for i in range(cute.size(acc1)):
+                                acc1[i] = acc1[i] + part[i] * f[i]
                     epi = (tiled_r2s, tRS_sC, rD_layout, tma_c, sC)
                     if store:
                         self._store(acc0, *epi, gC[(None, None, pm, 2 * pn, 0)], c_pipe, epi_bar, warp_idx)
@@ -846,6 +937,10 @@ VARIANTS = {
     # _n256_e4 on clusters of 2 CTAs along M: each CTA loads half of the shared B tile and multicasts it
     # (the host passes the co-resident cluster count after aux: GroupedGemmSm90WSCluster)
     "ws_fp8_contig_n256_mc": dict(masked=False, ordered=False, epi_buffers=4, cls=GroupedGemmSm90WSCluster),
+    # _n256_mc with the 2 epilogue buffers of _n256 (at 16384 tokens _e4 was slower than _n256 by 2-6%)
+    "ws_fp8_contig_n256_mc_e2": dict(masked=False, ordered=False, cls=GroupedGemmSm90WSCluster),
+    # _n256 with each K step's scale factors loaded one step ahead (prefetch_scales), across tiles too
+    "ws_fp8_contig_n256_sp": dict(masked=False, ordered=False, prefetch_scales=True, cls=GroupedGemmSm90WSPingPong),
     "ws_fp8_masked_swapab": dict(masked=True, n_wg=2, tile_n=32),
     "ws_fp8_masked_swapab_m64n16": dict(masked=True, n_wg=1, tile_n=16),
     # decode: compact walk + scale prefetch (module docstring); 128 and 64 weight rows per tile

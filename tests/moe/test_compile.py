@@ -34,7 +34,7 @@ def test_sm90_ws_grouped_gemm_compiles():
     assert "ws_fp8_contig_pingpong" in fns
     with pytest.raises(ValueError, match="masked=True"):
         mod.GroupedGemmSm90WSPingPong(masked=True)
-    assert {"ws_fp8_contig_n256_e4", "ws_fp8_contig_n256_mc"} <= set(fns)
+    assert {"ws_fp8_contig_n256_e4", "ws_fp8_contig_n256_mc", "ws_fp8_contig_n256_mc_e2", "ws_fp8_contig_n256_sp"} <= set(fns)
     assert {"ws_fp8_masked_swapab_cpo_kg2", "ws_fp8_masked_swapab_cpo_kg4"} <= set(fns)
     with pytest.raises(ValueError, match="masked=True"):
         mod.GroupedGemmSm90WSCluster(masked=True)
@@ -63,7 +63,28 @@ def test_cluster_variants_listed_for_the_backend():
         if issubclass(cls, mod.GroupedGemmSm90WSCluster):
             k = cls(**kw)
             shapes[name] = (k.cluster, k.threads)
-    assert shapes == Sm90Gemm.CLUSTERED and shapes["ws_fp8_contig_n256_mc"] == (2, 384)
+    assert shapes == Sm90Gemm.CLUSTERED and shapes["ws_fp8_contig_n256_mc"] == shapes["ws_fp8_contig_n256_mc_e2"] == (2, 384)
+
+
+def test_scale_prefetch_row_slots():
+    """prefetch_scales (_n256_sp) keeps one A-row scale per distinct row of a thread's accumulator
+    fragment: two rows (r, r + 8) of the 64 x 128 wgmma slice, read from the fragment's static layout."""
+    mod = importlib.import_module("moe.kernels.sm90_grouped_gemm_ws")
+    k = mod.GroupedGemmSm90WSPingPong(ordered=False, prefetch_scales=True)
+    seen = {}
+
+    @cute.jit
+    def probe():
+        k._setup()
+        tCcC = k.tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((k.tile_m, k.tile_n)))
+        reps, slot = k._row_slots(tCcC)
+        seen["rows"] = [cute.get(tCcC.layout(i), mode=[0]) for i in reps]
+        seen["slot"] = slot
+        seen["want"] = [[cute.get(tCcC.layout(i), mode=[0]) for i in range(cute.size(tCcC))]]
+
+    cute.compile(probe, options="--gpu-arch sm_90a")
+    assert seen["rows"] == [0, 8] and len(seen["slot"]) == 64
+    assert [seen["rows"][s] for s in seen["slot"]] == seen["want"][0]
 
 
 def test_sm100_mxfp8_grouped_gemm_compiles():
