@@ -167,6 +167,46 @@ def _load_peers(peers: cute.Tensor, world):
 
 
 @cute.jit
+def _grid():
+    """(thread, block, blocks in the grid) of the calling thread: every kernel's first line."""
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    nb, _, _ = cute.arch.grid_dim()
+    return tid, bid, nb
+
+
+@cute.jit
+def _flag_epoch(peers: cute.Tensor, rank, state_off):
+    """This rank's heap base and the call's epoch (state[0], read relaxed): the flagged kernels'
+    prologue. Their flags for this call are published as epoch + 1."""
+    my_base = peers[rank]
+    return my_base, ptx.ld_relaxed_gpu(my_base + state_off)
+
+
+@cute.jit
+def _block_range(n, bid, nb):
+    """Block bid's share [b0, b1) of n items split into nb equal runs of ceil(n / nb) (the last
+    ones shorter or empty): the same split for any nb >= 1."""
+    per = (n + nb - 1) // nb
+    b0 = bid * per
+    b1 = b0 + per
+    if b1 > n:
+        b1 = n
+    return b0, b1
+
+
+@cute.jit
+def _chunk_span(c, chunk, b0, b1, nvec, tid):
+    """Thread tid's first vector of the block slice [b0, b1) of owner c's chunk, and the slice's
+    end (exclusive, clamped to nvec: the last chunk may be short)."""
+    v = c * chunk + b0 + tid
+    vend = c * chunk + b1
+    if vend > nvec:
+        vend = nvec
+    return v, vend
+
+
+@cute.jit
 def _signal(peers: cute.Tensor, tid, rank, world, flag_addr_off, target):
     """Threads 0..W-1 (not ours) publish `target` into their peer's flag (release, sys scope);
     the caller has made the block's data stores visible to them with a bar.sync."""
@@ -195,6 +235,14 @@ def _wait(my_base, tid, rank, world, flags_src0, target, err_addr, timeout_ns, t
                 f = ptx.ld_acquire_sys(faddr)
 
 
+@cute.jit
+def _handshake(peers: cute.Tensor, my_base, tid, bid, rank, world, flags, target, err_addr, timeout_ns):
+    """Block bid's exchange over the phase flags at `flags`: publish `target` to every peer
+    (_signal), then wait until every peer published it to us (_wait)."""
+    _signal(peers, tid, rank, world, flags + _i64(rank * MAX_BLOCKS + bid) * 4, target)
+    _wait(my_base, tid, rank, world, flags + _i64(bid) * 4, target, err_addr, timeout_ns)
+
+
 # ------------------------------------------------------------------------------------------ one-shot
 def _make_oneshot(is_bf16: bool):
     epv = 8 if is_bf16 else 4
@@ -204,20 +252,13 @@ def _make_oneshot(is_bf16: bool):
                world: cutlass.Int32, ws_off: cutlass.Int64, cap: cutlass.Int64, flag_off: cutlass.Int64,
                state_off: cutlass.Int64, err_addr: cutlass.Int64, timeout_ns: cutlass.Int64,
                nvec: cutlass.Int32):
-        tid, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        nb, _, _ = cute.arch.grid_dim()
-        my_base = peers[rank]
-        epoch = ptx.ld_relaxed_gpu(my_base + state_off)
+        tid, bid, nb = _grid()
+        my_base, epoch = _flag_epoch(peers, rank, state_off)
         target = epoch + 1
         par = _i64(epoch & 1)
         xa = x.iterator.toint()
         oa = out.iterator.toint()
-        per = (nvec + nb - 1) // nb
-        v0 = bid * per
-        v1 = v0 + per
-        if v1 > nvec:
-            v1 = nvec
+        v0, v1 = _block_range(nvec, bid, nb)
         # push x[v0:v1] into my slot on every peer
         slot = ws_off + (par * _i64(world) + _i64(rank)) * cap
         v = v0 + tid
@@ -238,8 +279,7 @@ def _make_oneshot(is_bf16: bool):
                                           [buf[u * 4 + j] for j in range(4)])
             v += UNROLL * THREADS
         cute.arch.sync_threads()
-        _signal(peers, tid, rank, world, flag_off + _i64(rank * MAX_BLOCKS + bid) * 4, target)
-        _wait(my_base, tid, rank, world, flag_off + _i64(bid) * 4, target, err_addr, timeout_ns)
+        _handshake(peers, my_base, tid, bid, rank, world, flag_off, target, err_addr, timeout_ns)
         cute.arch.sync_threads()
         # reduce the W copies in rank order
         acc = cute.make_rmem_tensor(cute.make_layout(UNROLL * epv), cutlass.Float32)
@@ -329,11 +369,7 @@ def _lamport_sum(acc, stage, own, rank, world, is_bf16: cutlass.Constexpr):
 def _lamport_clear(my_base, lam_off, lcap, clr, dirty, rank, world, tid, bid, nb):
     """Refill this block's share of buffer `clr` (its first `dirty` vectors of every source slot
     but ours) with the sentinel."""
-    cper = (dirty + nb - 1) // nb
-    c0 = bid * cper
-    c1 = c0 + cper
-    if c1 > dirty:
-        c1 = dirty
+    c0, c1 = _block_range(dirty, bid, nb)
     S = cutlass.Int32(LAMPORT_SENTINEL)
     for r in cutlass.range_constexpr(MAX_WORLD):
         if r < world:
@@ -394,19 +430,13 @@ def _make_lamport(is_bf16: bool):
     def kernel(x: cute.Tensor, out: cute.Tensor, peers: cute.Tensor, rank: cutlass.Int32,
                world: cutlass.Int32, lam_off: cutlass.Int64, lcap: cutlass.Int64, state: cutlass.Int64,
                err_addr: cutlass.Int64, timeout_ns: cutlass.Int64, nvec: cutlass.Int32):
-        tid, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        nb, _, _ = cute.arch.grid_dim()
+        tid, bid, nb = _grid()
         cute.arch.griddepcontrol_wait()  # PDL: the previous kernel's writes (x, our state) are visible
         cute.arch.griddepcontrol_launch_dependents()
         my_base = peers[rank]
         xa = x.iterator.toint()
         oa = out.iterator.toint()
-        per = (nvec + nb - 1) // nb
-        v0 = bid * per
-        v1 = v0 + per
-        if v1 > nvec:
-            v1 = nvec
+        v0, v1 = _block_range(nvec, bid, nb)
         # the first x vectors are in flight while the epoch (needed for the slot address) loads
         buf = cute.make_rmem_tensor(cute.make_layout(UNROLL * 4), cutlass.Int32)
         v = v0 + tid
@@ -482,21 +512,14 @@ def _make_twoshot(is_bf16: bool, variant: str):
                world: cutlass.Int32, ws_off: cutlass.Int64, cap: cutlass.Int64, flag_off: cutlass.Int64,
                state_off: cutlass.Int64, err_addr: cutlass.Int64, timeout_ns: cutlass.Int64,
                mc_base: cutlass.Int64, nvec: cutlass.Int32):
-        tid, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        nb, _, _ = cute.arch.grid_dim()
-        my_base = peers[rank]
-        epoch = ptx.ld_relaxed_gpu(my_base + state_off)
+        tid, bid, nb = _grid()
+        my_base, epoch = _flag_epoch(peers, rank, state_off)
         target = epoch + 1
         par = _i64(epoch & 1)
         xa = x.iterator.toint()
         oa = out.iterator.toint()
         chunk = (nvec + world - 1) // world          # vectors owned per rank
-        per = (chunk + nb - 1) // nb                 # of each chunk, per block
-        b0 = bid * per
-        b1 = b0 + per
-        if b1 > chunk:
-            b1 = chunk
+        b0, b1 = _block_range(chunk, bid, nb)        # this block's slice of every chunk
         scatter = ws_off + (par * _i64(world)) * cap       # + src * cap + v * 16
         gather = ws_off + (2 * _i64(world) + par) * cap    # + v * 16
         flags1 = flag_off
@@ -505,10 +528,7 @@ def _make_twoshot(is_bf16: bool, variant: str):
         # phase 1: my slice of every owner's chunk -> that owner (multimem: -> my own heap)
         for c in cutlass.range(world):
             if cutlass.const_expr(multimem) or c != rank:
-                v = c * chunk + b0 + tid
-                vend = c * chunk + b1
-                if vend > nvec:
-                    vend = nvec
+                v, vend = _chunk_span(c, chunk, b0, b1, nvec, tid)
                 dst = pr[0] + scatter + _i64(rank) * cap
                 for r in cutlass.range_constexpr(1, MAX_WORLD):
                     if r == c:
@@ -517,14 +537,10 @@ def _make_twoshot(is_bf16: bool, variant: str):
                     dst = my_base + scatter
                 _copy(xa, dst, v, vend, False)
         cute.arch.sync_threads()
-        _signal(peers, tid, rank, world, flags1 + _i64(rank * MAX_BLOCKS + bid) * 4, target)
-        _wait(my_base, tid, rank, world, flags1 + _i64(bid) * 4, target, err_addr, timeout_ns)
+        _handshake(peers, my_base, tid, bid, rank, world, flags1, target, err_addr, timeout_ns)
         cute.arch.sync_threads()
         # reduce my chunk's slice, keep it, and push it to every peer's gather slot
-        v = rank * chunk + b0 + tid
-        vend = rank * chunk + b1
-        if vend > nvec:
-            vend = nvec
+        v, vend = _chunk_span(rank, chunk, b0, b1, nvec, tid)
         if cutlass.const_expr(multimem):
             while v < vend:
                 off = _i64(v) * VEC_BYTES
@@ -540,17 +556,13 @@ def _make_twoshot(is_bf16: bool, variant: str):
         cute.arch.sync_threads()
         if cutlass.const_expr(multimem):
             ptx.fence_acq_rel_sys()
-        _signal(peers, tid, rank, world, flags2 + _i64(rank * MAX_BLOCKS + bid) * 4, target)
-        _wait(my_base, tid, rank, world, flags2 + _i64(bid) * 4, target, err_addr, timeout_ns)
+        _handshake(peers, my_base, tid, bid, rank, world, flags2, target, err_addr, timeout_ns)
         cute.arch.sync_threads()
         # copy the other owners' reduced slices out of my gather slot (push: they are in out already)
         if cutlass.const_expr(not push):
             for c in cutlass.range(world):
                 if cutlass.const_expr(multimem) or c != rank:
-                    v = c * chunk + b0 + tid
-                    vend = c * chunk + b1
-                    if vend > nvec:
-                        vend = nvec
+                    v, vend = _chunk_span(c, chunk, b0, b1, nvec, tid)
                     _copy(my_base + gather, oa, v, vend, True)
         ptx.advance_epoch(my_base, state_off, tid, nb, target)
 
@@ -580,28 +592,17 @@ def _make_twoshot_symm(is_bf16: bool):
                world: cutlass.Int32, x_off: cutlass.Int64, o_off: cutlass.Int64, flag_off: cutlass.Int64,
                state_off: cutlass.Int64, err_addr: cutlass.Int64, timeout_ns: cutlass.Int64,
                nvec: cutlass.Int32):
-        tid, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        nb, _, _ = cute.arch.grid_dim()
-        my_base = peers[rank]
-        epoch = ptx.ld_relaxed_gpu(my_base + state_off)
+        tid, bid, nb = _grid()
+        my_base, epoch = _flag_epoch(peers, rank, state_off)
         target = epoch + 1
         flags0 = flag_off
         flags1 = flag_off + _i64(MAX_WORLD * MAX_BLOCKS * 4)
         pr = _load_peers(peers, world)
-        _signal(peers, tid, rank, world, flags0 + _i64(rank * MAX_BLOCKS + bid) * 4, target)
-        _wait(my_base, tid, rank, world, flags0 + _i64(bid) * 4, target, err_addr, timeout_ns)
+        _handshake(peers, my_base, tid, bid, rank, world, flags0, target, err_addr, timeout_ns)
         cute.arch.sync_threads()
         chunk = (nvec + world - 1) // world
-        per = (chunk + nb - 1) // nb
-        b0 = bid * per
-        b1 = b0 + per
-        if b1 > chunk:
-            b1 = chunk
-        v = rank * chunk + b0 + tid
-        vend = rank * chunk + b1
-        if vend > nvec:
-            vend = nvec
+        b0, b1 = _block_range(chunk, bid, nb)
+        v, vend = _chunk_span(rank, chunk, b0, b1, nvec, tid)
         acc = cute.make_rmem_tensor(cute.make_layout(UNROLL * epv), cutlass.Float32)
         stage = cute.make_rmem_tensor(cute.make_layout(UNROLL * 4), cutlass.Int32)
         while v < vend:
@@ -625,8 +626,7 @@ def _make_twoshot_symm(is_bf16: bool):
                             ptx.st_v4(pr[r] + o_off + _i64(v + u * THREADS) * VEC_BYTES, res)
             v += UNROLL * THREADS
         cute.arch.sync_threads()
-        _signal(peers, tid, rank, world, flags1 + _i64(rank * MAX_BLOCKS + bid) * 4, target)
-        _wait(my_base, tid, rank, world, flags1 + _i64(bid) * 4, target, err_addr, timeout_ns)
+        _handshake(peers, my_base, tid, bid, rank, world, flags1, target, err_addr, timeout_ns)
         ptx.advance_epoch(my_base, state_off, tid, nb, target)
 
     @cute.jit
@@ -697,12 +697,9 @@ def _make_twoshot_pipe(is_bf16: bool):
                world: cutlass.Int32, ws_off: cutlass.Int64, cap: cutlass.Int64, flag_off: cutlass.Int64,
                state_off: cutlass.Int64, err_addr: cutlass.Int64, timeout_ns: cutlass.Int64,
                nvec: cutlass.Int32):
-        tid, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        nb, _, _ = cute.arch.grid_dim()
+        tid, bid, nb = _grid()
         t0 = ptx.globaltimer()  # every wait of this call is bounded by timeout_ns from here
-        my_base = peers[rank]
-        epoch = ptx.ld_relaxed_gpu(my_base + state_off)
+        my_base, epoch = _flag_epoch(peers, rank, state_off)
         base = (epoch + 1) * PIPE_STEP
         par = _i64(epoch & 1)
         xa = x.iterator.toint()
@@ -785,9 +782,7 @@ def _make_oneshot_rmsnorm(is_bf16: bool, lamport: bool):
                ws_off: cutlass.Int64, cap: cutlass.Int64, flag_off: cutlass.Int64, state_off: cutlass.Int64,
                err_addr: cutlass.Int64, timeout_ns: cutlass.Int64, eps: cutlass.Float32,
                w_shift: cutlass.Float32, hvec: cutlass.Int32, rows: cutlass.Int32):
-        tid, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        nb, _, _ = cute.arch.grid_dim()
+        tid, bid, nb = _grid()
         smem_alloc = cutlass.utils.SmemAllocator()
         smem = smem_alloc.allocate_tensor(cutlass.Float32, cute.make_layout(THREADS // 32), byte_alignment=16)
         cute.arch.griddepcontrol_wait()  # PDL launch: the previous kernel's writes are visible
@@ -831,8 +826,7 @@ def _make_oneshot_rmsnorm(is_bf16: bool, lamport: bool):
             _lamport_clear(my_base, ws_off, cap, clr, dirty, rank, world, tid, bid, nb)
         else:
             cute.arch.sync_threads()
-            _signal(peers, tid, rank, world, flag_off + _i64(rank * MAX_BLOCKS + bid) * 4, target)
-            _wait(my_base, tid, rank, world, flag_off + _i64(bid) * 4, target, err_addr, timeout_ns)
+            _handshake(peers, my_base, tid, bid, rank, world, flag_off, target, err_addr, timeout_ns)
             cute.arch.sync_threads()
         acc = cute.make_rmem_tensor(cute.make_layout(epv), cutlass.Float32)
         stage = cute.make_rmem_tensor(cute.make_layout(MAX_WORLD * 4), cutlass.Int32)
