@@ -35,7 +35,8 @@ grep -E "^ +model|^ +qwen" "$OUT/perf.log" || tail -20 "$OUT/perf.log"
 python3 - "$OUT/moe_prefill.json" <<'PY' 2>&1
 import json, sys
 rows = json.load(open(sys.argv[1]))["rows"]
-names = sorted({k[:-3] for r in rows for k in r if k.startswith("ws_fp8_contig") and k.endswith("_ms")})
+names = sorted({k[:-3] for r in rows for k in r  # w13 + w2 per variant (per-GEMM times: gpu_prefill_sweep.sh)
+                if k.startswith("ws_fp8_contig") and k.endswith("_ms") and not k.endswith(("_w13_ms", "_w2_ms"))})
 print(f"{'model':>13} {'T':>6} " + " ".join(f"{n.replace('ws_fp8_', ''):>16}" for n in names)
       + f" {'bf16 ms':>8} {'best TF/s':>9} {'x bf16':>6}   (ms, w13 + w2)")
 for r in rows:

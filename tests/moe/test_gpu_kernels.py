@@ -95,6 +95,33 @@ def test_grouped_gemm_contiguous_tile_walk_edges(gemm, variant, tile_expert):
     assert torch.isnan(out[~used]).all()
 
 
+@pytest.mark.parametrize("role", backend.GEMM_ROLES)
+def test_contig_table_choice(gemm, role, monkeypatch):
+    """A call that names its GEMM runs the table's variant for its row count (each size band of
+    Sm90Gemm.CONTIG_TABLE, clusters passed where needed): bitwise the output of that variant named
+    explicitly, and the fp32 product of the dequantized operands; rows of unused (-1) tiles stay NaN."""
+    monkeypatch.delenv(backend.ENV_CONTIG_VARIANT, raising=False)
+    g = backend.Sm90Gemm(gemm.mod, gemm.ws, "auto")
+    gen = torch.Generator(device="cuda").manual_seed(len(role))
+    n, k, e = 384, 256, 8
+    for lo, _ in g.contig_table[role]:
+        tiles = max(lo // 128, 3) + 5
+        te = torch.sort(torch.randint(0, e, (tiles,), device="cuda", generator=gen)).values.int()
+        te[torch.rand(tiles, device="cuda", generator=gen) < 0.05] = -1
+        variant = g.contig_variant(role, 128 * tiles)
+        _need(gemm, variant)
+        a, b, sa, sb = _operands(True, (128 * tiles,), n, k, e, gen)
+        out = torch.full((128 * tiles, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        g(a, b, out, sa, sb, te, False, role=role)
+        named = torch.full_like(out, float("nan"))
+        g(a, b, named, sa, sb, te, False, variant=variant)
+        assert torch.equal(out.isnan(), named.isnan()) and torch.equal(out.nan_to_num(), named.nan_to_num()), variant
+        ref = reference.grouped_gemm(a, b, torch.zeros(128 * tiles, n, device="cuda"), sa, sb, te, False)
+        used = (te >= 0).repeat_interleave(128)
+        assert _rel(out[used], ref[used]) < 1e-2, variant
+        assert torch.isnan(out[~used]).all(), variant
+
+
 @pytest.mark.parametrize("variant", list(backend.Sm90Gemm.CLUSTERED))
 @pytest.mark.parametrize("clusters", [1, 3])
 def test_cluster_grid_gives_identical_output(gemm, variant, clusters, monkeypatch):
