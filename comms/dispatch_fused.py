@@ -5,9 +5,10 @@ device in ``dp_ep`` mode. Everything is allocated here, once: heap regions (size
 `max_tokens_per_rank`), the packed expert inputs and their metadata, and a pinned error word.
 `dispatch` and `combine` launch one kernel each on the current stream with no host sync, so both
 can be captured in a CUDA graph; results live in the pre-allocated buffers and stay valid until
-the next `dispatch`. The grid is chosen per call (`blocks_for`): every source signals once per
-epoch whatever its block count, so ranks need not agree on it. Errors (a peer past `timeout_s`, expert capacity overflow) are recorded by
-the kernels in the error word; `check()` synchronises and raises them.
+the next `dispatch`. The grid is chosen per call (`blocks_for`): every block arrives by itself and
+each source adds ARRIVAL_STEP per epoch whatever its block count, so ranks need not agree on it.
+Errors (a peer past `timeout_s`, expert capacity overflow) are recorded by the kernels in the error
+word; `check()` synchronises and raises them.
 
 Kernels come from the ahead-of-time bundle (`aot.function`, `nvl72 kernels build`); without one,
 aot JIT-compiles them with CuTeDSL as its logged development path.
@@ -29,6 +30,7 @@ CHUNK_BYTES = 2048
 MAX_WORLD, MAX_LOCAL, MAX_PAIRS = 128, 512, 1024
 TOPK_VARIANTS = (1, 2, 4, 6, 8, 10)
 THREADS, PROBE_PHASES = 256, 8
+ARRIVAL_STEP = 1024  # arrival counter units per source and epoch: bounds the grid
 DISPATCH_PHASES = ("start", "A sent", "signalled", "waited", "tables", "C packed")
 COMBINE_PHASES = ("start", "row starts", "A sent", "signalled", "waited", "B summed")
 _ERR_KINDS = {1: "dispatch wait", 2: "combine wait", 3: "capacity"}
@@ -116,8 +118,9 @@ class FusedDispatch:
     def set_blocks(self, nblocks: int | None) -> None:
         """Grid of later calls: a fixed block count, or None to size it per call (`auto_blocks`).
         Takes effect at the next launch (a captured graph keeps the grid it was captured with)."""
-        if nblocks is not None and not 1 <= nblocks <= self.sms:
-            raise ValueError(f"nblocks={nblocks} must be in [1, {self.sms}] (one co-resident block per SM)")
+        if nblocks is not None and not 1 <= nblocks <= min(self.sms, ARRIVAL_STEP):
+            raise ValueError(f"nblocks={nblocks} must be in [1, {min(self.sms, ARRIVAL_STEP)}] "
+                             "(one co-resident block per SM)")
         self.nblocks = nblocks
 
     def blocks_for(self, tokens: int) -> int:

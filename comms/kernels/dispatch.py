@@ -3,10 +3,12 @@
 One kernel each; both are CUDA-graph safe (every epoch and counter lives in device memory, no host
 round trip) and every wait on a peer is bounded by `timeout_ns` of %globaltimer (on expiry the
 error word gets a code and the kernel carries on, so the host raises instead of the GPU hanging).
-All blocks of a launch must be co-resident (grid <= SM count, one block per SM): a rank's arrival
-(its own included) is signalled by its launch's last block to take a ticket, so every block waits
-for every block of every launch of the epoch. The grid is any 1..SM count, chosen per call and per
-rank (`comms.dispatch_fused.auto_blocks`).
+All blocks of a launch must be co-resident (grid <= SM count, one block per SM): every block
+arrives on every rank by itself (`_arrive`: one red.release.sys per destination, no ticket chain,
+no fence, no last block) and every block waits for every block of every launch of the epoch. One
+source adds exactly ARRIVAL_STEP per epoch to each counter whatever its grid (block 0 adds the
+correction ARRIVAL_STEP + 1 - nb, the others 1), so the grid is any 1..SM count, chosen per call
+and per rank (`comms.dispatch_fused.auto_blocks`).
 
 Heap regions (byte offsets chosen by `comms.dispatch_fused`, identical on every rank; R ranks,
 M = max tokens per rank, K = top-k, L = local experts):
@@ -16,30 +18,31 @@ M = max tokens per rank, K = top-k, L = local experts):
                          that expert (so packing needs no cross-block scan on the receiver)
   rstamp int32 [R, M]    dispatch epoch at which row (s, t) was written (stale rows: older epochs)
   rntok int32 [R]        tokens of source s this epoch;  recnt int32 [R, L] entries per (s, expert)
-  dcnt  int32 [R]        dispatch arrival counters (source s adds 1 per epoch: monotonic, wrap-safe)
+  dcnt  int32 [R]        dispatch arrival counters (source s adds ARRIVAL_STEP per epoch; a rank at
+                         epoch e waits for cnt - e * ARRIVAL_STEP >= 0 modulo 2**32: wrap-safe)
   cx    bf16  [R, M, H]  combine partials: row (s, t) = rank s's partial for my token t
   ccnt  int32 [R]        combine arrival counters
-  state int32 [4]        dispatch epoch, dispatch ticket, combine epoch, combine ticket
+  state int32 [4]        dispatch epoch, -, combine epoch, combine ticket (the SKIP_FLAGS debug
+                         variants' exit hand-off only); block 0 stores the new epoch after its wait
 
 dispatch (one launch):
   A. send: the last E warps scan this rank's tokens for one global expert each (ballot + popc) and
      write each hit's index (rslot) and the per-(rank, expert) count (recnt) to the owner; all
      warps copy 2 KiB chunks of token rows (16-byte vectors, 4 per lane) to every distinct
      destination rank of the token (once per rank, not per expert), plus ids, weights and stamp.
-     Block barrier, then thread 0: fence.acq_rel.sys (the block's writes) and a ticket (atom.acq_rel.gpu);
-     the launch's last block resets the ticket, stores the new epoch (every block read the old one at
-     its start; no exit barrier needed) and red.release.sys.add(dcnt[me] on every rank d), so each
-     source arrives once per epoch whatever its grid: ranks and calls may use different block counts
-     (the host sizes the grid per call from the token count).
-  B. wait until dcnt[s] reaches epoch for every s (acquire, bounded; warp 0, convergent).
+     Block barrier, then lane d of warp 0 releases the block's arrival into dcnt[me] on rank d
+     (red.release.sys; block 0's lanes store rntok[me] on d first); see `_arrive`.
+  B. wait until dcnt[s] - epoch * ARRIVAL_STEP >= 0 for every s (acquire, bounded; warp 0,
+     convergent); barrier; block 0 stores the epoch for the next launch (`_store_epoch`).
   C. pack: each block builds the (source, expert) exclusive prefix of recnt and the expert bases
-     in shared memory; then warps take (received row, chunk) units: load the chunk once and store
+     in shared memory (one barrier masked, two contiguous); then warps take (received row, chunk)
+     units: load the chunk once and store
      it to every local expert slot of the row at base[e] + prefix[s, e] + rslot. Output order
      (per expert: source rank, then token) equals the torch reference's.
 combine (one launch):
   A. per (received row, chunk): sum over the row's local slots (ascending) of w * y in fp32
      (mul.rn then add.rn: no FMA, bitwise the reference's arithmetic), round to bf16, store into
-     the owner's cx[me, t]; signal ccnt like dispatch; wait.
+     the owner's cx[me, t]; arrive on ccnt like dispatch; wait; block 0 stores the epoch.
   B. per (own token, chunk): sum the partials of the token's distinct ranks in ascending rank
      order in fp32, round to bf16.
 Phase probe: a non-zero `probe` address makes thread 0 of every block store %globaltimer (int64) at
@@ -65,6 +68,7 @@ MAX_WORLD = 128      # shared-memory table bounds (checked on the host)
 MAX_LOCAL = 512
 MAX_PAIRS = 1024     # R * L (source rank, local expert) pairs
 TOPK_VARIANTS = (1, 2, 4, 6, 8, 10)
+ARRIVAL_STEP = 1024  # counter units one source adds per epoch (>= any grid: see _arrive)
 PROBE_PHASES = 8     # int64 stamps per block in the probe buffer
 DISPATCH_PHASES = ("start", "A sent", "signalled", "waited", "tables", "C packed")
 COMBINE_PHASES = ("start", "row starts", "A sent", "signalled", "waited", "B summed")
@@ -120,6 +124,13 @@ def wrap_sub(a, b, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def wrap_mul(a, b, *, loc=None, ip=None) -> Int32:
+    """a * b modulo 2**32 (the arrival target epoch * ARRIVAL_STEP wraps with the epoch)."""
+    return Int32(ptx._asm(T.i32(), [ptx._i32(a, loc, ip), ptx._i32(b, loc, ip)], "mul.lo.s32 $0, $1, $2;",
+                          "=r,r,r", loc, ip))
+
+
+@dsl_user_op
 def fma_bf16x2_sel(lo, hi, v, w, ok, *, loc=None, ip=None):
     """(lo, hi) + w * bf16x2(v) in fp32 (mul.rn, add.rn: never fused) where ok != 0, else (lo, hi)."""
     r = ptx._asm(ptx._struct(2, "f32"),
@@ -151,22 +162,46 @@ def _i64(v):
 
 
 @cute.jit
-def _signal_all(peers: cute.Tensor, my_base, tid, nb, world, cnt_off, state_off, epoch, rank):
-    """After a bar.sync: thread 0 makes the block's writes visible system-wide (fence.acq_rel.sys) and
-    takes a ticket (atom.acq_rel.gpu on state[1]); the launch's last block resets the ticket, stores
-    `epoch` into state[0] for the next launch and releases one arrival into dcnt/ccnt[rank] on every
-    rank. One arrival per source and epoch, so the target does not depend on any rank's grid. Every
-    block read state[0] at its start, before its ticket, so the store needs no exit barrier; thread 0
-    of the last block acquired every block's ticket release before its red.release.sys (causality
-    order is transitive). No loop here spins."""
-    if tid == 0:
-        ptx.fence_acq_rel_sys()
-        t = ptx.atom_add_acq_rel_gpu(my_base + state_off + 4, 1)
-        if t == nb - 1:
-            ptx.st_relaxed_gpu(my_base + state_off + 4, 0)  # the next launch starts from 0 (stream order)
-            ptx.st_relaxed_gpu(my_base + state_off, epoch)
-            for d in cutlass.range(world):
-                red_add_release_sys(peers[d] + cnt_off + _i64(rank) * 4, 1)
+def _arrive(peers: cute.Tensor, tid, bid, nb, world, cnt_off, rank, ntok_off, ntok, with_ntok: cutlass.Constexpr):
+    """After a bar.sync: this block's arrival on every rank d, released by lane d % 32 of warp 0 with
+    one red.release.sys.add into cnt[rank] on d. Block 0 adds ARRIVAL_STEP + 1 - nb, the others 1,
+    so one source adds exactly ARRIVAL_STEP per epoch whatever its grid (ranks and calls may differ).
+    `with_ntok`: block 0's lane d first stores this launch's token count into rntok[rank] on d (the
+    same thread's release covers it: no extra barrier).
+
+    Why the release covers the whole block: every write of the block is ordered before the bar.sync,
+    which synchronises the block's threads (PTX memory model: bar.sync synchronizes-with bar.sync);
+    the red is a release pattern of the lane, and causality order is transitive, so every write
+    the block made before the barrier happens-before any acquire that observes the red -- or a later
+    red of the same counter (atomic adds form a release sequence). A waiter that sees
+    cnt >= epoch * ARRIVAL_STEP (wrap_sub, see _wait_all) has observed every add of the epoch: the
+    adds are positive, sum to ARRIVAL_STEP, and a source issues its next epoch's adds only in its next
+    launch, after this one completed (stream order). A source is never two epochs ahead of a waiter
+    (its next wait needs the waiter's arrival), so cnt - target stays within +-ARRIVAL_STEP: wrap-safe.
+    No loop here spins; the destination loop is warp-uniform."""
+    if tid < 32:
+        inc = Int32(1)
+        if bid == 0:
+            inc = ARRIVAL_STEP + 1 - nb
+        d0 = Int32(0)
+        while d0 < world:
+            d = d0 + tid
+            if d < world:
+                db = peers[d]
+                if cutlass.const_expr(with_ntok):
+                    if bid == 0:
+                        st_b32(db + ntok_off + _i64(rank) * 4, ntok)
+                red_add_release_sys(db + cnt_off + _i64(rank) * 4, inc)
+            d0 += 32
+
+
+@cute.jit
+def _store_epoch(my_base, state_off, tid, bid, epoch):
+    """After the wait and its bar.sync: block 0 stores `epoch` for the next launch. Every block of
+    this launch read the old value at its start, before its arrival on this rank, and the wait
+    acquired all of those arrivals, so each read happens-before this store and cannot see it."""
+    if (bid == 0) & (tid == 0):
+        ptx.st_relaxed_gpu(my_base + state_off, epoch)
 
 
 @cute.jit
@@ -217,25 +252,24 @@ def _warp_inclusive_scan(v, lane):
 
 
 @cute.jit
-def _row_starts(my_base, rntok_off, tid, world, rstart: cute.Tensor):
+def _row_starts(my_base, rntok_off, lane, active, world, rstart: cute.Tensor):
     """rstart[s] = sum of rntok[< s] (received rows of earlier sources), rstart[world] = total.
-    Warp 0 scans 32 sources per step."""
-    if tid < 32:
+    The warp with `active` set scans 32 sources per step; the caller's bar.sync publishes it."""
+    if active:
         carry = Int32(0)
         s0 = Int32(0)
         while s0 < world:
-            s = s0 + tid
+            s = s0 + lane
             n = Int32(0)
             if s < world:
                 n = ld_b32_cg(my_base + rntok_off + _i64(s) * 4)
-            incl = _warp_inclusive_scan(n, tid)
+            incl = _warp_inclusive_scan(n, lane)
             if s < world:
                 rstart[s + 1] = carry + incl
             carry = carry + cute.arch.shuffle_sync(incl, 31)
             s0 = s0 + 32
-        if tid == 0:
+        if lane == 0:
             rstart[0] = Int32(0)
-    cute.arch.sync_threads()
 
 
 @cute.jit
@@ -346,70 +380,70 @@ def _make_dispatch(K: int):
 
         cute.arch.sync_threads()
         _stamp(probe, tid, bid, 1)
-        if bid == 0:
-            d = tid
-            while d < world:
-                st_b32(peers[d] + off_rntok + _i64(rank) * 4, ntok)
-                d += THREADS
-            cute.arch.sync_threads()
-        _signal_all(peers, me, tid, nb, world, off_dcnt, off_state, epoch, rank)
+        _arrive(peers, tid, bid, nb, world, off_dcnt, rank, off_rntok, ntok, True)
         _stamp(probe, tid, bid, 2)
 
-        # ---- B. wait for every source (one arrival per source and epoch)
-        _wait_all(me, tid, world, off_dcnt, epoch, err_addr, timeout_ns, ERR_DISPATCH_TIMEOUT)
+        # ---- B. wait for every block of every source (ARRIVAL_STEP per source and epoch)
+        _wait_all(me, tid, world, off_dcnt, wrap_mul(epoch, ARRIVAL_STEP), err_addr, timeout_ns,
+                  ERR_DISPATCH_TIMEOUT)
         cute.arch.sync_threads()
+        _store_epoch(me, off_state, tid, bid, epoch)
         _stamp(probe, tid, bid, 3)
 
-        # ---- C. pack into per-local-expert rows
+        # ---- C. pack into per-local-expert rows. Tables first: per local expert (one thread each)
+        # the exclusive prefix of recnt over sources and the total; the last warp scans the sources'
+        # row starts meanwhile. Masked: bases e * cap are known, one barrier; contiguous: warp 0 then
+        # scans the totals into bases (second barrier).
         smem = SmemAllocator()
         pre = smem.allocate_tensor(Int32, cute.make_layout(MAX_PAIRS))
         base = smem.allocate_tensor(Int32, cute.make_layout(MAX_LOCAL + 1))
         rstart = smem.allocate_tensor(Int32, cute.make_layout(MAX_WORLD + 1))
-        npairs = world * nlocal
-        i = tid
-        while i < npairs:
-            pre[i] = ld_b32_cg(me + off_recnt + _i64(i) * 4)
-            i += THREADS
-        _row_starts(me, off_rntok, tid, world, rstart)
+        _row_starts(me, off_rntok, lane, tid // 32 == WARPS - 1, world, rstart)
         e = tid
-        while e < nlocal:  # exclusive prefix over sources, per local expert
+        while e < nlocal:
             acc = Int32(0)
             for s in cutlass.range(world):
-                cnt = pre[s * nlocal + e]
+                cnt = ld_b32_cg(me + off_recnt + (_i64(s) * nlocal + e) * 4)
                 pre[s * nlocal + e] = acc
                 acc = acc + cnt
-            base[e] = acc
-            e += THREADS
-        cute.arch.sync_threads()
-        if tid < 32:  # warp 0: expert bases (contiguous: exclusive scan of the totals), counts, offsets
-            carry = Int32(0)
-            e0 = Int32(0)
-            while e0 < nlocal:
-                e2 = e0 + tid
-                cnt = Int32(0)
-                if e2 < nlocal:
-                    cnt = base[e2]
-                incl = _warp_inclusive_scan(cnt, tid)
-                if e2 < nlocal:
-                    b = e2 * cap
-                    if contiguous != 0:
-                        b = carry + incl - cnt
-                    base[e2] = b
-                    if bid == 0:
-                        counts[e2] = cnt
-                        offsets[e2] = b
-                    if cnt > cap:
-                        ptx.st_release_sys(err_addr, ERR_CAPACITY | e2)
-                carry = carry + cute.arch.shuffle_sync(incl, 31)
-                e0 = e0 + 32
-            if tid == 0:
-                last = nlocal * cap
-                if contiguous != 0:
-                    last = carry
-                base[nlocal] = last
+            if contiguous != 0:
+                base[e] = acc  # the total, scanned into the base below
+            else:
+                base[e] = e * cap
                 if bid == 0:
-                    offsets[nlocal] = last
+                    counts[e] = acc
+                    offsets[e] = e * cap
+                if acc > cap:
+                    ptx.st_release_sys(err_addr, ERR_CAPACITY | e)
+            e += THREADS
+        if (contiguous == 0) & (bid == 0) & (tid == 0):
+            offsets[nlocal] = nlocal * cap
         cute.arch.sync_threads()
+        if contiguous != 0:
+            if tid < 32:  # warp 0: bases = exclusive scan of the totals; counts, offsets
+                carry = Int32(0)
+                e0 = Int32(0)
+                while e0 < nlocal:
+                    e2 = e0 + tid
+                    cnt = Int32(0)
+                    if e2 < nlocal:
+                        cnt = base[e2]
+                    incl = _warp_inclusive_scan(cnt, tid)
+                    if e2 < nlocal:
+                        b = carry + incl - cnt
+                        base[e2] = b
+                        if bid == 0:
+                            counts[e2] = cnt
+                            offsets[e2] = b
+                        if cnt > cap:
+                            ptx.st_release_sys(err_addr, ERR_CAPACITY | e2)
+                    carry = carry + cute.arch.shuffle_sync(incl, 31)
+                    e0 = e0 + 32
+                if tid == 0:
+                    base[nlocal] = carry
+                    if bid == 0:
+                        offsets[nlocal] = carry
+            cute.arch.sync_threads()
         _stamp(probe, tid, bid, 4)
 
         total = rstart[world]
@@ -541,7 +575,8 @@ def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = Fals
             _trace(err_addr, gw, lane, TR_START, bid, me + off_state)
         smem = SmemAllocator()
         rstart = smem.allocate_tensor(Int32, cute.make_layout(MAX_WORLD + 1))
-        _row_starts(me, off_rntok, tid, world, rstart)
+        _row_starts(me, off_rntok, lane, tid < 32, world, rstart)
+        cute.arch.sync_threads()
         _stamp(probe, tid, bid, 1)
 
         # ---- A. partial sums over this rank's experts, back to the token's owner
@@ -615,10 +650,13 @@ def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = Fals
         cute.arch.sync_threads()
         _stamp(probe, tid, bid, 2)
         if cutlass.const_expr(not skip & SKIP_FLAGS):
-            _signal_all(peers, me, tid, nb, world, off_ccnt, off_state + 8, epoch, rank)
+            _arrive(peers, tid, bid, nb, world, off_ccnt, rank, off_rntok, 0, False)
             _stamp(probe, tid, bid, 3)
-            _wait_all(me, tid, world, off_ccnt, epoch, err_addr, timeout_ns, ERR_COMBINE_TIMEOUT)
+            _wait_all(me, tid, world, off_ccnt, wrap_mul(epoch, ARRIVAL_STEP), err_addr, timeout_ns,
+                      ERR_COMBINE_TIMEOUT)
         cute.arch.sync_threads()
+        if cutlass.const_expr(not skip & SKIP_FLAGS):
+            _store_epoch(me, off_state + 8, tid, bid, epoch)
         _stamp(probe, tid, bid, 4)
         if cutlass.const_expr(trace):
             _trace(err_addr, gw, lane, TR_WAITED, 0, oa)
@@ -686,7 +724,7 @@ def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = Fals
         if cutlass.const_expr(trace):
             _trace(err_addr, gw, lane, TR_B_DONE, 0, me + off_state + 8)
         _stamp(probe, tid, bid, 5)
-        if cutlass.const_expr(skip & SKIP_FLAGS):  # no _signal_all: advance the epoch at the exit
+        if cutlass.const_expr(skip & SKIP_FLAGS):  # no arrivals: advance the epoch at the exit
             ptx.advance_epoch(me, off_state + 8, tid, nb, epoch)
         if cutlass.const_expr(trace):
             _trace(err_addr, gw, lane, TR_EXIT, 0, me)

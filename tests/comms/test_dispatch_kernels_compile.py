@@ -33,6 +33,7 @@ def test_host_mirrors_kernel_constants():
     assert host.CHUNK_BYTES == k.CHUNK_VEC * 16
     assert (host.MAX_WORLD, host.MAX_LOCAL, host.MAX_PAIRS) == (k.MAX_WORLD, k.MAX_LOCAL, k.MAX_PAIRS)
     assert host.TOPK_VARIANTS == k.TOPK_VARIANTS
+    assert host.ARRIVAL_STEP == k.ARRIVAL_STEP
     assert {1: k.ERR_DISPATCH_TIMEOUT, 2: k.ERR_COMBINE_TIMEOUT, 3: k.ERR_CAPACITY} == {
         kind: kind << 16 for kind in host._ERR_KINDS}
 

@@ -1,51 +1,77 @@
-"""The fused kernels' arrival protocol (comms/kernels/dispatch.py `_signal_all` / `_wait_all`) and
-the per-call grid rule (`comms.dispatch_fused.auto_blocks`), modelled on a CPU.
+"""The fused kernels' arrival protocol (comms/kernels/dispatch.py `_arrive` / `_wait_all` /
+`_store_epoch`) and the per-call grid rule (`comms.dispatch_fused.auto_blocks`), modelled on a CPU.
 
-Every block of a launch takes a ticket (atom.add returns the old value); the block that draws
-nb - 1 resets the ticket and adds 1 to cnt[source] on every rank; a rank at epoch e proceeds once
-cnt[s] - e >= 0 (mod 2**32) for every s. The model interleaves blocks of all ranks at random, with a
-different grid per rank and per epoch, and checks that a wait passes exactly when every block of
-every source's launch of that epoch has signalled -- including across the int32 wrap."""
+Every block of a launch adds to cnt[source] on every rank by itself: block 0 adds
+ARRIVAL_STEP + 1 - nb, the others 1; a rank at epoch e proceeds once cnt[s] - e * ARRIVAL_STEP >= 0
+(int32 arithmetic modulo 2**32: the kernels' mul.lo / sub.s32) for every s. The model runs ranks
+asynchronously -- a rank starts its next launch as soon as its own wait passed, so a fast source's
+next-epoch blocks land while slower ranks still wait -- with blocks of all ranks interleaved at
+random and a different grid per rank and per epoch, and checks that a wait passes exactly when every
+block of every source's launch of that epoch has arrived, including across the int32 wrap."""
 import random
 
 import pytest
 
 from comms import dispatch_fused as host
 
-
-def _wrap_sub(a, b):
-    """int32 a - b modulo 2**32, as the kernels' sub.s32."""
-    d = (a - b) & 0xFFFFFFFF
-    return d - (1 << 32) if d >= 1 << 31 else d
+STEP = host.ARRIVAL_STEP
 
 
 def _i32(v):
-    return _wrap_sub(v, 0)
+    """v modulo 2**32 as a signed int32 (the kernels' wrapping arithmetic)."""
+    d = v & 0xFFFFFFFF
+    return d - (1 << 32) if d >= 1 << 31 else d
 
 
-@pytest.mark.parametrize("world,start", [(2, 0), (3, 0), (4, 2**31 - 3), (8, 2**32 - 2)])
-def test_one_arrival_per_source_and_epoch_whatever_the_grids(world, start):
-    rng = random.Random(world)
-    cnt = [[_i32(start)] * world for _ in range(world)]   # cnt[receiver][source], as left by `start` epochs
-    ticket = [0] * world
-    for e in range(start + 1, start + 6):
-        epoch = _i32(e)
-        grids = [rng.randint(1, 132) for _ in range(world)]   # ranks need not agree
-        pending = [(r, b) for r in range(world) for b in range(grids[r])]
-        rng.shuffle(pending)
-        arrived = [0] * world
-        for r, _ in pending:
-            t = ticket[r]
-            ticket[r] += 1
-            if t == grids[r] - 1:
-                ticket[r] = 0
-                for d in range(world):
-                    cnt[d][r] = _i32(cnt[d][r] + 1)
-            arrived[r] += 1
-            for me in range(world):  # the wait of every rank passes iff all blocks of all sources arrived
-                passes = all(_wrap_sub(cnt[me][s], epoch) >= 0 for s in range(world))
-                assert passes == all(arrived[s] == grids[s] for s in range(world)), (e, me, arrived, grids)
-        assert ticket == [0] * world, "tickets are reset for the next launch"
+def _wrap_sub(a, b):
+    return _i32(a - b)
+
+
+@pytest.mark.parametrize("world,start", [(2, 0), (3, 0), (4, 2**31 // STEP - 2), (5, 2**32 // STEP - 2),
+                                         (8, 2**32 - 3)])
+def test_each_block_arrives_and_a_source_adds_one_step_per_epoch(world, start):
+    rng = random.Random(world * 7919 + start)
+    epochs = 6
+    # counters as left by `start` completed epochs; cnt[receiver][source]
+    cnt = [[_i32(start * STEP)] * world for _ in range(world)]
+    grids = [[rng.randint(1, 132) for _ in range(world)] for _ in range(epochs)]  # per epoch, per rank
+    launched = [0] * world          # epochs (after start) whose launch this rank has begun
+    todo = [[] for _ in range(world)]  # blocks of the current launch not yet arrived
+    arrived = [[0] * world for _ in range(epochs)]  # [epoch][source] blocks arrived
+    waiting = [False] * world
+    done = [0] * world
+    for r in range(world):
+        todo[r], waiting[r], launched[r] = list(range(grids[0][r])), True, 1
+    while min(done) < epochs:
+        r = rng.randrange(world)
+        e = launched[r] - 1
+        if done[r] == epochs:
+            continue
+        if todo[r]:  # a random block of r's current launch arrives on every rank
+            b = todo[r].pop(rng.randrange(len(todo[r])))
+            inc = STEP + 1 - grids[e][r] if b == 0 else 1
+            assert inc >= 1
+            for d in range(world):
+                cnt[d][r] = _i32(cnt[d][r] + inc)
+            arrived[e][r] += 1
+        target = _i32((start + e + 1) * STEP)  # the kernel: wrap_mul(epoch, ARRIVAL_STEP)
+        for s in range(world):
+            assert -STEP <= _wrap_sub(cnt[r][s], target) <= STEP, "a source ran two epochs ahead"
+        passes = all(_wrap_sub(cnt[r][s], target) >= 0 for s in range(world))
+        complete = all(arrived[e][s] == grids[e][s] for s in range(world))
+        assert passes == complete, (e, r, arrived[e], grids[e])
+        if passes and not todo[r]:  # r's wait passed and its blocks are in: its next launch may start
+            done[r] += 1
+            if done[r] < epochs:
+                launched[r] += 1
+                todo[r] = list(range(grids[e + 1][r]))
+    for d in range(world):
+        assert cnt[d] == [_i32((start + epochs) * STEP)] * world
+
+
+def test_any_grid_fits_one_step():
+    """Block 0's correction stays positive for every grid the host allows (<= SM count)."""
+    assert host.ARRIVAL_STEP >= 1024 > 148  # B200 has 148 SMs, H200 132
 
 
 def test_auto_grid_fits_the_work():
