@@ -133,14 +133,15 @@ class Sm90Gemm:
     # variants' CTA tile is 128 x 256 (two 128-column halves, an odd last half left unstored;
     # _n256 without the warpgroups' issue turns, _e4 with 4 epilogue buffers, _mc on 2-CTA clusters
     # sharing the B tile through TMA multicast, _mc_e2 the same with 2 epilogue buffers, _sp with each
-    # K step's scales loaded one step ahead)
+    # K step's scales loaded one step ahead, _mc_e2_sp both)
     WS_CONTIG = [
         "ws_fp8_contig", "ws_fp8_contig_serial", "ws_fp8_contig_pingpong", "ws_fp8_contig_n256",
         "ws_fp8_contig_n256_e4", "ws_fp8_contig_n256_mc", "ws_fp8_contig_n256_mc_e2", "ws_fp8_contig_n256_sp",
+        "ws_fp8_contig_n256_mc_e2_sp",
     ]
     # variants launched in clusters: (CTAs per cluster, threads per CTA); they take one more argument
     # after aux, the count of clusters to launch (the device's co-resident ones, moe.occupancy)
-    CLUSTERED = {"ws_fp8_contig_n256_mc": (2, 384), "ws_fp8_contig_n256_mc_e2": (2, 384)}
+    CLUSTERED = {v: (2, 384) for v in ("ws_fp8_contig_n256_mc", "ws_fp8_contig_n256_mc_e2", "ws_fp8_contig_n256_mc_e2_sp")}
     # masked variants with the compact tile walk: their shared prefix array holds this many experts
     # (moe.kernels.sm90_grouped_gemm_ws.MAX_EXPERTS)
     COMPACT_MAX_EXPERTS = {

@@ -74,7 +74,8 @@ Prefill options of the 128 x 256 kernel (not measured yet; the A/B against _n256
     after issuing the step's wgmmas and waits for them before promoting, so each half-step's promotion
     can wait on an L2 round trip (more than the ~64 x 128 x 128 wgmma of a warpgroup takes). Registers:
     2 x (2 + 2) more per consumer thread, no spills (ptxas -v on the PTX).
-  * _n256_mc_e2: _n256_mc with the 2 epilogue buffers of _n256 (the A/B for the _e4 part of _mc).
+  * _n256_mc_e2: _n256_mc with the 2 epilogue buffers of _n256 (the A/B for the _e4 part of _mc);
+    _n256_mc_e2_sp: that with prefetch_scales.
 NUM_SMS is H100/H200 SXM's 132 (the 1-CTA kernels' grid): on a part with fewer SMs the extra CTAs
 wait for a free SM (correct, not optimal).
 """
@@ -609,20 +610,24 @@ class GroupedGemmSm90WSPingPong(GroupedGemmSm90WS):
     @cute.jit
     def _mainloop_prefetched(
         self, ab_pipe, cons, mmas, part, acc0, acc1, tCrA, tCrB, num_kb, my_turn, pass_turn,
-        mSA, mSB, tCcC, fa, sb, t, pre_t, pm, pn, nb1, expert, k_tiles, tiles_m, tiles_n, num_tiles, n_ctas, aux,
+        mSA, mSB, tCcC, fa, sb, t, pre_t, pm, pn, nb1, expert, k_tiles, tiles_m, tiles_n, num_tiles, n_ctas, aux, rank,
     ):
         """The K loop of one tile with the scales of each K step loaded one step ahead (prefetch_scales):
         while the wgmmas of step kt run, the consumers load the scales of step kt + 1, or on the last
         step those of the first step of this CTA's next tile when it is active (this tile's first step
         otherwise: an in-bounds load nobody uses), so a promotion never waits on a global load. The
         first tile, and one that follows an unused (-1) tile, loads its first step's scales up front.
+        Cluster kernels: tiles are the cluster walk's units (the m tile whose operands this CTA loads).
         Returns (consumer state, the tile whose first-step scales fa[0] / sb[0] now hold, or -1)."""
         reps, slot = self._row_slots(tCcC)
         n_rows = len(reps)
         if pre_t != t:
             self._load_scales(mSA, mSB, tCcC, fa, sb, 0, 0, pm, 2 * pn, nb1, expert)
         tn = t + n_ctas
-        qm, qn, _, qe, qa = self._tile(cutlass.min(tn, num_tiles - 1), tiles_m, tiles_n, 1, aux, None)
+        if cutlass.const_expr(self.cluster > 1):
+            qm, qn, qe, qa, _, _ = self._unit(cutlass.min(tn, num_tiles - 1), tiles_m, tiles_n, aux, rank)
+        else:
+            qm, qn, _, qe, qa = self._tile(cutlass.min(tn, num_tiles - 1), tiles_m, tiles_n, 1, aux, None)
         nxt = cutlass.Int32(tn < num_tiles) * cutlass.Int32(qa)  # 1: the next tile is real and active
         qb1 = cutlass.min(2 * qn + 1, tiles_n - 1)
         for kt in cutlass.range(k_tiles, unroll=1):
@@ -802,7 +807,7 @@ class GroupedGemmSm90WSPingPong(GroupedGemmSm90WS):
                         cons, pre_t = self._mainloop_prefetched(
                             ab_pipe, cons, mmas, part, acc0, acc1, tCrA, tCrB, num_kb, my_turn, pass_turn,
                             mSA, mSB, tCcC, fa, sb, t, pre_t, pm, pn, nb1, expert, k_tiles, tiles_m, tiles_n,
-                            num_tiles, n_ctas, aux,
+                            num_tiles, n_ctas, aux, rank,
                         )
                     else:
                         for kt in cutlass.range(k_tiles, unroll=1):
@@ -842,8 +847,10 @@ class GroupedGemmSm90WSCluster(GroupedGemmSm90WSPingPong):
     every cluster starts at once and the persistent walk strides by the clusters launched (a cluster
     that had to wait for a free pair of SMs would run its whole share of units as a second wave)."""
 
-    def __init__(self, masked: bool = False, ordered: bool = True, epi_buffers: int | None = None):
-        super().__init__(masked=masked, ordered=ordered, epi_buffers=epi_buffers)
+    def __init__(
+        self, masked: bool = False, ordered: bool = True, epi_buffers: int | None = None, prefetch_scales: bool = False
+    ):
+        super().__init__(masked=masked, ordered=ordered, epi_buffers=epi_buffers, prefetch_scales=prefetch_scales)
         self.cluster = 2
 
     @cute.jit
@@ -941,6 +948,8 @@ VARIANTS = {
     "ws_fp8_contig_n256_mc_e2": dict(masked=False, ordered=False, cls=GroupedGemmSm90WSCluster),
     # _n256 with each K step's scale factors loaded one step ahead (prefetch_scales), across tiles too
     "ws_fp8_contig_n256_sp": dict(masked=False, ordered=False, prefetch_scales=True, cls=GroupedGemmSm90WSPingPong),
+    # both: _n256_mc_e2 with prefetch_scales
+    "ws_fp8_contig_n256_mc_e2_sp": dict(masked=False, ordered=False, prefetch_scales=True, cls=GroupedGemmSm90WSCluster),
     "ws_fp8_masked_swapab": dict(masked=True, n_wg=2, tile_n=32),
     "ws_fp8_masked_swapab_m64n16": dict(masked=True, n_wg=1, tile_n=16),
     # decode: compact walk + scale prefetch (module docstring); 128 and 64 weight rows per tile

@@ -5,9 +5,9 @@
 # Carry: .gpucarry-moe5 (`nvl72 kernels build --arch sm_90a --out .gpucarry-moe5 --module
 # moe.kernels.sm90_grouped_gemm --module moe.kernels.sm90_grouped_gemm_ws`).
 # 1) the @gpu tests of the new contiguous variants (_n256_sp: scales prefetched one K step ahead,
-#    _n256_mc_e2: the cluster kernel with 2 epilogue buffers; fp32 reference, NaN-poisoned outputs, odd
-#    tile counts, an empty expert, the tile-walk edges, the cluster grid) and of Sm90Gemm's per-GEMM
-#    table (role w13 / w2: the table's variant for each size band, bitwise the named variant's output);
+#    _n256_mc_e2: the cluster kernel with 2 epilogue buffers, _n256_mc_e2_sp: both; fp32 reference,
+#    NaN-poisoned outputs, odd tile counts, an empty expert, the tile-walk edges, the cluster grid) and
+#    of Sm90Gemm's per-GEMM table (role w13 / w2: the table's variant for each size band, bitwise the named variant's output);
 # 2) perf.moe at 4096 and 16384 tokens, Qwen3-235B then Qwen3.5-397B (one call each), with each ws
 #    variant, torch bf16 and torch FP8 row-wise timed per GEMM (w13, w2) in the same run.
 # Logs and JSON under $OUT; last, a table per model and T: each variant's w13 / w2 ms, the fastest w13 +
@@ -22,7 +22,7 @@ timeout 70 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/moe/test_gp
   -k "n256_sp or n256_mc_e2 or contig_table" > "$OUT/pytest_prefill.log" 2>&1
 rc=$?; echo "pytest (new contiguous variants, per-GEMM table) rc=$rc"
 grep -E "^(FAILED|ERROR)" "$OUT/pytest_prefill.log" | head -12; tail -2 "$OUT/pytest_prefill.log"
-VARIANTS=contig,contig_n256,contig_n256_e4,contig_n256_mc,contig_n256_mc_e2,contig_n256_sp
+VARIANTS=contig,contig_n256,contig_n256_e4,contig_n256_mc,contig_n256_mc_e2,contig_n256_sp,contig_n256_mc_e2_sp
 if [ "$rc" = 124 ]; then  # a hung new kernel would hang perf.moe too: time the measured ones only
   VARIANTS=contig,contig_n256,contig_n256_e4,contig_n256_mc; echo "pytest timed out: perf.moe without the new variants"
 fi

@@ -34,7 +34,8 @@ def test_sm90_ws_grouped_gemm_compiles():
     assert "ws_fp8_contig_pingpong" in fns
     with pytest.raises(ValueError, match="masked=True"):
         mod.GroupedGemmSm90WSPingPong(masked=True)
-    assert {"ws_fp8_contig_n256_e4", "ws_fp8_contig_n256_mc", "ws_fp8_contig_n256_mc_e2", "ws_fp8_contig_n256_sp"} <= set(fns)
+    assert {"ws_fp8_contig_n256_e4", "ws_fp8_contig_n256_mc", "ws_fp8_contig_n256_mc_e2", "ws_fp8_contig_n256_sp",
+            "ws_fp8_contig_n256_mc_e2_sp"} <= set(fns)
     assert {"ws_fp8_masked_swapab_cpo_kg2", "ws_fp8_masked_swapab_cpo_kg4"} <= set(fns)
     with pytest.raises(ValueError, match="masked=True"):
         mod.GroupedGemmSm90WSCluster(masked=True)
