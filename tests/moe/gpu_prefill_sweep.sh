@@ -7,7 +7,8 @@
 # 1) the @gpu tests of the new contiguous variants (_n256_sp: scales prefetched one K step ahead,
 #    _n256_mc_e2: the cluster kernel with 2 epilogue buffers, _n256_mc_e2_sp: both; fp32 reference,
 #    NaN-poisoned outputs, odd tile counts, an empty expert, the tile-walk edges, the cluster grid) and
-#    of Sm90Gemm's per-GEMM table (role w13 / w2: the table's variant for each size band, bitwise the named variant's output);
+#    of Sm90Gemm's per-GEMM table (role w13 / w2: the table's variant for each size band, bitwise the
+#    named variant's output);
 # 2) perf.moe at 4096 and 16384 tokens, Qwen3-235B then Qwen3.5-397B (one call each), with each ws
 #    variant, torch bf16 and torch FP8 row-wise timed per GEMM (w13, w2) in the same run.
 # Logs and JSON under $OUT; last, a table per model and T: each variant's w13 / w2 ms, the fastest w13 +
