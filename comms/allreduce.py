@@ -15,16 +15,19 @@ Algorithms (kernels in `comms.kernels.allreduce`, loaded from the `aot` bundle):
             two_shot_all_reduce_), writes only over NVLink: each rank pushes the chunks it does not
             own to their owners, each owner stores its sum straight into every rank's out; no
             gather slot and no copy-out. Other inputs (not in the heap, or not whole 16-byte
-            vectors) run the staged twoshot. Chosen by name only (not measured yet)
+            vectors) run the staged twoshot. `auto` picks it in the two-shot range when x and
+            out are both such heap buffers (measured best there, see below)
   twoshot_pipe  two-shot in 32 KiB tiles with per-tile flags: reduce-scatter of tile k+1, reduce
             of tile k (pushed straight to the peers) and the copy-out of tile k-1 overlap; chosen
-            by name only (not measured yet, so `auto` never picks it)
+            by name only (`auto` does not pick it; its times on ordinary tensors are below)
   multimem  two-shot through NVLink SHARP (multimem.ld_reduce/st); needs a heap created with
             enable_multicast=True on a device with multicast
   nccl      torch.distributed.all_reduce on the heap's (NCCL) group
   reference the CPU path: torch.distributed (gloo) all_reduce in fp32; what the tests compare to
 `auto` picks once per size class from `select_algo` (the crossovers below); the choice for a
 given size is logged the first time it is made, never changed silently.
+`blocks` (AllReduce keyword) fixes the grid of the two-shot kernels (twoshot, its in-heap forms,
+twoshot_pipe, multimem) instead of `twoshot_blocks` / `pipe_blocks`: see AllReduce.
 
 Measured crossovers (2 x H200 NV18, bf16, multicast off, CUDA-graph replay, us per all-reduce,
 2026-11-21; full table and command in perf/RESULTS.md):
@@ -38,6 +41,15 @@ Measured crossovers (2 x H200 NV18, bf16, multicast off, CUDA-graph replay, us p
   128 MiB      -     446.23   398.88  470.92    736.53 / 494.81               twoshot
 (lamport is capped at LAMPORT_MAX_BYTES; above max_bytes auto uses nccl; multimem would replace
 twoshot where multicast is enabled: not measured, the lent hosts must not create multicast.)
+With x and out both in the heap (`symmetric_empty`; in place as torch's two_shot_all_reduce_ on
+symmetric memory), 2 x H200, bf16, graph replay, us, 2026-11-22T03:33Z (perf/RESULTS.md, "In-place
+write-only two-shot"):
+  (twoshot and twoshot_pipe there on ordinary tensors, the others on heap buffers)
+  size      twoshot(staged)  twoshot_symm  twoshot_push  twoshot_pipe  torch two_shot   -> auto
+  16 MiB        66.00           60.63         59.84         60.94          62.83          oneshot (<= 16 MiB)
+  32 MiB       186.36          123.65        114.62        116.36         119.84          twoshot_push
+  64 MiB       210.55          221.40        201.24        213.18         222.89          twoshot_push
+  128 MiB      401.80          416.12        382.07        399.01         423.95          twoshot_push
 
 Semantics: sums in fp32 in rank order, rounded once to the input dtype; every rank gets bitwise
 the same result. add_rmsnorm: `res = (sum_r x_r + residual)` rounded to the dtype, then
@@ -82,8 +94,11 @@ class AllReduceTimeoutError(AllReduceError):
     """A kernel's bounded wait on a peer expired (the peer did not arrive in time)."""
 
 
-def select_algo(nbytes: int, world: int, *, device: str, multicast: bool, max_bytes: int) -> str:
-    """The `auto` choice for one message size (pure: tested on CPU); sizes are padded bytes."""
+def select_algo(nbytes: int, world: int, *, device: str, multicast: bool, max_bytes: int,
+                in_heap: bool = False) -> str:
+    """The `auto` choice for one message size (pure: tested on CPU); sizes are padded bytes.
+    in_heap: x and out are both heap buffers the in-heap kernels take (`buffers_in_heap`): the
+    two-shot range then runs twoshot_push (measured fastest there; multicast still prefers multimem)."""
     if nbytes < 0 or world < 1:
         raise AllReduceError(f"select_algo(nbytes={nbytes}, world={world}): need nbytes >= 0, world >= 1")
     if device == "cpu":
@@ -94,15 +109,23 @@ def select_algo(nbytes: int, world: int, *, device: str, multicast: bool, max_by
         return "lamport"
     if nbytes <= ONESHOT_MAX_BYTES:
         return "oneshot"
-    return "multimem" if multicast else "twoshot"
+    if multicast:
+        return "multimem"
+    return "twoshot_push" if in_heap else "twoshot"
+
+
+def buffers_in_heap(x_off: int | None, o_off: int | None, nbytes: int) -> bool:
+    """True when x and out, at heap offsets x_off / o_off (None: not in the heap), can run the
+    in-heap two-shot kernels: both in the heap, 16-byte aligned and whole vectors long."""
+    return (x_off is not None and o_off is not None and nbytes % VEC_BYTES == 0
+            and x_off % VEC_BYTES == 0 and o_off % VEC_BYTES == 0)
 
 
 def heap_kernel(algo: str, x_off: int | None, o_off: int | None, nbytes: int) -> str:
     """The kernel that runs `algo` for x and out at heap offsets x_off / o_off (None: not in the
     heap): twoshot -> twoshot_symm and twoshot_push -> its own kernel when both are in the heap,
     16-byte aligned and whole vectors long; otherwise twoshot_push runs the staged twoshot."""
-    in_heap = (x_off is not None and o_off is not None and nbytes % VEC_BYTES == 0
-               and x_off % VEC_BYTES == 0 and o_off % VEC_BYTES == 0)
+    in_heap = buffers_in_heap(x_off, o_off, nbytes)
     if algo == "twoshot" and in_heap:
         return "twoshot_symm"
     if algo == "twoshot_push":
@@ -134,13 +157,21 @@ def pipe_blocks(nvec: int, world: int) -> int:
     return max(1, min(MAX_BLOCKS, -(-ntiles // 2)))
 
 
-def pipe_schedule(nvec: int, world: int, nblocks: int) -> list[list[list[tuple[int, int]]]]:
-    """The twoshot_pipe kernel's tile walk: [block][step] -> the (start, end) vector span of that
-    tile in every owner's chunk, owner r at index r. Block b's step k is tile b + k * nblocks."""
+def pipe_tiles(nvec: int, world: int, nblocks: int) -> int:
+    """Tiles per chunk of twoshot_pipe; raises if a block would walk more than PIPE_STEP - 1 of
+    them (its per-tile flag count would reach the next call's values)."""
     chunk = -(-nvec // world)
     ntiles = -(-chunk // PIPE_TILE)
     if -(-ntiles // nblocks) >= PIPE_STEP:
         raise AllReduceError(f"twoshot_pipe: {ntiles} tiles over {nblocks} blocks exceed {PIPE_STEP - 1} steps")
+    return ntiles
+
+
+def pipe_schedule(nvec: int, world: int, nblocks: int) -> list[list[list[tuple[int, int]]]]:
+    """The twoshot_pipe kernel's tile walk: [block][step] -> the (start, end) vector span of that
+    tile in every owner's chunk, owner r at index r. Block b's step k is tile b + k * nblocks."""
+    chunk = -(-nvec // world)
+    ntiles = pipe_tiles(nvec, world, nblocks)
     walk = []
     for b in range(nblocks):
         steps = []
@@ -149,6 +180,24 @@ def pipe_schedule(nvec: int, world: int, nblocks: int) -> list[list[list[tuple[i
                            min(c * chunk + t * PIPE_TILE + PIPE_TILE, (c + 1) * chunk, nvec)) for c in range(world)])
         walk.append(steps)
     return walk
+
+
+def twoshot_grid(kernel: str, nvec: int, world: int, blocks: int | None) -> int:
+    """Blocks of a two-shot family launch (`kernel` as `heap_kernel` names it) for nvec vectors:
+    `blocks` (AllReduce's override, already clamped) or the kernel's default grid."""
+    if blocks is not None:
+        return blocks
+    return pipe_blocks(nvec, world) if kernel == "twoshot_pipe" else twoshot_blocks(nvec, world)
+
+
+def check_blocks(blocks) -> int | None:
+    """AllReduce's `blocks`: None, or an int clamped to 1..MAX_BLOCKS (the flag arrays hold
+    MAX_BLOCKS blocks); raises for < 1 or a non-integer."""
+    if blocks is None:
+        return None
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+        raise AllReduceError(f"blocks={blocks!r}: expected None or an int >= 1 (clamped to {MAX_BLOCKS})")
+    return min(blocks, MAX_BLOCKS)
 
 
 def reference_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -176,12 +225,23 @@ class AllReduce:
         pdl: launch the Lamport kernels with programmatic dependent launch on non-default streams
             (CUDA-graph capture included): their blocks become resident while the previous kernel
             on the stream finishes and wait for it on the device. False: ordinary launches.
+        blocks: grid of the two-shot family (twoshot, twoshot_symm, twoshot_push, twoshot_pipe,
+            multimem, also when `auto` picks them); None: `twoshot_blocks` / `pipe_blocks` (256
+            from 16 MiB up on 2 ranks). An int is clamped to 1..MAX_BLOCKS; any count splits
+            correctly (`twoshot_slices`). Residency: block b of a launch waits on block b of
+            every peer, so blocks beyond those co-resident (512 threads each; ptxas 13.0 -v of
+            the sm_90a PTX: twoshot / twoshot_symm / twoshot_push 102-106 registers per thread
+            in bf16, 82-90 in fp32 -> 1 block per SM, 132 on an H100/H200; twoshot_pipe 64 ->
+            2 per SM) run in later waves and rely on both GPUs dispatching blocks in index order,
+            as the default 256 already does; another kernel holding SMs at the same time shrinks
+            the first wave. Oneshot and lamport keep their own grids.
     """
 
     def __init__(self, heap: SymmetricHeap, algo: str = "auto", *, max_bytes: int = DEFAULT_MAX_BYTES,
-                 timeout_s: float = 10.0, pdl: bool = True):
+                 timeout_s: float = 10.0, pdl: bool = True, blocks: int | None = None):
         if algo not in ALGOS:
             raise AllReduceError(f"algo={algo!r}: expected one of {ALGOS}")
+        self.blocks = check_blocks(blocks)
         if max_bytes <= 0 or max_bytes % VEC_BYTES:
             raise AllReduceError(f"max_bytes={max_bytes}: expected a positive multiple of {VEC_BYTES}")
         self.heap = heap
@@ -223,8 +283,8 @@ class AllReduce:
         self._err = torch.zeros(4, dtype=torch.int32, pin_memory=True)  # written by kernels (UVA)
         self._kernels: dict = {}
         heap.barrier()
-        log.info("AllReduce: rank %d/%d on %s, algo=%s, max_bytes=%d, multicast=%s", self.rank, self.world,
-                 self.device, algo, max_bytes, self.multicast)
+        log.info("AllReduce: rank %d/%d on %s, algo=%s, max_bytes=%d, multicast=%s, blocks=%s", self.rank,
+                 self.world, self.device, algo, max_bytes, self.multicast, self.blocks or "default")
 
     # --- public API -------------------------------------------------------------------------
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -234,7 +294,7 @@ class AllReduce:
             self._check_input(out, "out")
             if out.shape != x.shape or out.dtype != x.dtype:
                 raise AllReduceError(f"out {tuple(out.shape)}/{out.dtype} does not match x {tuple(x.shape)}/{x.dtype}")
-        algo = self.algo_for(x)
+        algo = self.algo_for(x, out)
         if algo == "reference":
             y = reference_all_reduce(x, self.group)
             return out.copy_(y) if out is not None else y
@@ -291,7 +351,9 @@ class AllReduce:
         off = self.heap.alloc(max(1, n) * torch.empty((), dtype=dtype).element_size())
         return self.heap.buffer(off, shape, dtype)
 
-    def algo_for(self, x: torch.Tensor) -> str:
+    def algo_for(self, x: torch.Tensor, out: torch.Tensor | None = None) -> str:
+        """The algorithm a call with x (and out) runs: the fixed one, or `auto`'s choice (heap
+        buffers for both x and out make the two-shot range twoshot_push)."""
         nbytes = x.numel() * x.element_size()
         if self.algo != "auto":
             limit = self.lam_cap if self.algo == "lamport" else self.max_bytes
@@ -299,8 +361,10 @@ class AllReduce:
                 raise AllReduceError(f"{nbytes} bytes exceed this AllReduce's limit of {limit} bytes for "
                                      f"algo={self.algo!r} (max_bytes={self.max_bytes})")
             return self.algo
+        in_heap = (out is not None and self.device.type == "cuda"
+                   and buffers_in_heap(self.heap.offset_of(x), self.heap.offset_of(out), nbytes))
         algo = select_algo(self._padded_bytes(x), self.world, device=self.device.type, multicast=self.multicast,
-                           max_bytes=self.max_bytes)
+                           max_bytes=self.max_bytes, in_heap=in_heap)
         key = (algo, x.dtype)
         if key not in self._chosen:
             self._chosen[key] = nbytes
@@ -366,10 +430,10 @@ class AllReduce:
         nvec = xf.numel() // epv
         if algo in ("oneshot", "lamport"):
             nblocks = max(1, min(MAX_BLOCKS, -(-nvec // THREADS)))
-        elif algo == "twoshot_pipe":
-            nblocks = pipe_blocks(nvec, self.world)
         else:
-            nblocks = twoshot_blocks(nvec, self.world)
+            nblocks = twoshot_grid(algo, nvec, self.world, self.blocks)
+            if algo == "twoshot_pipe":
+                pipe_tiles(nvec, self.world, nblocks)
         if algo == "lamport":
             args = [xf, of, self.heap.peer_ptrs, self.rank, self.world, self.lam_off, self.lam_cap,
                     self._lam_state_addr, self._err.data_ptr(), int(self.timeout_s * 1e9)]
@@ -388,7 +452,7 @@ class AllReduce:
         return out
 
     def _launch_symm(self, x, out, x_off, o_off):
-        nblocks = twoshot_blocks(x.numel() * x.element_size() // VEC_BYTES, self.world)
+        nblocks = twoshot_grid("twoshot_symm", x.numel() * x.element_size() // VEC_BYTES, self.world, self.blocks)
         self._call(self._kernel("twoshot_symm", x.dtype), x.view(-1), out.view(-1), self.heap.peer_ptrs, self.rank,
                    self.world, x_off, o_off, self.flag_off, self.state_off, self._err.data_ptr(),
                    int(self.timeout_s * 1e9), nblocks)

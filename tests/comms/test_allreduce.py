@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 
 from comms.allreduce import (LAMPORT_MAX_BYTES, MAX_BLOCKS, ONESHOT_MAX_BYTES, PIPE_TILE, THREADS, AllReduce,
-                             AllReduceError, heap_kernel, pipe_blocks, pipe_schedule, rmsnorm_reference, select_algo,
-                             twoshot_blocks, twoshot_slices)
+                             AllReduceError, buffers_in_heap, check_blocks, heap_kernel, pipe_blocks, pipe_schedule,
+                             pipe_tiles, rmsnorm_reference, select_algo, twoshot_blocks, twoshot_grid, twoshot_slices)
 from tests.comms.test_heap import run_ranks
 
 
@@ -28,6 +28,51 @@ def test_select_algo_by_size_and_capability():
     assert select_algo(1 << 30, 4, device="cpu", multicast=False, max_bytes=1) == "reference"
     with pytest.raises(AllReduceError, match="nbytes=-1"):
         select_algo(-1, 2, **kw)
+
+
+def test_select_algo_takes_twoshot_push_for_heap_buffers_in_the_twoshot_range_only():
+    kw = dict(device="cuda", multicast=False, max_bytes=128 << 20, in_heap=True)
+    for nbytes in (ONESHOT_MAX_BYTES + 16, 32 << 20, 128 << 20):
+        assert select_algo(nbytes, 2, **kw) == "twoshot_push", nbytes
+        assert select_algo(nbytes, 2, **{**kw, "in_heap": False}) == "twoshot", nbytes
+    assert select_algo(LAMPORT_MAX_BYTES, 2, **kw) == "lamport"
+    assert select_algo(ONESHOT_MAX_BYTES, 2, **kw) == "oneshot"
+    assert select_algo((128 << 20) + 16, 2, **kw) == "nccl"
+    assert select_algo(1 << 20, 9, **kw) == "nccl"
+    assert select_algo(32 << 20, 2, **{**kw, "multicast": True}) == "multimem"
+    assert select_algo(32 << 20, 2, **{**kw, "device": "cpu"}) == "reference"
+
+
+def test_buffers_in_heap_needs_both_aligned_and_whole_vectors():
+    assert buffers_in_heap(0, 0, 32) and buffers_in_heap(4096, 1 << 20, 1 << 20)
+    for xo, oo, nbytes in ((None, 0, 32), (0, None, 32), (0, 0, 8194), (8, 0, 32), (0, 24, 32)):
+        assert not buffers_in_heap(xo, oo, nbytes), (xo, oo, nbytes)
+
+
+def test_blocks_override_is_clamped_and_replaces_the_default_grid():
+    assert check_blocks(None) is None
+    assert check_blocks(1) == 1 and check_blocks(132) == 132 and check_blocks(MAX_BLOCKS + 1) == MAX_BLOCKS
+    for bad in (0, -3, 1.5, True, "132"):
+        with pytest.raises(AllReduceError, match="blocks="):
+            check_blocks(bad)
+    nvec = (128 << 20) // 16
+    assert twoshot_grid("twoshot_push", nvec, 2, None) == twoshot_blocks(nvec, 2) == MAX_BLOCKS
+    assert twoshot_grid("twoshot_pipe", 4097, 2, None) == pipe_blocks(4097, 2)
+    assert twoshot_grid("twoshot_push", nvec, 2, 132) == 132 and twoshot_grid("twoshot_pipe", 1, 2, 7) == 7
+    assert pipe_tiles(nvec, 2, 1) == nvec // 2 // PIPE_TILE
+    with pytest.raises(AllReduceError, match="exceed"):
+        pipe_tiles(PIPE_TILE * (1 << 16) + 1, 1, 1)
+
+
+@pytest.mark.parametrize("nblocks", [1, 7, 132, 176, 220, MAX_BLOCKS])
+def test_twoshot_slices_cover_128MiB_once_for_any_block_count(nblocks):
+    nvec, world = (128 << 20) // 16 + 3, 2  # a short last chunk
+    seen = torch.zeros(nvec, dtype=torch.int32)
+    for spans in twoshot_slices(nvec, world, nblocks):
+        for a, e in spans:
+            assert a <= e
+            seen[a:e] += 1
+    assert torch.equal(seen, torch.ones_like(seen)), f"{nblocks} blocks: every vector in one slice"
 
 
 def test_heap_kernel_runs_twoshot_push_only_for_aligned_heap_buffers():
@@ -209,6 +254,9 @@ def _body(rank, world):
             AllReduce(heap, algo)
     with pytest.raises(AllReduceError, match="algo='fastest'"):
         AllReduce(heap, "fastest")
+    with pytest.raises(AllReduceError, match="blocks=0"):
+        AllReduce(heap, blocks=0)
+    assert AllReduce(heap, blocks=MAX_BLOCKS + 1).blocks == MAX_BLOCKS
     heap.destroy()
 
 

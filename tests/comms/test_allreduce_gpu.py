@@ -216,6 +216,59 @@ def _push_body(rank, world):
     heap.destroy()
 
 
+def _blocks_body(rank, world):
+    """The `blocks` override (1, 7, 132, 256 blocks) of twoshot, twoshot_push and twoshot_pipe, on
+    ordinary tensors and on heap buffers (twoshot -> twoshot_symm; twoshot_push in place too),
+    bf16 and fp32: bitwise equal to the staged twoshot on its default grid and within tolerance
+    of the fp32 sum; then `auto` (with blocks=132) past the one-shot range: twoshot_push for heap
+    x and out, the staged twoshot for an ordinary out, the same bits."""
+    from comms import AllReduce, SymmetricHeap
+
+    dev = torch.device("cuda", rank)
+    heap = SymmetricHeap(dist.group.WORLD, (5 * world + 2) * (30 << 20) + (64 << 20), dev, timeout_s=60)
+    base = AllReduce(heap, "twoshot", max_bytes=1 << 20, timeout_s=5)
+    ars = {(a, b): AllReduce(heap, a, max_bytes=1 << 20, timeout_s=5, blocks=b)
+           for b in (1, 7, 132, 256) for a in ("twoshot", "twoshot_push", "twoshot_pipe")}
+    xbuf, obuf = base.symmetric_empty(1 << 20, torch.uint8), base.symmetric_empty(1 << 20, torch.uint8)
+    case = 0
+    for dtype in (torch.bfloat16, torch.float32):
+        es = torch.empty((), dtype=dtype).element_size()
+        n = 65533 * 16 // es  # an odd number of vectors: unequal chunks
+        xs, os_ = xbuf[:n * es].view(dtype), obuf[:n * es].view(dtype)
+        for (algo, b), ar in ars.items():
+            case += 1
+            x = _inputs(rank, n, dtype, case, dev)
+            y = base(x)
+            got = ar(x)
+            xs.copy_(x)
+            ar(xs, out=os_)
+            torch.cuda.synchronize()
+            ar.check()
+            err = _rel(y, _ref(world, n, dtype, case, dev))
+            assert err <= TOL[dtype], f"twoshot {dtype}: rel err {err:.3g}"
+            assert torch.equal(got, y), f"{algo} blocks={b} {dtype}: ordinary tensors differ from the default grid"
+            assert torch.equal(os_, y), f"{algo} blocks={b} {dtype}: heap buffers differ from the default grid"
+            if algo == "twoshot_push":
+                ar(xs, out=xs)
+                torch.cuda.synchronize()
+                assert torch.equal(xs, y), f"twoshot_push blocks={b} {dtype}: in place differs"
+    nbig = ((16 << 20) + 4096) // 2  # bf16 elements just past the one-shot range
+    auto = AllReduce(heap, "auto", max_bytes=nbig * 2, timeout_s=5, blocks=132)
+    xb = auto.symmetric_empty(nbig, torch.bfloat16)
+    assert auto.algo_for(xb, xb) == "twoshot_push" and auto.algo_for(xb) == "twoshot"
+    assert auto.algo_for(xb, torch.empty_like(xb)) == "twoshot" and auto.algo_for(xb[:4096], xb[:4096]) == "lamport"
+    case += 1
+    x = _inputs(rank, nbig, torch.bfloat16, case, dev)
+    y = auto(x)
+    xb.copy_(x)
+    auto(xb, out=xb)
+    torch.cuda.synchronize()
+    auto.check()
+    assert _rel(y, _ref(world, nbig, torch.bfloat16, case, dev)) <= TOL[torch.bfloat16]
+    assert torch.equal(xb, y), "auto on heap buffers (twoshot_push) differs from auto on tensors (twoshot)"
+    heap.destroy()
+
+
 def _rmsnorm_body(rank, world):
     from comms import AllReduce, SymmetricHeap
     from comms.allreduce import rmsnorm_reference
@@ -312,6 +365,10 @@ def test_allreduce_gpu_twoshot_pipe(ngpu):
 
 def test_allreduce_gpu_twoshot_push(ngpu):
     run_ranks(_push_body, ngpu, backend="nccl", timeout_s=100)
+
+
+def test_allreduce_gpu_blocks_override_and_auto_on_heap_buffers(ngpu):
+    run_ranks(_blocks_body, ngpu, backend="nccl", timeout_s=100)
 
 
 def test_allreduce_gpu_add_rmsnorm(ngpu):
