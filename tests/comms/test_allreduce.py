@@ -275,3 +275,26 @@ def test_perf_graph_pivot_has_a_row_per_size_and_a_column_per_algo():
     assert lines[1].split() == ["bytes", "lamport", "lamport_nopdl", "nccl"]
     assert lines[2].split() == ["1024", "3.50", "-", "9.00"]
     assert lines[3].split() == ["2048", "4.25", "-", "-"]
+
+
+def test_perf_blocks_variants_and_ratio_table():
+    from perf.comms.allreduce import _fmt_vs, _median, parse_blocks, variants
+
+    assert parse_blocks("auto, 132,256,132") == [None, 132, 256]
+    for bad in ("0", "x", "auto,-1", ""):
+        with pytest.raises(SystemExit, match="--blocks"):
+            parse_blocks(bad)
+    assert variants(["twoshot_push", "nccl", "oneshot"], [None, 132]) == [
+        ("twoshot_push", "twoshot_push", None), ("twoshot_push@132", "twoshot_push", 132),
+        ("nccl", "nccl", None), ("oneshot", "oneshot", None)]
+    assert _median([3.0, 1.0, 2.0]) == 2.0 and _median([4.0, 1.0, 2.0, 3.0]) == 2.5
+    rows = [{"bytes": 1 << 27, "algo": "twoshot_push", "graph_us": 380.0, "graph_samples_us": [379.0, 380.0, 390.0]},
+            {"bytes": 1 << 27, "algo": "twoshot_push@132", "graph_us": 400.0},
+            {"bytes": 1 << 27, "algo": "nccl", "graph_us": 470.0},
+            {"bytes": 1 << 27, "algo": "torch_two_shot", "graph_us": 425.0},
+            {"bytes": 1 << 26, "algo": "twoshot_push", "graph_us": 200.0}]  # no torch row at 64 MiB
+    lines = _fmt_vs({"allreduce": rows, "repeat": 3}).splitlines()
+    assert "median of 3" in lines[0] and len(lines) == 4
+    assert lines[2].split() == ["134217728", "twoshot_push", "380.00", "379.0..390.0", "425.00", "0.894"]
+    assert lines[3].split()[1] == "twoshot_push@132" and lines[3].split()[-1] == "0.941"
+    assert _fmt_vs({"allreduce": rows[:3]}) == ""
