@@ -2,7 +2,8 @@
 # The small-message all-reduce GPU check (issue #6), one call on nvidia-h200-x2 (repository root, $OUT set):
 #   bash tests/comms/gpu_allreduce_small.sh
 # Carry: .gpucarry-all (`nvl72 kernels build --arch sm_90a --out .gpucarry-all`).
-# 1) tests/comms/test_allreduce_gpu.py (every algorithm, graph replay, Lamport with and without PDL,
+# 1) tests/comms/test_allreduce_gpu.py (every algorithm, graph replay, Lamport with and without PDL, the
+#    two-shot blocks override and auto on heap buffers,
 #    fused add+RMSNorm, the peer timeout);
 # 2) perf.comms allreduce from 1 KiB to 1 MiB: lamport (PDL), lamport_nopdl, oneshot, NCCL, torch
 #    symmetric memory, plus the fused add+RMSNorm rows. Logs under $OUT (test.log, perf.log,
@@ -15,7 +16,7 @@ source .gpucarry-all/sm_90a/setup_device.sh || exit 1
 export NVL72_KERNEL_BUNDLE=$PWD/.gpucarry-all
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 timeout 20 nvidia-smi -L
-timeout -k 5 100 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/comms/test_allreduce_gpu.py \
+timeout -k 5 125 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/comms/test_allreduce_gpu.py \
   > "$OUT/test.log" 2>&1
 echo "pytest tests/comms/test_allreduce_gpu.py rc=$?"
 grep -E "^(FAILED|ERROR)|Error" "$OUT/test.log" | head -8
