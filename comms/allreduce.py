@@ -226,15 +226,16 @@ class AllReduce:
             (CUDA-graph capture included): their blocks become resident while the previous kernel
             on the stream finishes and wait for it on the device. False: ordinary launches.
         blocks: grid of the two-shot family (twoshot, twoshot_symm, twoshot_push, twoshot_pipe,
-            multimem, also when `auto` picks them); None: `twoshot_blocks` / `pipe_blocks` (256
-            from 16 MiB up on 2 ranks). An int is clamped to 1..MAX_BLOCKS; any count splits
+            multimem, also when `auto` picks them); None: `twoshot_blocks` (256 from 16 MiB up on
+            2 ranks) / `pipe_blocks`. An int is clamped to 1..MAX_BLOCKS; any count splits
             correctly (`twoshot_slices`). Residency: block b of a launch waits on block b of
             every peer, so blocks beyond those co-resident (512 threads each; ptxas 13.0 -v of
-            the sm_90a PTX: twoshot / twoshot_symm / twoshot_push 102-106 registers per thread
-            in bf16, 82-90 in fp32 -> 1 block per SM, 132 on an H100/H200; twoshot_pipe 64 ->
-            2 per SM) run in later waves and rely on both GPUs dispatching blocks in index order,
-            as the default 256 already does; another kernel holding SMs at the same time shrinks
-            the first wave. Oneshot and lamport keep their own grids.
+            the sm_90a PTX, not of the bundle's own cubin: twoshot / twoshot_symm / twoshot_push
+            102-106 registers per thread in bf16, 82-90 in fp32 -> 1 block per SM, 132 on an
+            H100/H200; twoshot_pipe 64 -> 2 per SM; multimem 40 -> 3 per SM) run in later
+            waves and rely on both GPUs dispatching blocks in index order, as the default 256
+            already does; another kernel holding SMs at the same time shrinks the first wave.
+            Oneshot and lamport keep their own grids.
     """
 
     def __init__(self, heap: SymmetricHeap, algo: str = "auto", *, max_bytes: int = DEFAULT_MAX_BYTES,
