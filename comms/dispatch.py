@@ -17,6 +17,11 @@ The semantics, fixed here and matched bit for bit by the fused kernels (`comms.d
   its received rows in that order; in the ``masked`` layout entry p of local expert e is row
   ``e * cap + p`` of ``recv.x`` ([E_local, cap, H]); in the ``contiguous`` layout it is row
   ``offsets[e] + p`` of ``recv.x`` ([rows, H], offsets = exclusive cumsum of counts);
+* payload ``"mxfp8"`` (dispatch only): each token is quantized once on its source rank
+  (`comms.mxfp8.quantize`: E4M3 values, one E8M0 scale per 32 along hidden) and travels as its
+  H + H/32 bytes; ``recv.x`` holds the float8_e4m3fn values and ``recv.scales`` the uint8 scales
+  ([E_local, cap, H/32] or [rows, H/32]) in the same packed order. Combine stays in the input dtype
+  (expert outputs);
 * combine: ``partial[row] = sum_{j local, ascending} w_j * y_j`` in fp32 (mul then add, no FMA),
   rounded to the payload dtype; ``out[t] = sum_{rank ascending, t sent there} partial`` in fp32,
   rounded to the input dtype.
@@ -37,7 +42,7 @@ log = logging.getLogger(__name__)
 
 MODES = ("dp_ep", "replicated")
 LAYOUTS = ("masked", "contiguous")
-PAYLOADS = ("bf16",)
+PAYLOADS = ("bf16", "mxfp8")
 
 
 class DispatchError(RuntimeError):
@@ -66,6 +71,8 @@ class DispatchRecv:
     src_rank [rows] int32: source rank of each packed row (flattened like x's leading dims).
     src_token[rows] int32: token index on the source rank.
     weights  [rows] fp32: the router weight of this (token, expert) pair.
+    scales   payload "mxfp8" only: uint8 E8M0 scales, x's leading dims + [H/32] (x is then
+             float8_e4m3fn); None for bf16.
     """
 
     x: torch.Tensor
@@ -74,6 +81,7 @@ class DispatchRecv:
     src_rank: torch.Tensor
     src_token: torch.Tensor
     weights: torch.Tensor
+    scales: torch.Tensor | None = None
 
 
 @dataclass
@@ -186,6 +194,9 @@ class DispatchCombine:
             raise ValueError(f"layout={layout!r}, expected one of {LAYOUTS}")
         if payload not in PAYLOADS:
             raise ValueError(f"payload={payload!r} is not supported (supported: {PAYLOADS})")
+        if payload == "mxfp8" and (hidden % 32 or dtype != torch.bfloat16):
+            raise ValueError(f"payload='mxfp8' needs bf16 inputs and hidden % 32 == 0 (hidden={hidden}, "
+                             f"dtype={dtype})")
         group = getattr(heap_or_group, "group", heap_or_group)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         if num_experts % self.world:
@@ -225,16 +236,17 @@ class DispatchCombine:
         backend = "fused-cutedsl" if self._fused else (
             "local+" + ("comms.AllReduce" if self._all_reduce is not None else "torch.distributed.all_reduce")
             if mode == "replicated" else "torch.distributed.all_to_all")
-        log.info("DispatchCombine: mode=%s layout=%s backend=%s world=%d experts=%d top_k=%d hidden=%d "
-                 "max_tokens=%d cap=%d", mode, layout, backend, self.world, num_experts, top_k, hidden,
-                 max_tokens_per_rank, self.cap)
+        log.info("DispatchCombine: mode=%s layout=%s payload=%s backend=%s world=%d experts=%d top_k=%d "
+                 "hidden=%d max_tokens=%d cap=%d", mode, layout, payload, backend, self.world, num_experts, top_k,
+                 hidden, max_tokens_per_rank, self.cap)
 
     @staticmethod
-    def heap_size_hint(world: int, num_experts: int, top_k: int, hidden: int, max_tokens_per_rank: int) -> int:
+    def heap_size_hint(world: int, num_experts: int, top_k: int, hidden: int, max_tokens_per_rank: int,
+                       payload: str = "bf16") -> int:
         """Bytes of symmetric heap the fused dp_ep path allocates (size the heap with this)."""
         from comms.dispatch_fused import heap_bytes
 
-        return heap_bytes(world, num_experts, top_k, hidden, max_tokens_per_rank)
+        return heap_bytes(world, num_experts, top_k, hidden, max_tokens_per_rank, payload)
 
     # ------------------------------------------------------------------ public
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
@@ -272,27 +284,40 @@ class DispatchCombine:
             self._fused.check()
 
     # ------------------------------------------------------------------ reference: dp_ep
-    def _alloc_recv(self, device) -> tuple[torch.Tensor, int]:
-        rows = self.packed_rows
-        if self.layout == "masked":
-            x = torch.empty(self.num_local, self.cap, self.hidden, dtype=self.dtype, device=device)
-        else:
-            x = torch.empty(rows, self.hidden, dtype=self.dtype, device=device)
-        return x, rows
+    def _alloc_recv(self, device, width: int, dtype: torch.dtype) -> torch.Tensor:
+        lead = (self.num_local, self.cap) if self.layout == "masked" else (self.packed_rows,)
+        return torch.empty(*lead, width, dtype=dtype, device=device)
+
+    def _payload_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Token rows as they travel: x itself (bf16), or the MXFP8 bytes [T, H + H/32] uint8."""
+        if self.payload == "bf16":
+            return x
+        from comms import mxfp8
+
+        q, scale = mxfp8.quantize(x)
+        return torch.cat([q.view(torch.uint8), scale], dim=1)
 
     def _pack(self, rows_x, ids, weights, src_rank, src_token):
+        """rows_x: received rows as `_payload_rows` made them."""
         row, slot, index, counts, offsets = pack_entries(
             ids, self.expert_offset, self.num_local, self.cap, self.layout == "contiguous")
-        x, nrows = self._alloc_recv(rows_x.device)
-        flat = x.view(nrows, self.hidden)  # [E_local * cap, H]
-        flat[index] = rows_x[row].to(self.dtype)
+        nrows, H = self.packed_rows, self.hidden
+        scales = None
+        if self.payload == "bf16":
+            x = self._alloc_recv(rows_x.device, H, self.dtype)
+            x.view(nrows, H)[index] = rows_x[row].to(self.dtype)
+        else:  # index assignment on uint8 views (float8 lacks it on some CPU builds)
+            x = self._alloc_recv(rows_x.device, H, torch.float8_e4m3fn)
+            scales = self._alloc_recv(rows_x.device, H // 32, torch.uint8)
+            x.view(torch.uint8).view(nrows, H)[index] = rows_x[row, :H]
+            scales.view(nrows, H // 32)[index] = rows_x[row, H:]
         meta_rank = torch.full((nrows,), -1, dtype=torch.int32, device=rows_x.device)
         meta_token = torch.full((nrows,), -1, dtype=torch.int32, device=rows_x.device)
         meta_w = torch.zeros(nrows, dtype=torch.float32, device=rows_x.device)
         meta_rank[index] = src_rank[row].to(torch.int32)
         meta_token[index] = src_token[row].to(torch.int32)
         meta_w[index] = weights[row, slot].float()
-        recv = DispatchRecv(x, counts, offsets, meta_rank, meta_token, meta_w)
+        recv = DispatchRecv(x, counts, offsets, meta_rank, meta_token, meta_w, scales)
         return recv, row, slot, index
 
     def _dispatch_a2a(self, x, topk_ids, topk_weights):
@@ -309,9 +334,10 @@ class DispatchCombine:
         meta[:, :k] = topk_ids[tok].double()  # exact for ids < 2**53
         meta[:, k:2 * k] = topk_weights[tok].double()  # fp32 -> fp64 exact
         meta[:, 2 * k] = tok.double()
-        recv_x = torch.empty(n, H, dtype=x.dtype, device=x.device)
+        rows = self._payload_rows(x)  # quantized once per token, sent once per destination rank
+        recv_x = torch.empty(n, rows.shape[1], dtype=rows.dtype, device=x.device)
         recv_meta = torch.empty(n, 2 * k + 1, dtype=torch.float64, device=x.device)
-        dist.all_to_all_single(recv_x, x[tok].contiguous(), recv_counts, send_counts, group=self.group)
+        dist.all_to_all_single(recv_x, rows[tok].contiguous(), recv_counts, send_counts, group=self.group)
         dist.all_to_all_single(recv_meta, meta, recv_counts, send_counts, group=self.group)
         ids = recv_meta[:, :k].long()
         weights = recv_meta[:, k:2 * k].float()
@@ -340,7 +366,7 @@ class DispatchCombine:
         T = x.shape[0]
         src_token = torch.arange(T, device=x.device)
         src_rank = torch.full((T,), self.rank, device=x.device)
-        recv, row, slot, index = self._pack(x, topk_ids, topk_weights, src_rank, src_token)
+        recv, row, slot, index = self._pack(self._payload_rows(x), topk_ids, topk_weights, src_rank, src_token)
         handle = ReferenceHandle(T, [T], [T], src_token, topk_ids.long(), topk_weights.float(), row, slot, index)
         return recv, handle
 

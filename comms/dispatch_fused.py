@@ -46,18 +46,25 @@ class FusedHandle:
     topk_ids: torch.Tensor
 
 
-def heap_regions(world: int, num_experts: int, top_k: int, hidden: int, max_tokens: int) -> list[tuple[str, int]]:
+def staged_row_bytes(hidden: int, payload: str) -> int:
+    """Bytes one token row takes in flight (rx): bf16 values, or MXFP8 values then scales."""
+    return hidden * 2 if payload == "bf16" else hidden + hidden // 32
+
+
+def heap_regions(world: int, num_experts: int, top_k: int, hidden: int, max_tokens: int,
+                 payload: str = "bf16") -> list[tuple[str, int]]:
     """(name, bytes) of the kernels' heap regions in allocation order (see comms.kernels.dispatch)."""
     rows, L = world * max_tokens, num_experts // world
-    return [("rx", rows * hidden * 2), ("rid", rows * top_k * 4), ("rw", rows * top_k * 4),
+    return [("rx", rows * staged_row_bytes(hidden, payload)), ("rid", rows * top_k * 4), ("rw", rows * top_k * 4),
             ("rslot", rows * top_k * 4), ("rstamp", rows * 4), ("rntok", world * 4), ("recnt", world * L * 4),
             ("dcnt", world * 4), ("cx", rows * hidden * 2), ("ccnt", world * 4), ("state", 16)]
 
 
-def heap_bytes(world: int, num_experts: int, top_k: int, hidden: int, max_tokens: int) -> int:
+def heap_bytes(world: int, num_experts: int, top_k: int, hidden: int, max_tokens: int,
+               payload: str = "bf16") -> int:
     """Symmetric-heap bytes one fused DispatchCombine takes (with REGION_ALIGN-byte region alignment)."""
     return sum(-(-n // REGION_ALIGN) * REGION_ALIGN
-               for _, n in heap_regions(world, num_experts, top_k, hidden, max_tokens))
+               for _, n in heap_regions(world, num_experts, top_k, hidden, max_tokens, payload))
 
 
 def auto_blocks(world: int, num_experts: int, hidden: int, tokens: int, sms: int) -> int:
@@ -87,13 +94,15 @@ class FusedDispatch:
         self.timeout_ns = int(timeout_s * 1e9)
         rows = R * M
         self.off = {name: heap.alloc(nbytes, align=REGION_ALIGN)
-                    for name, nbytes in heap_regions(R, cfg.num_experts, K, H, M)}
+                    for name, nbytes in heap_regions(R, cfg.num_experts, K, H, M, cfg.payload)}
         heap.barrier()
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.set_blocks(nblocks)
         nrows = cfg.packed_rows
         kw = dict(device=self.device)
-        self.out_x = torch.empty(nrows, H, dtype=torch.bfloat16, **kw)
+        fp8 = cfg.payload == "mxfp8"
+        self.out_x = torch.empty(nrows, H, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, **kw)
+        self.out_s = torch.empty(nrows, H // 32, dtype=torch.uint8, **kw) if fp8 else None
         self.counts = torch.zeros(L, dtype=torch.int32, **kw)
         self.offsets = torch.zeros(L + 1, dtype=torch.int32, **kw)
         self.o_rank = torch.full((nrows,), -1, dtype=torch.int32, **kw)
@@ -101,9 +110,13 @@ class FusedDispatch:
         self.o_w = torch.zeros(nrows, dtype=torch.float32, **kw)
         self.row_pos = torch.zeros(rows * K, dtype=torch.int32, **kw)
         self.err = torch.zeros(1, dtype=torch.int32).pin_memory()  # written by the kernels (UVA)
-        self.recv_x = self.out_x.view(L, cfg.cap, H) if cfg.layout == "masked" else self.out_x
+        lead = (L, cfg.cap) if cfg.layout == "masked" else (nrows,)
+        self.recv_x = self.out_x.view(*lead, H)
+        self.recv_s = self.out_s.view(*lead, H // 32) if fp8 else None
+        # the kernel takes the E4M3 bits as uint8 (its export has no float8 tensor type)
+        self._outs = (self.out_x.view(torch.uint8), self.out_s) if fp8 else (self.out_x,)
         # From the ahead-of-time bundle (NVL72_KERNEL_BUNDLE); JIT only as aot's logged development path.
-        self._dispatch = aot.function("comms.kernels.dispatch", f"dispatch_k{K}")
+        self._dispatch = aot.function("comms.kernels.dispatch", f"dispatch_{'mxfp8_' if fp8 else ''}k{K}")
         self._combine = aot.function("comms.kernels.dispatch", f"combine_k{K}")
         o = self.off
         self._dargs = (heap.peer_ptrs, cfg.rank, R, L, M, cfg.cap, int(cfg.layout == "contiguous"), o["rx"],
@@ -162,16 +175,16 @@ class FusedDispatch:
                              f"must be [{x.shape[0]}, top_k={cfg.top_k}]")
         ids = topk_ids.to(torch.int32).contiguous()
         w = topk_weights.to(torch.float32).contiguous()
-        self._dispatch(x, ids, w, self.out_x, self.counts, self.offsets, self.o_rank, self.o_tok, self.o_w,
+        self._dispatch(x, ids, w, *self._outs, self.counts, self.offsets, self.o_rank, self.o_tok, self.o_w,
                        self.row_pos, *self._dargs, self._probe(0), self.blocks_for(x.shape[0]))
-        recv = DispatchRecv(self.recv_x, self.counts, self.offsets, self.o_rank, self.o_tok, self.o_w)
+        recv = DispatchRecv(self.recv_x, self.counts, self.offsets, self.o_rank, self.o_tok, self.o_w, self.recv_s)
         return recv, FusedHandle(x.shape[0], ids)
 
     def combine(self, expert_out: torch.Tensor, handle: FusedHandle) -> torch.Tensor:
         if not isinstance(handle, FusedHandle):
             raise TypeError(f"handle is a {type(handle).__name__}, expected FusedHandle")
         H = self.cfg.hidden
-        if expert_out.dtype != torch.bfloat16 or expert_out.numel() != self.out_x.numel():
+        if expert_out.dtype != torch.bfloat16 or expert_out.numel() != self.out_x.numel():  # bf16 either payload
             raise ValueError(f"expert_out must be bf16 shaped like recv.x {tuple(self.recv_x.shape)}, "
                              f"got {expert_out.dtype} {tuple(expert_out.shape)}")
         y = expert_out.reshape(-1, H)  # [rows, H]
@@ -196,5 +209,6 @@ class FusedDispatch:
 
     def destroy(self) -> None:
         """Drop the buffers; the heap regions stay with the heap (freed by heap.destroy())."""
-        self.out_x = self.recv_x = None
+        self.out_x = self.recv_x = self.out_s = self.recv_s = None
+        self._outs = ()
         self._dispatch = self._combine = None

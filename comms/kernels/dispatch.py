@@ -131,6 +131,44 @@ def wrap_mul(a, b, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def st_b8(addr, val, *, loc=None, ip=None) -> None:
+    ptx._asm(None, [ptx._i64(addr, loc, ip), ptx._i32(val, loc, ip)], "st.global.b8 [$0], $1;",
+             "l,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def st_v2(addr, v, *, loc=None, ip=None) -> None:
+    """8-byte store of 2 x Int32 (local or peer address)."""
+    ptx._asm(None, [ptx._i64(addr, loc, ip)] + [ptx._i32(x, loc, ip) for x in v],
+             "st.global.v2.b32 [$0], {$1, $2};", "l,r,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def absmax_bits_bf16x8(v, *, loc=None, ip=None) -> Int32:
+    """max |x| over the 8 bf16 of 4 words, as the bits of the fp32 (bf16 bits << 16). Exact: for
+    finite values |x|'s bit pattern orders like |x| (max.u16x2 of the sign-cleared halves)."""
+    return Int32(ptx._asm(T.i32(), [ptx._i32(w, loc, ip) for w in v],
+                          "{ .reg .b32 a, b, c, d; and.b32 a, $1, 0x7fff7fff; and.b32 b, $2, 0x7fff7fff; "
+                          "and.b32 c, $3, 0x7fff7fff; and.b32 d, $4, 0x7fff7fff; max.u16x2 a, a, b; "
+                          "max.u16x2 c, c, d; max.u16x2 a, a, c; shr.b32 b, a, 16; and.b32 c, a, 0xffff; "
+                          "max.u32 a, b, c; shl.b32 $0, a, 16; }", "=r,r,r,r,r", loc, ip))
+
+
+@dsl_user_op
+def e4m3x4_bf16(a, b, inv, *, loc=None, ip=None) -> Int32:
+    """Four bf16 (two words, low element first) times `inv` in fp32 (mul.rn: exact for a power of
+    two short of underflow), rounded to E4M3 (cvt.rn.satfinite: nearest even) -> 4 bytes in order."""
+    return Int32(ptx._asm(T.i32(), [ptx._i32(a, loc, ip), ptx._i32(b, loc, ip), ptx._f32(inv, loc, ip)],
+                          "{ .reg .b32 t; .reg .f32 a0, a1, b0, b1; .reg .b16 l, h; "
+                          "shl.b32 t, $1, 16; mov.b32 a0, t; and.b32 t, $1, 0xffff0000; mov.b32 a1, t; "
+                          "shl.b32 t, $2, 16; mov.b32 b0, t; and.b32 t, $2, 0xffff0000; mov.b32 b1, t; "
+                          "mul.rn.f32 a0, a0, $3; mul.rn.f32 a1, a1, $3; mul.rn.f32 b0, b0, $3; "
+                          "mul.rn.f32 b1, b1, $3; cvt.rn.satfinite.e4m3x2.f32 l, a1, a0; "
+                          "cvt.rn.satfinite.e4m3x2.f32 h, b1, b0; mov.b32 $0, {l, h}; }",
+                          "=r,r,r,f", loc, ip))
+
+
+@dsl_user_op
 def fma_bf16x2_sel(lo, hi, v, w, ok, *, loc=None, ip=None):
     """(lo, hi) + w * bf16x2(v) in fp32 (mul.rn, add.rn: never fused) where ok != 0, else (lo, hi)."""
     r = ptx._asm(ptx._struct(2, "f32"),
@@ -286,10 +324,40 @@ def _find_source(rstart: cute.Tensor, world, rr):
     return lo
 
 
+@cute.jit
+def _mx_exponent(amax_bits):
+    """Scale exponent of a 32-value block from its amax's fp32 bits, moe.mxfp8.scale_exponent's
+    rule (comms.mxfp8): s = e - 8, + 1 when the mantissa exceeds 1.75 (so amax / 2^s <= 448 never
+    saturates), -127 for an all-zero block, clamped to [-127, 127]."""
+    s = ((amax_bits >> 23) & 0xFF) - 135
+    if (amax_bits & 0x7FFFFF) > 0x600000:
+        s = s + 1
+    if amax_bits == 0:
+        s = Int32(-127)
+    return cutlass.max(cutlass.min(s, Int32(127)), Int32(-127))
+
+
+@cute.jit
+def _quantize_mx(v, lane):
+    """One lane's 8 bf16 (4 words) of a 32-value block spread over 4 neighbouring lanes -> (2 words
+    of E4M3, the block's biased E8M0 scale byte). The amax is reduced over the 4 lanes (bfly 1, 2)."""
+    a = absmax_bits_bf16x8(v)
+    a = cutlass.max(a, cute.arch.shuffle_sync_bfly(a, 1))
+    a = cutlass.max(a, cute.arch.shuffle_sync_bfly(a, 2))
+    s = _mx_exponent(a)
+    inv = ptx.i32_as_f32((127 - s) << 23)  # 2^-s: a normal fp32 for s in [-127, 126]
+    return e4m3x4_bf16(v[0], v[1], inv), e4m3x4_bf16(v[2], v[3], inv), s + 127
+
+
 # ------------------------------------------------------------------------------- dispatch
-def _make_dispatch(K: int):
+def _make_dispatch(K: int, fp8: bool = False):
+    """`fp8`: the MXFP8 payload. Each A2 unit (token, 1024 bf16) is quantized once in registers
+    (_quantize_mx: 4 lanes per 32-value block) and sent as 1 KiB of E4M3 plus 32 scale bytes into
+    the staged row (s, t) = [H E4M3 | H/32 E8M0]; C copies staged rows in 2 KiB chunks (the last
+    one partial), values to out_x [rows, H] and scales to out_s [rows, H/32]."""
     @cute.kernel
-    def kernel(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, out_x: cute.Tensor, counts: cute.Tensor,
+    def kernel(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, out_x: cute.Tensor, out_s: cute.Tensor,
+               counts: cute.Tensor,
                offsets: cute.Tensor, o_rank: cute.Tensor, o_tok: cute.Tensor, o_w: cute.Tensor,
                row_pos: cute.Tensor, peers: cute.Tensor, rank: Int32, world: Int32, ntok: Int32, nvec: Int32,
                nlocal: Int32, maxt: Int32, cap: Int32, contiguous: Int32, off_rx: Int64, off_rid: Int64,
@@ -306,10 +374,18 @@ def _make_dispatch(K: int):
         epoch = ptx.ld_relaxed_gpu(me + off_state) + 1
         xa = x.iterator.toint()
         oxa = out_x.iterator.toint()
+        osa = out_s.iterator.toint()
         nrows = out_x.shape[0]
         row_bytes = _i64(nvec) * 16
         nchunk = nvec // CHUNK_VEC
         lane_off = _i64(lane) * 16
+        rx_row = row_bytes  # bytes of a staged row in rx
+        hvec = nvec  # 16-byte vectors of values in a staged row (the rest: scales)
+        if cutlass.const_expr(fp8):
+            rx_row = _i64(nvec) * 8 + _i64(nvec // 4)
+            hvec = nvec // 2
+        rvec = Int32(rx_row // 16)
+        rchunk = (rvec + CHUNK_VEC - 1) // CHUNK_VEC
 
         # ---- A1. per-expert slot indices of this rank's tokens (the last warps: one global expert
         # each, so they overlap the row copies of A2, which start at warp 0)
@@ -362,14 +438,32 @@ def _make_dispatch(K: int):
             v2 = ptx.ld_v4(src + 1024)
             v3 = ptx.ld_v4(src + 1536)
             row = _i64(rank) * maxt + t
+            if cutlass.const_expr(fp8):
+                q0, q1, s0 = _quantize_mx(v0, lane)
+                q2, q3, s1 = _quantize_mx(v1, lane)
+                q4, q5, s2 = _quantize_mx(v2, lane)
+                q6, q7, s3 = _quantize_mx(v3, lane)
             for j in cutlass.range_constexpr(K):
                 if ((m >> j) & 1) != 0:
                     db = peers[cute.arch.shuffle_sync(dv, j)]
-                    dst = db + off_rx + row * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
-                    ptx.st_v4(dst, v0)
-                    ptx.st_v4(dst + 512, v1)
-                    ptx.st_v4(dst + 1024, v2)
-                    ptx.st_v4(dst + 1536, v3)
+                    if cutlass.const_expr(fp8):
+                        dst = db + off_rx + row * rx_row + _i64(c) * 1024 + _i64(lane) * 8
+                        st_v2(dst, [q0, q1])
+                        st_v2(dst + 256, [q2, q3])
+                        st_v2(dst + 512, [q4, q5])
+                        st_v2(dst + 768, [q6, q7])
+                        if lane % 4 == 0:  # block lane // 4 of each 256-value quarter
+                            sc = db + off_rx + row * rx_row + _i64(nvec) * 8 + _i64(c) * 32 + lane // 4
+                            st_b8(sc, s0)
+                            st_b8(sc + 8, s1)
+                            st_b8(sc + 16, s2)
+                            st_b8(sc + 24, s3)
+                    else:
+                        dst = db + off_rx + row * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
+                        ptx.st_v4(dst, v0)
+                        ptx.st_v4(dst + 512, v1)
+                        ptx.st_v4(dst + 1024, v2)
+                        ptx.st_v4(dst + 1536, v3)
                     if c == 0:
                         if lane < K:
                             st_b32(db + off_rid + (row * K + lane) * 4, idv)
@@ -448,9 +542,9 @@ def _make_dispatch(K: int):
 
         total = rstart[world]
         u = gw
-        while u < total * nchunk:
-            rr = u // nchunk
-            c = u - rr * nchunk
+        while u < total * rchunk:
+            rr = u // rchunk
+            c = u - rr * rchunk
             s = _find_source(rstart, world, rr)
             t = rr - rstart[s]
             row = _i64(s) * maxt + t
@@ -463,11 +557,18 @@ def _make_dispatch(K: int):
                 idl = ld_b32_cg(me + off_rid + (row * K + lane) * 4)
                 sl = ld_b32_cg(me + off_rslot + (row * K + lane) * 4)
                 wl = ld_b32_cg(me + off_rw + (row * K + lane) * 4)
-            src = me + off_rx + row * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
-            v0 = ptx.ld_v4_cg(src)
-            v1 = ptx.ld_v4_cg(src + 512)
-            v2 = ptx.ld_v4_cg(src + 1024)
-            v3 = ptx.ld_v4_cg(src + 1536)
+            vbase = c * CHUNK_VEC + lane  # this lane's vectors: vbase + 32 q
+            src = me + off_rx + row * rx_row
+            if cutlass.const_expr(fp8):  # the last chunk is partial: lanes past the row load its last vector
+                v0 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase, rvec - 1)) * 16)
+                v1 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase + 32, rvec - 1)) * 16)
+                v2 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase + 64, rvec - 1)) * 16)
+                v3 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase + 96, rvec - 1)) * 16)
+            else:
+                v0 = ptx.ld_v4_cg(src + _i64(vbase) * 16)
+                v1 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 512)
+                v2 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 1024)
+                v3 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 1536)
             if stamp == epoch:
                 posv = Int32(-1)
                 lid = idl - rank * nlocal
@@ -480,11 +581,21 @@ def _make_dispatch(K: int):
                 m = cute.arch.vote_ballot_sync(posv >= 0)
                 for j in cutlass.range_constexpr(K):
                     if ((m >> j) & 1) != 0:
-                        dst = oxa + _i64(cute.arch.shuffle_sync(posv, j)) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
-                        ptx.st_v4(dst, v0)
-                        ptx.st_v4(dst + 512, v1)
-                        ptx.st_v4(dst + 1024, v2)
-                        ptx.st_v4(dst + 1536, v3)
+                        pj = _i64(cute.arch.shuffle_sync(posv, j))
+                        if cutlass.const_expr(fp8):
+                            vs = [v0, v1, v2, v3]
+                            for q in cutlass.range_constexpr(4):
+                                v = vbase + 32 * q
+                                if v < hvec:
+                                    ptx.st_v4(oxa + pj * (_i64(hvec) * 16) + _i64(v) * 16, vs[q])
+                                elif v < rvec:
+                                    ptx.st_v4(osa + pj * (_i64(rvec - hvec) * 16) + _i64(v - hvec) * 16, vs[q])
+                        else:
+                            dst = oxa + pj * row_bytes + _i64(vbase) * 16
+                            ptx.st_v4(dst, v0)
+                            ptx.st_v4(dst + 512, v1)
+                            ptx.st_v4(dst + 1024, v2)
+                            ptx.st_v4(dst + 1536, v3)
                 if c == 0:
                     if posv >= 0:
                         o_rank[posv] = s
@@ -494,19 +605,37 @@ def _make_dispatch(K: int):
             u = u + nw
         _stamp(probe, tid, bid, 5)
 
-    @cute.jit
-    def launch(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, out_x: cute.Tensor, counts: cute.Tensor,
-               offsets: cute.Tensor, o_rank: cute.Tensor, o_tok: cute.Tensor, o_w: cute.Tensor,
-               row_pos: cute.Tensor, peers: cute.Tensor, rank: Int32, world: Int32, nlocal: Int32, maxt: Int32,
-               cap: Int32, contiguous: Int32, off_rx: Int64, off_rid: Int64, off_rw: Int64, off_rslot: Int64,
-               off_rstamp: Int64, off_rntok: Int64, off_recnt: Int64, off_dcnt: Int64, off_state: Int64,
-               err_addr: Int64, timeout_ns: Int64, probe: Int64, nblocks: Int32, stream):
-        ntok = x.shape[0]
-        nvec = x.shape[1] // 8
-        kernel(x, ids, wts, out_x, counts, offsets, o_rank, o_tok, o_w, row_pos, peers, rank, world, ntok, nvec,
-               nlocal, maxt, cap, contiguous, off_rx, off_rid, off_rw, off_rslot, off_rstamp, off_rntok, off_recnt,
-               off_dcnt, off_state, err_addr, timeout_ns, probe).launch(grid=(nblocks, 1, 1), block=(THREADS, 1, 1),
-                                                                 stream=stream)
+    def _launch(x, ids, wts, out_x, out_s, counts, offsets, o_rank, o_tok, o_w, row_pos, peers, rank, world, nlocal,
+                maxt, cap, contiguous, off_rx, off_rid, off_rw, off_rslot, off_rstamp, off_rntok, off_recnt, off_dcnt,
+                off_state, err_addr, timeout_ns, probe, nblocks, stream):
+        kernel(x, ids, wts, out_x, out_s, counts, offsets, o_rank, o_tok, o_w, row_pos, peers, rank, world,
+               x.shape[0], x.shape[1] // 8, nlocal, maxt, cap, contiguous, off_rx, off_rid, off_rw, off_rslot,
+               off_rstamp, off_rntok, off_recnt, off_dcnt, off_state, err_addr, timeout_ns, probe).launch(
+            grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+    if fp8:
+        @cute.jit
+        def launch(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, out_x: cute.Tensor, out_s: cute.Tensor,
+                   counts: cute.Tensor, offsets: cute.Tensor, o_rank: cute.Tensor, o_tok: cute.Tensor,
+                   o_w: cute.Tensor, row_pos: cute.Tensor, peers: cute.Tensor, rank: Int32, world: Int32,
+                   nlocal: Int32, maxt: Int32, cap: Int32, contiguous: Int32, off_rx: Int64, off_rid: Int64,
+                   off_rw: Int64, off_rslot: Int64, off_rstamp: Int64, off_rntok: Int64, off_recnt: Int64,
+                   off_dcnt: Int64, off_state: Int64, err_addr: Int64, timeout_ns: Int64, probe: Int64,
+                   nblocks: Int32, stream):
+            _launch(x, ids, wts, out_x, out_s, counts, offsets, o_rank, o_tok, o_w, row_pos, peers, rank, world,
+                    nlocal, maxt, cap, contiguous, off_rx, off_rid, off_rw, off_rslot, off_rstamp, off_rntok,
+                    off_recnt, off_dcnt, off_state, err_addr, timeout_ns, probe, nblocks, stream)
+    else:
+        @cute.jit
+        def launch(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, out_x: cute.Tensor, counts: cute.Tensor,
+                   offsets: cute.Tensor, o_rank: cute.Tensor, o_tok: cute.Tensor, o_w: cute.Tensor,
+                   row_pos: cute.Tensor, peers: cute.Tensor, rank: Int32, world: Int32, nlocal: Int32, maxt: Int32,
+                   cap: Int32, contiguous: Int32, off_rx: Int64, off_rid: Int64, off_rw: Int64, off_rslot: Int64,
+                   off_rstamp: Int64, off_rntok: Int64, off_recnt: Int64, off_dcnt: Int64, off_state: Int64,
+                   err_addr: Int64, timeout_ns: Int64, probe: Int64, nblocks: Int32, stream):
+            _launch(x, ids, wts, out_x, out_x, counts, offsets, o_rank, o_tok, o_w, row_pos, peers, rank, world,
+                    nlocal, maxt, cap, contiguous, off_rx, off_rid, off_rw, off_rslot, off_rstamp, off_rntok,
+                    off_recnt, off_dcnt, off_state, err_addr, timeout_ns, probe, nblocks, stream)
 
     return launch
 
@@ -764,6 +893,8 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
                   row_pos [R*M*K] i32, peers [R] i64, rank, world, nlocal, maxt, cap, contiguous,
                   off_rx, off_rid, off_rw, off_rslot, off_rstamp, off_rntok, off_recnt, off_dcnt,
                   off_state, err_addr, timeout_ns, probe, nblocks)
+      dispatch_mxfp8_kK: the same with out_x [rows,H] uint8 (E4M3 bits) followed by out_s [rows,H/32]
+                  uint8 (E8M0); off_rx's region holds staged rows of H + H/32 bytes
       combine_kK(y [rows,H] bf16, ids [T,K] i32, out [T,H] bf16, row_pos, peers, rank, world, nlocal,
                  maxt, off_rid, off_rw, off_rstamp, off_rntok, off_cx, off_ccnt, off_state, err_addr,
                  timeout_ns, probe, nblocks)
@@ -788,10 +919,14 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
         row_pos = ten(Int32, (cute.sym_int(),))
         peers = ten(Int64, (cute.sym_int(),), 8)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-        out[f"dispatch_k{K}"] = cute.compile(
-            _make_dispatch(K), x, ids, wts, out_x, counts, offsets, o_rank, o_tok, o_w, row_pos, peers,
-            i32, i32, i32, i32, i32, i32, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32, stream,
-            options=opts)
+        scalars = (i32, i32, i32, i32, i32, i32, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32)
+        meta = (counts, offsets, o_rank, o_tok, o_w, row_pos, peers)
+        out[f"dispatch_k{K}"] = cute.compile(_make_dispatch(K), x, ids, wts, out_x, *meta, *scalars, stream,
+                                             options=opts)
+        q_x = ten(cutlass.Uint8, (rows, hid), 16)
+        q_s = ten(cutlass.Uint8, (rows, cute.sym_int()), 16)
+        out[f"dispatch_mxfp8_k{K}"] = cute.compile(_make_dispatch(K, fp8=True), x, ids, wts, q_x, q_s, *meta,
+                                                   *scalars, stream, options=opts)
         y = ten(cutlass.BFloat16, (cute.sym_int(), hid), 16)
         o = ten(cutlass.BFloat16, (ntok, hid), 16)
         skips = (0,) + (DEBUG_SKIPS if os.environ.get("NVL72_DISPATCH_DEBUG_VARIANTS") == "1" and K == 4 else ())

@@ -7,7 +7,7 @@ layout (`comms.dispatch_fused.heap_regions`) and buffer sizes (`DispatchCombine.
 and asserts each access's [first byte, last byte] lies inside the region or tensor it addresses.
 It also checks the 32-bit products the kernels form (work-unit counts, table indices) and the
 shared-memory table bounds. Configs: the GPU test's, the perf sweep's (up to 4096 tokens,
-hidden 7168, 256 experts, top-8) and EP sizes up to 72."""
+hidden 7168, 256 experts, top-8) and EP sizes up to 72; both payloads (bf16, mxfp8)."""
 from __future__ import annotations
 
 import pytest
@@ -34,15 +34,33 @@ class Region:
             f"{what}: bytes [{a}, {b}) outside {self.name} [{self.lo}, {self.hi})")
 
 
-def _heap(world, E, K, H, M):
+def _heap(world, E, K, H, M, payload="bf16"):
     """The host's regions at the offsets its bump allocator gives them (REGION_ALIGN aligned)."""
     out, off = {}, 0
-    for name, nbytes in host.heap_regions(world, E, K, H, M):
+    for name, nbytes in host.heap_regions(world, E, K, H, M, payload):
         off = -(-off // host.REGION_ALIGN) * host.REGION_ALIGN
         out[name] = Region(name, off, nbytes)
         off += nbytes
-    assert off <= host.heap_bytes(world, E, K, H, M), "regions overrun heap_bytes (the heap's size)"
+    assert off <= host.heap_bytes(world, E, K, H, M, payload), "regions overrun heap_bytes (the heap's size)"
     return out
+
+
+def _mx_sends(row_off: torch.Tensor, H: int):
+    """MXFP8 A2 stores of every (token, 1024-value chunk) unit into staged rows at `row_off`:
+    (8-byte E4M3 stores at row + c*1024 + q*256 + lane*8, 1-byte scales at row + H + c*32 + q*8 + l/4)."""
+    c = torch.arange(H // 1024)
+    vals = (c[:, None, None] * 1024 + torch.arange(4)[None, :, None] * 256 + torch.arange(32)[None, None, :] * 8)
+    scl = H + (c[:, None, None] * 32 + torch.arange(4)[None, :, None] * 8 + torch.arange(8)[None, None, :])
+    return ((row_off.flatten()[:, None] + vals.flatten()[None, :]).flatten(),
+            (row_off.flatten()[:, None] + scl.flatten()[None, :]).flatten())
+
+
+def _staged_vectors(rvec: int) -> torch.Tensor:
+    """Vector indices v = c*128 + q*32 + lane of every (row, chunk) unit over a staged row of `rvec`
+    16-byte vectors (the last chunk partial)."""
+    nchunk = -(-rvec // 128)
+    return (torch.arange(nchunk)[:, None, None] * 128 + torch.arange(4)[None, :, None] * 32
+            + torch.arange(32)[None, None, :]).flatten()
 
 
 def _unit_vectors(row_bytes_off: torch.Tensor, nchunk: int) -> torch.Tensor:
@@ -60,7 +78,7 @@ def _routing(world, E, K, toks, gen):
             torch.empty(0, K, dtype=torch.long) for t in toks]
 
 
-def emulate(world, E, K, H, M, toks, layout, ids=None, cap=None, gen=None):
+def emulate(world, E, K, H, M, toks, layout, ids=None, cap=None, gen=None, payload="bf16"):
     """Run every phase's address arithmetic for all ranks; returns the number of accesses checked."""
     L = E // world
     assert world <= host.MAX_WORLD and L <= host.MAX_LOCAL and world * L <= host.MAX_PAIRS, \
@@ -71,7 +89,12 @@ def emulate(world, E, K, H, M, toks, layout, ids=None, cap=None, gen=None):
     rows_in = M * world
     cap = rows_in if cap is None else cap
     nrows = L * cap if layout == "masked" else min(L * cap, rows_in * min(K, L))
-    heap = _heap(world, E, K, H, M)
+    heap = _heap(world, E, K, H, M, payload)
+    fp8 = payload == "mxfp8"
+    rx_row = host.staged_row_bytes(H, payload)  # bytes per staged row in rx
+    assert rx_row % 16 == 0, f"staged rows of {rx_row} bytes are not 16-byte aligned"
+    rvec, hvec = rx_row // 16, (H // 16 if fp8 else H // 8)
+    vecs = _staged_vectors(rvec)
     ids = ids if ids is not None else _routing(world, E, K, toks, gen)
     n = 0
     # 32-bit work-unit counts and table products (Int32 in the kernels)
@@ -109,7 +132,13 @@ def emulate(world, E, K, H, M, toks, layout, ids=None, cap=None, gen=None):
         for d in range(world):
             t = torch.nonzero((ids_s // L == d).any(1)).flatten()
             row = s * M + t
-            heap["rx"].check(_unit_vectors(heap["rx"].lo + row * row_bytes, nchunk), 16, "A2 rx write")
+            if fp8:
+                vals, scl = _mx_sends(heap["rx"].lo + row * rx_row, H)
+                heap["rx"].check(vals, 8, "A2 rx E4M3 write")
+                heap["rx"].check(scl, 1, "A2 rx scale write")
+                assert bool((((vals - heap["rx"].lo) % rx_row) + 8 <= H).all()), "E4M3 bytes spill into scales"
+            else:
+                heap["rx"].check(_unit_vectors(heap["rx"].lo + row * row_bytes, nchunk), 16, "A2 rx write")
             for name in ("rid", "rw"):
                 heap[name].check(heap[name].lo + ((row[:, None] * K + torch.arange(K)) * 4), 4, f"A2 {name}")
             heap["rstamp"].check(heap["rstamp"].lo + row * 4, 4, "A2 rstamp")
@@ -131,7 +160,12 @@ def emulate(world, E, K, H, M, toks, layout, ids=None, cap=None, gen=None):
         heap["rstamp"].check(heap["rstamp"].lo + row * 4, 4, "C rstamp read")
         for name in ("rid", "rw", "rslot"):
             heap[name].check(heap[name].lo + (row[:, None] * K + torch.arange(K)) * 4, 4, f"C {name} read")
-        heap["rx"].check(_unit_vectors(heap["rx"].lo + row * row_bytes, nchunk), 16, "C rx read")
+        if fp8:  # loads clamp to the row's last vector; each row read within itself
+            ld = heap["rx"].lo + row[:, None] * rx_row + vecs.clamp(max=rvec - 1)[None, :] * 16
+            heap["rx"].check(ld, 16, "C rx read")
+            assert bool((((ld - heap["rx"].lo) % rx_row) + 16 <= rx_row).all()), "C read crosses a staged row"
+        else:
+            heap["rx"].check(_unit_vectors(heap["rx"].lo + row * row_bytes, nchunk), 16, "C rx read")
         ids_rows = torch.stack([ids[int(a)][int(b)] for a, b in zip(s, t)]) if total else torch.empty(0, K,
                                                                                                       dtype=torch.long)
         sent = (ids_rows // L == r).any(1)  # stamp == epoch
@@ -147,7 +181,16 @@ def emulate(world, E, K, H, M, toks, layout, ids=None, cap=None, gen=None):
         assert bool((rslot[r][row][local] >= 0).all()), "a local slot without its slot index"
         ok = posv >= 0
         assert int(ok.sum()) == int(local.sum()), "entries dropped although capacity suffices"
-        Region("out_x", 0, nrows * row_bytes).check(_unit_vectors(posv[ok] * row_bytes, nchunk), 16, "C out_x write")
+        if fp8:
+            pos = posv[ok][:, None]
+            vv, sv = vecs[vecs < hvec], vecs[(vecs >= hvec) & (vecs < rvec)]
+            assert vv.numel() + sv.numel() == rvec * 1, "a staged vector is stored twice or never"
+            Region("out_x", 0, nrows * H).check(pos * H + vv[None, :] * 16, 16, "C out_x E4M3 write")
+            Region("out_s", 0, nrows * (H // 32)).check(pos * (H // 32) + (sv[None, :] - hvec) * 16, 16,
+                                                        "C out_s write")
+        else:
+            Region("out_x", 0, nrows * row_bytes).check(_unit_vectors(posv[ok] * row_bytes, nchunk), 16,
+                                                        "C out_x write")
         for name, width in (("o_rank", 4), ("o_tok", 4), ("o_w", 4)):
             Region(name, 0, nrows * width).check(posv[ok] * width, width, f"C {name} write")
         row_pos_idx = row[:, None] * K + torch.arange(K)
@@ -182,19 +225,21 @@ GPU_TEST = [
 ]
 
 
+@pytest.mark.parametrize("payload", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("E,K,H,M,toks,layouts", GPU_TEST)
-def test_gpu_test_configs_stay_in_bounds(E, K, H, M, toks, layouts):
+def test_gpu_test_configs_stay_in_bounds(E, K, H, M, toks, layouts, payload):
     gen = torch.Generator().manual_seed(E + K + M)
     for layout in layouts:
-        assert emulate(2, E, K, H, M, toks, layout, gen=gen) > 0
+        assert emulate(2, E, K, H, M, toks, layout, gen=gen, payload=payload) > 0
 
 
+@pytest.mark.parametrize("payload", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("E,H", [(128, 4096), (256, 7168)])
 @pytest.mark.parametrize("T", [1, 512, 4096])
-def test_perf_sweep_stays_in_bounds(E, H, T):
+def test_perf_sweep_stays_in_bounds(E, H, T, payload):
     """perf.comms dispatch: max_tokens = the largest swept count (4096), contiguous, top-8."""
     gen = torch.Generator().manual_seed(T)
-    assert emulate(2, E, 8, H, 4096, (T, T), "contiguous", gen=gen) > 0
+    assert emulate(2, E, 8, H, 4096, (T, T), "contiguous", gen=gen, payload=payload) > 0
 
 
 @pytest.mark.parametrize("world,E", [(4, 256), (8, 256), (16, 256), (36, 288), (72, 288), (72, 576)])

@@ -2,7 +2,9 @@
 
 Each rank runs the fused path (SymmetricHeap + CuTeDSL kernels) and the NCCL all_to_all reference
 on the same rank-tagged inputs and compares: per-expert counts and offsets, every packed row (data,
-source rank, source token, weight) and the combine output, all exactly. Also: several epochs on one
+source rank, source token, weight) and the combine output, all exactly; for the MXFP8 payload the
+packed E4M3 bytes and E8M0 scale bytes (quantized in the dispatch kernel) against the reference's
+torch quantization, and combine of the dequantized rows. Also: several epochs on one
 buffer, CUDA-graph capture and replay with fresh inputs, the capacity error, and the bounded wait
 (a peer that never arrives gives DispatchTimeoutError instead of a hung GPU).
 
@@ -28,13 +30,22 @@ except ImportError:  # the GPU hosts run this file as a script
     pytest = None
 
 TIMEOUT_S = 120
-# (experts, top_k, hidden, max_tokens, tokens per rank (rank 0, rank 1, ...), cases, layouts)
+# (experts, top_k, hidden, max_tokens, tokens per rank (rank 0, rank 1, ...), cases, layouts, payloads)
 CONFIGS = [
-    (16, 4, 1024, 64, (37, 64), CASES, ("masked", "contiguous")),
-    (16, 4, 1024, 64, (0, 1), ("random",), ("masked",)),
-    (128, 8, 4096, 128, (128, 100), ("random", "same_rank_slots"), ("masked", "contiguous")),
-    (256, 8, 7168, 32, (32, 17), ("random",), ("contiguous",)),
+    (16, 4, 1024, 64, (37, 64), CASES, ("masked", "contiguous"), ("bf16", "mxfp8")),
+    (16, 4, 1024, 64, (0, 1), ("random",), ("masked",), ("bf16", "mxfp8")),
+    (128, 8, 4096, 128, (128, 100), ("random", "same_rank_slots"), ("masked", "contiguous"), ("bf16", "mxfp8")),
+    (256, 8, 7168, 32, (32, 17), ("random",), ("contiguous",), ("bf16", "mxfp8")),
 ]
+
+
+def _expert_in(recv):
+    """Identity experts' input: recv.x (bf16), or the dequantized MXFP8 rows rounded to bf16 (exact)."""
+    if recv.scales is None:
+        return recv.x
+    from comms import mxfp8
+
+    return mxfp8.dequantize(recv.x, recv.scales).to(torch.bfloat16)
 
 
 def _compare(rank, fused, ref, x, ids, w, tag):
@@ -44,8 +55,8 @@ def _compare(rank, fused, ref, x, ids, w, tag):
     rank cannot desynchronise the others; returns (entries, [failure messages])."""
     rf, hf = fused.dispatch(x, ids, w)
     rr, hr = ref.dispatch(x, ids, w)
-    of = fused.combine(rf.x, hf)
-    orf = ref.combine(rr.x, hr)
+    of = fused.combine(_expert_in(rf), hf)
+    orf = ref.combine(_expert_in(rr), hr)
     errs = []
     try:
         fused.check()
@@ -57,12 +68,16 @@ def _compare(rank, fused, ref, x, ids, w, tag):
         errs.append(f"offsets {rf.offsets.tolist()} != {rr.offsets.tolist()}")
     H = x.shape[1]
     fx, rx = rf.x.reshape(-1, H), rr.x.reshape(-1, H)  # [rows, H]
+    data = [("x", fx, rx)]
+    if rr.scales is not None:  # compare bytes: E4M3 NaN != NaN
+        data = [("x (E4M3 bytes)", fx.view(torch.uint8), rx.view(torch.uint8)),
+                ("scales (E8M0 bytes)", rf.scales.reshape(-1, H // 32), rr.scales.reshape(-1, H // 32))]
     idx = torch.cat([torch.arange(int(o), int(o) + int(c)) for o, c in zip(rr.offsets[:-1].tolist(),
                                                                           rr.counts.tolist())] or
                     [torch.empty(0, dtype=torch.long)]).to(x.device)
-    for name, a, b in (("x", fx[idx], rx[idx]), ("src_rank", rf.src_rank[idx], rr.src_rank[idx]),
-                       ("src_token", rf.src_token[idx], rr.src_token[idx]),
-                       ("weights", rf.weights[idx], rr.weights[idx])):
+    for name, a, b in [(n, f[idx], r[idx]) for n, f, r in data] + [
+            ("src_rank", rf.src_rank[idx], rr.src_rank[idx]), ("src_token", rf.src_token[idx], rr.src_token[idx]),
+            ("weights", rf.weights[idx], rr.weights[idx])]:
         bad = (a != b).reshape(a.shape[0], -1).any(1) if a.numel() else a.new_zeros(0, dtype=torch.bool)
         if bad.any():
             first = int(torch.nonzero(bad)[0])
@@ -76,7 +91,12 @@ def _compare(rank, fused, ref, x, ids, w, tag):
         errs.append(f"combine differs in {nbad} of {of.numel()} values (first token {t}: "
                     f"{of[t, :4].tolist()} vs {orf[t, :4].tolist()})")
     if x.shape[0]:
-        exact = (x.float()[:, None, :] * w.float()[:, :, None]).sum(1)
+        xin = x
+        if rr.scales is not None:  # the identity experts saw the dequantized rows
+            from comms import mxfp8
+
+            xin = mxfp8.dequantize(*mxfp8.quantize(x))
+        exact = (xin.float()[:, None, :] * w.float()[:, :, None]).sum(1)
         rel = float((of.float() - exact).norm() / exact.norm())
         if not rel < 1e-2:
             errs.append(f"combine vs fp32 sum_k w_k x: rel err {rel}")
@@ -95,20 +115,20 @@ def _graph_check(rank, world, fused, ref, E, K, H, T, gen):
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         recv, h = fused.dispatch(sx, sids, sw)
-        fused.combine(recv.x, h)
+        fused.combine(_expert_in(recv), h)
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         recv, h = fused.dispatch(sx, sids, sw)
-        out = fused.combine(recv.x, h)
+        out = fused.combine(_expert_in(recv), h)
     errs = []
     for it in range(3):
         x, ids, w = _inputs("random", rank, world, T, E, K, H, gen, dev)
         sx.copy_(x), sids.copy_(ids), sw.copy_(w)
         g.replay()
         rr, hr = ref.dispatch(x, ids, w)
-        orf = ref.combine(rr.x, hr)
+        orf = ref.combine(_expert_in(rr), hr)
         try:
             fused.check()
         except Exception as e:  # noqa: BLE001
@@ -166,12 +186,12 @@ def _worker(rank, world, store_path, log):
 
 
     try:
-        for E, K, H, M, toks, cases, layouts in CONFIGS:
+        for E, K, H, M, toks, cases, layouts, payloads in CONFIGS:
             T = toks[rank % len(toks)]
-            for layout in layouts:
-                heap = make_heap(kind, group, DispatchCombine.heap_size_hint(world, E, K, H, M), dev)
-                fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", layout=layout, timeout_s=5.0)
-                ref = DispatchCombine(group, E, K, H, M, mode="dp_ep", layout=layout)
+            for layout, pl in [(lay, pl) for pl in payloads for lay in layouts]:
+                heap = make_heap(kind, group, DispatchCombine.heap_size_hint(world, E, K, H, M, pl), dev)
+                fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", layout=layout, timeout_s=5.0, payload=pl)
+                ref = DispatchCombine(group, E, K, H, M, mode="dp_ep", layout=layout, payload=pl)
                 assert fused._fused is not None, "heap on CUDA must select the fused kernels"
                 for case in cases:
                     t0 = time.perf_counter()
@@ -180,14 +200,14 @@ def _worker(rank, world, store_path, log):
                         x, ids, w = _inputs(case, rank, world, T, E, K, H, gen, dev)
                         m, e = _compare(rank, fused, ref, x, ids, w, f"E={E} K={K} H={H} T={T} {layout} {case} it{it}")
                         n, errs = n + m, errs + e
-                    report(errs, f"exact  E={E:3d} K={K} H={H} M={M} T={T:3d} {layout:10s} "
+                    report(errs, f"exact  E={E:3d} K={K} H={H} M={M} T={T:3d} {layout:10s} {pl:5s} "
                                  f"{case:15s} entries={n} ({time.perf_counter() - t0:.2f}s)")
                 if layout == layouts[0] and E == 128:
                     try:
                         errs = _graph_check(rank, world, fused, ref, E, K, H, T, gen)
                     except Exception as e:  # noqa: BLE001  (capture itself failed: report, go on)
                         errs = [f"rank {rank} graph capture: {type(e).__name__}: {e}"]
-                    report(errs, f"graph  E={E} K={K} H={H} T={T} {layout}: "
+                    report(errs, f"graph  E={E} K={K} H={H} T={T} {layout} {pl}: "
                                  f"capture once, 3 replays on fresh inputs == reference")
                 fused.destroy()
                 heap.destroy()

@@ -12,7 +12,7 @@ def test_dispatch_kernels_compile(arch):
     from comms.kernels import dispatch
 
     fns = dispatch.compile_for_export(arch, topks=(4,))
-    assert sorted(fns) == ["combine_k4", "dispatch_k4"]
+    assert sorted(fns) == ["combine_k4", "dispatch_k4", "dispatch_mxfp8_k4"]
 
 
 def test_fake_tensors_are_row_major():
@@ -45,5 +45,5 @@ def test_fault_isolation_variants_compile(monkeypatch):
 
     monkeypatch.setenv("NVL72_DISPATCH_DEBUG_VARIANTS", "1")
     fns = dispatch.compile_for_export("sm_90a", topks=(4,))
-    assert sorted(fns) == sorted(["dispatch_k4", "combine_k4", "combine_k4_checked", "combine_k4_trace"]
+    assert sorted(fns) == sorted(["dispatch_k4", "dispatch_mxfp8_k4", "combine_k4", "combine_k4_checked", "combine_k4_trace"]
                                  + [f"combine_k4_skip{b}" for b in dispatch.DEBUG_SKIPS])

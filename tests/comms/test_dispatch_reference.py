@@ -155,5 +155,5 @@ def test_token_rank_mask_dedups_slots():
 def test_bad_arguments_name_the_value():
     with pytest.raises(ValueError, match="mode='tp'"):
         DispatchCombine(None, 8, 2, 16, 4, mode="tp")
-    with pytest.raises(ValueError, match="payload='mxfp8'"):
-        DispatchCombine(None, 8, 2, 16, 4, payload="mxfp8")
+    with pytest.raises(ValueError, match="payload='fp8'"):
+        DispatchCombine(None, 8, 2, 16, 4, payload="fp8")
