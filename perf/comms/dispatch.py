@@ -11,6 +11,8 @@ top-k routing:
   a2a     all_to_all_single of exactly the rows that cross ranks (no permutation, no metadata),
           `iters` eager calls back to back timed with events (launch overhead included);
   floor   bytes leaving this GPU / NCCL send-recv bandwidth measured in the same run.
+`--payload bf16,mxfp8` runs each row per dispatch payload (mxfp8: tokens quantized in the dispatch
+kernel, H + H/32 bytes per row on the wire; combine stays bf16; the NCCL columns move bf16 rows);
 `--blocks` sweeps the fused kernels' grid per row ("auto": sized per call from the token count);
 `--phases` adds, per row, when the latest block passed each phase boundary of the last dispatch and
 combine of a probed pair replay (rank 0; us after the first block started; %globaltimer stamps).
@@ -51,6 +53,7 @@ def add_arguments(p):
                    help="fused grid per row, comma-separated block counts or 'auto' (sized per call)")
     p.add_argument("--phases", action="store_true",
                    help="also print per-phase times of one probed pair replay per row (rank 0)")
+    p.add_argument("--payload", default="bf16", help="dispatch payloads, comma-separated: bf16, mxfp8")
     p.add_argument("--skip-nccl", action="store_true", help="leave out the NCCL reference path columns (0)")
     p.add_argument("--heap", default="auto", choices=("auto", "comms", "torch"),
                    help="symmetric memory: comms.SymmetricHeap, torch symmetric memory, or auto (comms if it works)")
@@ -133,6 +136,17 @@ def _blocks(s):
     return out
 
 
+def _payloads(s):
+    """'bf16,mxfp8' -> ['bf16', 'mxfp8'] (checked against comms.dispatch.PAYLOADS)."""
+    from comms.dispatch import PAYLOADS
+
+    out = [v for v in str(s).split(",") if v]
+    for v in out:
+        if v not in PAYLOADS:
+            raise ValueError(f"--payload value {v!r}: expected one of {PAYLOADS}")
+    return out
+
+
 def _phase_line(T, blocks, times):
     """'#   phases T=128 blocks=auto(128) dispatch: A sent 3.1 ... | combine: ...' (us)."""
     return f"#   phases T={T} blocks={blocks}: " + " | ".join(
@@ -205,6 +219,7 @@ def _worker(rank, world, store, args, out_path):
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args.timeout), device_id=dev)
     from comms.dispatch import DispatchCombine, token_rank_mask
+    from comms.dispatch_fused import staged_row_bytes
 
     group = dist.group.WORLD
     K = args.topk
@@ -219,86 +234,88 @@ def _worker(rank, world, store, args, out_path):
     M = max(tokens)
     gen = torch.Generator(device=dev).manual_seed(1 + rank)
     try:
-        for H in _ints(args.hidden):
-            for E in _ints(args.experts):
-                heap = make_heap(heap_kind, group, DispatchCombine.heap_size_hint(world, E, K, H, M), dev)
-                fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", layout=args.layout)
-                ref = DispatchCombine(group, E, K, H, M, mode="dp_ep", layout=args.layout)
-                for T, blocks in [(T, b) for T in tokens for b in _blocks(args.blocks)]:
-                    fused._fused.set_blocks(blocks)
-                    nb = fused._fused.blocks_for(T)
-                    bname = f"auto({nb})" if blocks is None else str(nb)
-                    x = torch.randn(T, H, device=dev, generator=gen).to(torch.bfloat16)
-                    ids = torch.rand(T, E, device=dev, generator=gen).topk(K, dim=1).indices.to(torch.int32)
-                    w = torch.rand(T, K, device=dev, generator=gen)
-                    w = w / w.sum(1, keepdim=True)
-                    recv, h = fused.dispatch(x, ids, w)
-                    fused.combine(recv.x, h)
+        for H, E, payload in [(H, E, pl) for H in _ints(args.hidden) for E in _ints(args.experts)
+                              for pl in _payloads(args.payload)]:
+            heap = make_heap(heap_kind, group, DispatchCombine.heap_size_hint(world, E, K, H, M, payload), dev)
+            fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", layout=args.layout, payload=payload)
+            ref = DispatchCombine(group, E, K, H, M, mode="dp_ep", layout=args.layout)
+            wire = staged_row_bytes(H, payload)  # bytes of one row in flight
+            for T, blocks in [(T, b) for T in tokens for b in _blocks(args.blocks)]:
+                fused._fused.set_blocks(blocks)
+                nb = fused._fused.blocks_for(T)
+                bname = f"auto({nb})" if blocks is None else str(nb)
+                x = torch.randn(T, H, device=dev, generator=gen).to(torch.bfloat16)
+                ids = torch.rand(T, E, device=dev, generator=gen).topk(K, dim=1).indices.to(torch.int32)
+                w = torch.rand(T, K, device=dev, generator=gen)
+                w = w / w.sum(1, keepdim=True)
+                recv, h = fused.dispatch(x, ids, w)
+                fused.combine(recv.x, h)
+                fused.check()
+                t_d, eager = _graph_time(lambda: fused.dispatch(x, ids, w), args.iters, dev)
+                t_c, _ = _graph_time(lambda: fused.combine(recv.x, h), args.iters, dev)
+
+                def pair():
+                    r, hh = fused.dispatch(x, ids, w)
+                    fused.combine(r.x, hh)
+
+                t_dc, _ = _graph_time(pair, args.iters, dev)
+                fused.check()
+                phases = None
+                if args.phases:  # a separate capture: the probe address is a kernel argument
+                    fused._fused.enable_probes()
+                    _graph_time(pair, args.iters, dev)
+                    phases = fused._fused.phase_times()
+                    fused._fused.enable_probes(False)
                     fused.check()
-                    t_d, eager = _graph_time(lambda: fused.dispatch(x, ids, w), args.iters, dev)
-                    t_c, _ = _graph_time(lambda: fused.combine(recv.x, h), args.iters, dev)
+                state = {}
 
-                    def pair():
-                        r, hh = fused.dispatch(x, ids, w)
-                        fused.combine(r.x, hh)
+                def nccl_dispatch():
+                    state["r"] = ref.dispatch(x, ids, w)
 
-                    t_dc, _ = _graph_time(pair, args.iters, dev)
-                    fused.check()
-                    phases = None
-                    if args.phases:  # a separate capture: the probe address is a kernel argument
-                        fused._fused.enable_probes()
-                        _graph_time(pair, args.iters, dev)
-                        phases = fused._fused.phase_times()
-                        fused._fused.enable_probes(False)
-                        fused.check()
-                    state = {}
-
-                    def nccl_dispatch():
-                        state["r"] = ref.dispatch(x, ids, w)
-
-                    t_nd = t_nc = 0.0
-                    if not args.skip_nccl:
-                        t_nd = _wall_median(nccl_dispatch, args.nccl_iters, dev)
-                        rr, hr = state["r"]
-                        t_nc = _wall_median(lambda: ref.combine(rr.x, hr), args.nccl_iters, dev)
-                    # rows that cross ranks, and the a2a that moves exactly them
-                    mask = token_rank_mask(ids, E // world, world)  # [T, R]
-                    mask[:, rank] = False
-                    remote = torch.tensor([int(mask.sum())], device=dev)
-                    dist.all_reduce(remote, op=dist.ReduceOp.MAX)
-                    send_counts = mask.sum(0).tolist()
-                    rc = torch.tensor(send_counts, device=dev)
-                    recv_counts = torch.empty_like(rc)
-                    dist.all_to_all_single(recv_counts, rc)
-                    recv_counts = recv_counts.tolist()
-                    dst, tok = torch.nonzero(mask.t(), as_tuple=True)
-                    sbuf = x[tok].contiguous()
-                    rbuf = torch.empty(sum(recv_counts), H, dtype=x.dtype, device=dev)
-                    t_a2a = _event_time(lambda: dist.all_to_all_single(rbuf, sbuf, recv_counts, send_counts),
-                                        args.iters, dev)
-                    nbytes = int(remote) * H * 2
-                    floor = nbytes / bw
-                    rows.append(dict(tokens=T, hidden=H, experts=E, topk=K, world=world, layout=args.layout, graph=not eager,
-                                     blocks=nb, blocks_auto=blocks is None, phases=phases,
-                                     fused_dispatch_us=t_d * 1e6, fused_combine_us=t_c * 1e6,
-                                     fused_pair_us=t_dc * 1e6, nccl_dispatch_us=t_nd * 1e6,
-                                     nccl_combine_us=t_nc * 1e6, nccl_a2a_rows_us=t_a2a * 1e6,
-                                     remote_bytes=nbytes, floor_us=floor * 1e6, sendrecv_GBps=bw / 1e9,
-                                     dispatch_GBps=nbytes / t_d / 1e9 if t_d else 0.0,
-                                     combine_GBps=nbytes / t_c / 1e9 if t_c else 0.0))
-                    if rank == 0:
-                        r = rows[-1]
-                        print(f"{T:6d} {H:6d} {E:4d} {bname:>9s} {r['fused_dispatch_us']:9.1f} {r['fused_combine_us']:9.1f} "
-                              f"{r['fused_pair_us']:9.1f} {r['nccl_dispatch_us']:9.1f} {r['nccl_combine_us']:9.1f} "
-                              f"{(r['nccl_dispatch_us'] + r['nccl_combine_us']) / r['fused_pair_us']:6.1f}x "
-                              f"{r['nccl_a2a_rows_us']:9.1f} {r['floor_us']:8.1f} {r['dispatch_GBps']:7.1f} "
-                              f"{r['combine_GBps']:7.1f} {100 * r['dispatch_GBps'] / r['sendrecv_GBps']:5.0f}%"
-                              f"{'' if r['graph'] else ' (eager)'}",
-                              flush=True)
-                        if phases:
-                            print(_phase_line(T, bname, phases), flush=True)
-                fused.destroy()
-                heap.destroy()
+                t_nd = t_nc = 0.0
+                if not args.skip_nccl:
+                    t_nd = _wall_median(nccl_dispatch, args.nccl_iters, dev)
+                    rr, hr = state["r"]
+                    t_nc = _wall_median(lambda: ref.combine(rr.x, hr), args.nccl_iters, dev)
+                # rows that cross ranks, and the a2a that moves exactly them
+                mask = token_rank_mask(ids, E // world, world)  # [T, R]
+                mask[:, rank] = False
+                remote = torch.tensor([int(mask.sum())], device=dev)
+                dist.all_reduce(remote, op=dist.ReduceOp.MAX)
+                send_counts = mask.sum(0).tolist()
+                rc = torch.tensor(send_counts, device=dev)
+                recv_counts = torch.empty_like(rc)
+                dist.all_to_all_single(recv_counts, rc)
+                recv_counts = recv_counts.tolist()
+                dst, tok = torch.nonzero(mask.t(), as_tuple=True)
+                sbuf = x[tok].contiguous()
+                rbuf = torch.empty(sum(recv_counts), H, dtype=x.dtype, device=dev)
+                t_a2a = _event_time(lambda: dist.all_to_all_single(rbuf, sbuf, recv_counts, send_counts),
+                                    args.iters, dev)
+                nbytes = int(remote) * wire
+                floor = nbytes / bw
+                rows.append(dict(tokens=T, hidden=H, experts=E, topk=K, world=world, layout=args.layout,
+                                 payload=payload, graph=not eager,
+                                 blocks=nb, blocks_auto=blocks is None, phases=phases,
+                                 fused_dispatch_us=t_d * 1e6, fused_combine_us=t_c * 1e6,
+                                 fused_pair_us=t_dc * 1e6, nccl_dispatch_us=t_nd * 1e6,
+                                 nccl_combine_us=t_nc * 1e6, nccl_a2a_rows_us=t_a2a * 1e6,
+                                 remote_bytes=nbytes, floor_us=floor * 1e6, sendrecv_GBps=bw / 1e9,
+                                 dispatch_GBps=nbytes / t_d / 1e9 if t_d else 0.0,
+                                 combine_GBps=nbytes / t_c / 1e9 if t_c else 0.0))
+                if rank == 0:
+                    r = rows[-1]
+                    print(f"{T:6d} {H:6d} {E:4d} {payload:>7s} {bname:>9s} {r['fused_dispatch_us']:9.1f} {r['fused_combine_us']:9.1f} "
+                          f"{r['fused_pair_us']:9.1f} {r['nccl_dispatch_us']:9.1f} {r['nccl_combine_us']:9.1f} "
+                          f"{(r['nccl_dispatch_us'] + r['nccl_combine_us']) / r['fused_pair_us']:6.1f}x "
+                          f"{r['nccl_a2a_rows_us']:9.1f} {r['floor_us']:8.1f} {r['dispatch_GBps']:7.1f} "
+                          f"{r['combine_GBps']:7.1f} {100 * r['dispatch_GBps'] / r['sendrecv_GBps']:5.0f}%"
+                          f"{'' if r['graph'] else ' (eager)'}",
+                          flush=True)
+                    if phases:
+                        print(_phase_line(T, f"{bname} {payload}", phases), flush=True)
+            fused.destroy()
+            heap.destroy()
     finally:
         if rank == 0 and out_path:
             with open(out_path, "w") as f:
@@ -307,8 +324,8 @@ def _worker(rank, world, store, args, out_path):
         dist.destroy_process_group()
 
 
-HEADER = ("tokens hidden    E    blocks  disp(us)  comb(us)  pair(us) ncclD(us) ncclC(us) speedup  a2a(us) floor(us)"
-          " dispGB/s combGB/s %sendrecv")
+HEADER = ("tokens hidden    E payload    blocks  disp(us)  comb(us)  pair(us) ncclD(us) ncclC(us) speedup"
+          "  a2a(us) floor(us) dispGB/s combGB/s %sendrecv")
 
 
 def run(args) -> int:
@@ -316,7 +333,7 @@ def run(args) -> int:
     if world < 2:
         raise RuntimeError(f"dispatch benchmark needs >= 2 GPUs, found {world}")
     print(f"# fused DP-EP dispatch/combine vs NCCL, {world} x {torch.cuda.get_device_name(0)}, top-{args.topk}, "
-          f"bf16, layout {args.layout}, {args.iters} ops per graph replay")
+          f"payload {args.payload}, layout {args.layout}, {args.iters} ops per graph replay")
     print(HEADER, flush=True)
     with tempfile.TemporaryDirectory() as d:
         ctx = mp.spawn(_worker, args=(world, os.path.join(d, "store"), args, args.json), nprocs=world, join=False)

@@ -24,22 +24,27 @@ def test_fused_path_rejects_unsupported_shapes_by_name():
 
     from comms.dispatch_fused import FusedDispatch, heap_bytes
 
-    cfg = dict(world=2, max_tokens=8, top_k=8, hidden=4096, num_local=64, dtype=torch.bfloat16)
+    cfg = dict(world=2, max_tokens=8, top_k=8, hidden=4096, num_local=64, dtype=torch.bfloat16, payload="bf16")
     for bad, msg in ((dict(hidden=1000), "hidden=1000"), (dict(top_k=3), "top_k=3"),
                      (dict(dtype=torch.float16), "dtype=torch.float16"), (dict(world=200), "world=200")):
         with pytest.raises(ValueError, match=msg):
             FusedDispatch(None, SimpleNamespace(**{**cfg, **bad}), timeout_s=1.0)
     # the size hint covers every region, rounded to 256 bytes each
     assert heap_bytes(2, 128, 8, 4096, 128) >= 2 * (2 * 128 * 4096 * 2)
+    # mxfp8 stages H + H/32 bytes per row (the combine partials stay bf16)
+    assert heap_bytes(2, 128, 8, 4096, 128, "mxfp8") >= 2 * 128 * (4096 + 128) + 2 * 128 * 4096 * 2
 
 
 def test_blocks_and_phase_arguments():
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
-    args = p.parse_args(["--blocks", "auto,16,132", "--phases"])
+    args = p.parse_args(["--blocks", "auto,16,132", "--phases", "--payload", "bf16,mxfp8"])
     assert bench._blocks(args.blocks) == [None, 16, 132] and args.phases
+    assert bench._payloads(args.payload) == ["bf16", "mxfp8"]
     with pytest.raises(ValueError, match="'0'"):
         bench._blocks("0")
+    with pytest.raises(ValueError, match="'fp4'"):
+        bench._payloads("bf16,fp4")
     line = bench._phase_line(8, "auto(16)", {"dispatch": [("start", 0.5), ("exit", 9.25)],
                                              "combine": [("start", 0.25), ("exit", 8.0)]})
     assert line == "#   phases T=8 blocks=auto(16): dispatch: start 0.5 exit 9.2 | combine: start 0.2 exit 8.0"
