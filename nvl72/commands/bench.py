@@ -127,6 +127,8 @@ METRIC_KEYS = {
     "prefix_hits": "nvl72:prefix_cache_hits",
     "spec_drafted": "nvl72:spec_decode_num_draft_tokens",
     "spec_accepted": "nvl72:spec_decode_num_accepted_tokens",
+    "engine_steps": "nvl72:num_steps",
+    "engine_step_seconds": "nvl72:step_seconds",
 }
 
 
@@ -147,6 +149,8 @@ def metric_rates(before: dict[str, float], after: dict[str, float]) -> dict[str,
     return {
         "prefix_cache_hit_rate": d["prefix_hits"] / d["prefix_queries"] if d["prefix_queries"] > 0 else None,
         "mtp_acceptance": d["spec_accepted"] / d["spec_drafted"] if d["spec_drafted"] > 0 else None,
+        "engine_steps": d["engine_steps"] if d["engine_steps"] > 0 else None,
+        "engine_step_ms": d["engine_step_seconds"] / d["engine_steps"] * 1e3 if d["engine_steps"] > 0 else None,
     }
 
 
@@ -174,6 +178,10 @@ class RunSummary:
     prefix_cache_hit_rate: float | None = None
     mtp_acceptance: float | None = None
     per_turn: list[dict] | None = None  # agentic: by turn index, over conversations
+    # the engine over the run (from /metrics; None when the server does not export them): its steps and
+    # their mean host time, to tell an engine-bound TPOT from one the front or the client adds to
+    engine_steps: float | None = None
+    engine_step_ms: float | None = None
 
 
 def summarize(workload: str, concurrency: int, results: list[RequestResult], duration: float,
@@ -186,7 +194,8 @@ def summarize(workload: str, concurrency: int, results: list[RequestResult], dur
         len(results) / duration if duration > 0 else 0.0,
         ms([r.ttft for r in results]), ms([r.tpot for r in results if r.tpot is not None]),
         sum(r.cached_tokens for r in results) / inp if inp else None,
-        rates.get("prefix_cache_hit_rate"), rates.get("mtp_acceptance"))
+        rates.get("prefix_cache_hit_rate"), rates.get("mtp_acceptance"),
+        engine_steps=rates.get("engine_steps"), engine_step_ms=rates.get("engine_step_ms"))
 
 
 def per_turn(per_conv: list[list[RequestResult]]) -> list[dict]:
@@ -291,13 +300,14 @@ def _f(x, fmt="{:.1f}") -> str:
 def table(runs: list[RunSummary]) -> str:
     head = (f"{'workload':>8} {'conc':>5} {'reqs':>5} {'in tok':>8} {'out tok':>8} {'out tok/s':>10} "
             f"{'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'TPOT p50 ms':>11} {'TPOT p99 ms':>11} {'prefix hit':>10} "
-            f"{'MTP acc':>8}")
+            f"{'MTP acc':>8} {'steps':>6} {'step ms':>7}")
     rows = [head]
     for r in runs:
         rows.append(f"{r.workload:>8} {r.concurrency:>5} {r.num_requests:>5} {r.input_tokens:>8} {r.output_tokens:>8} "
                     f"{r.output_tok_s:>10.1f} {_f(r.ttft_ms['median']):>11} {_f(r.ttft_ms['p99']):>11} "
                     f"{_f(r.tpot_ms['median'], '{:.2f}'):>11} {_f(r.tpot_ms['p99'], '{:.2f}'):>11} "
-                    f"{_f(r.prefix_cache_hit_rate, '{:.3f}'):>10} {_f(r.mtp_acceptance, '{:.3f}'):>8}")
+                    f"{_f(r.prefix_cache_hit_rate, '{:.3f}'):>10} {_f(r.mtp_acceptance, '{:.3f}'):>8} "
+                    f"{_f(r.engine_steps, '{:.0f}'):>6} {_f(r.engine_step_ms, '{:.2f}'):>7}")
     return "\n".join(rows)
 
 
