@@ -170,13 +170,14 @@ class Sm90Gemm:
     SMALL_CAP_MAX = 32
     # contiguous FP8 (kernels "ws"/"auto", calls that name their GEMM: role "w13" or "w2"): the variant
     # by rows of A, ((fewest rows, variant), ...) largest first. Source: perf/RESULTS.md, "moe: expert
-    # grouped GEMMs", 2026-11-22T03:37Z (H200, w13 + w2 timed together): n256_mc fastest at 4096 tokens
-    # (Qwen3-235B 32K rows, Qwen3.5-397B 41K), n256 at 16384 (131K / 164K rows), for both models; below
-    # 4096 tokens the 128 x 128 contig kernel (fastest measured at 1024, before the 128 x 256 ones
-    # existed). Thresholds halfway (in log rows) between measured sizes. Both GEMMs share the entries
-    # until tests/moe/gpu_prefill_sweep.sh times them apart (perf.moe's per-GEMM columns).
+    # grouped GEMMs", 2026-11-22T05:45Z (H200, tests/moe/gpu_prefill_sweep.sh, each GEMM and w13 + w2
+    # timed): at 16384 tokens (Qwen3-235B 131K rows, Qwen3.5-397B 164K) n256_mc_e2_sp 5.30 / 5.66 ms
+    # (the other 128 x 256 variants 5.47-5.90 / 5.49-5.66); at 4096 (32K / 41K rows) n256_mc fastest for
+    # both models and both GEMMs; below 4096 tokens the 128 x 128 contig kernel (fastest measured at 1024,
+    # 01:21Z). Thresholds halfway (in log rows) between measured sizes; w13 and w2 have the same winner
+    # family at every measured size, so both roles share the entries.
     CONTIG_TABLE = {
-        role: ((98304, "ws_fp8_contig_n256"), (24576, "ws_fp8_contig_n256_mc"), (0, "ws_fp8_contig"))
+        role: ((98304, "ws_fp8_contig_n256_mc_e2_sp"), (24576, "ws_fp8_contig_n256_mc"), (0, "ws_fp8_contig"))
         for role in GEMM_ROLES
     }
 

@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             ws = backends.load_sm90_module(backends.SM90_WS_MODULE)
         except Exception as err:  # noqa: BLE001 - the classic columns are still measured
             print(f"# {backends.SM90_WS_MODULE} did not load ({type(err).__name__}: {err}); no ws columns", flush=True)
-    gemm = backends.Sm90Gemm(backends.load_sm90_module(), ws)
+    gemm = backends.Sm90Gemm(backends.load_sm90_module(), ws, "classic" if ws is None else "auto")  # the layer's choice
     bw = hbm_copy_bandwidth(1 << 30) / 1e9  # GB/s
     dev = torch.cuda.get_device_name()
     print(f"# {dev}, torch {torch.__version__}, copy bandwidth {bw:.0f} GB/s (read + write)")

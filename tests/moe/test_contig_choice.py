@@ -54,7 +54,7 @@ def test_table_by_role_and_rows(monkeypatch, kernels):
             v = _expect(role, r)
             want.append((v, 7 if v in backend.Sm90Gemm.CLUSTERED else 6))  # clusters passed after aux
     assert calls == want
-    assert {v for v, _ in calls} >= {"ws_fp8_contig", "ws_fp8_contig_n256"}
+    assert {v for v, _ in calls} == {v for role in backend.GEMM_ROLES for _, v in backend.Sm90Gemm.CONTIG_TABLE[role]}
 
 
 def test_no_role_or_classic_keeps_the_fixed_default(monkeypatch):
