@@ -109,12 +109,13 @@ class FusedDispatch:
         self.o_tok = torch.full((nrows,), -1, dtype=torch.int32, **kw)
         self.o_w = torch.zeros(nrows, dtype=torch.float32, **kw)
         self.row_pos = torch.zeros(rows * K, dtype=torch.int32, **kw)
+        self.rstart = torch.zeros(R + 1, dtype=torch.int32, **kw)  # received rows' starts per source
         self.err = torch.zeros(1, dtype=torch.int32).pin_memory()  # written by the kernels (UVA)
         lead = (L, cfg.cap) if cfg.layout == "masked" else (nrows,)
         self.recv_x = self.out_x.view(*lead, H)
         self.recv_s = self.out_s.view(*lead, H // 32) if fp8 else None
         # the kernel takes the E4M3 bits as uint8 (its export has no float8 tensor type)
-        self._outs = (self.out_x.view(torch.uint8), self.out_s) if fp8 else (self.out_x,)
+        self._outs = ((self.out_x.view(torch.uint8), self.out_s) if fp8 else (self.out_x,)) + (self.rstart,)
         # From the ahead-of-time bundle (NVL72_KERNEL_BUNDLE); JIT only as aot's logged development path.
         self._dispatch = aot.function("comms.kernels.dispatch", f"dispatch_{'mxfp8_' if fp8 else ''}k{K}")
         self._combine = aot.function("comms.kernels.dispatch", f"combine_k{K}")
@@ -122,8 +123,8 @@ class FusedDispatch:
         self._dargs = (heap.peer_ptrs, cfg.rank, R, L, M, cfg.cap, int(cfg.layout == "contiguous"), o["rx"],
                        o["rid"], o["rw"], o["rslot"], o["rstamp"], o["rntok"], o["recnt"], o["dcnt"], o["state"],
                        self.err.data_ptr(), self.timeout_ns)
-        self._cargs = (heap.peer_ptrs, cfg.rank, R, L, M, o["rid"], o["rw"], o["rstamp"], o["rntok"], o["cx"],
-                       o["ccnt"], o["state"], self.err.data_ptr(), self.timeout_ns)
+        self._cargs = (heap.peer_ptrs, cfg.rank, R, L, M, o["rid"], o["rw"], o["rstamp"], o["cx"], o["ccnt"],
+                       o["state"], self.err.data_ptr(), self.timeout_ns)
         self.probes = None  # (dispatch, combine) int64 [SMs, PROBE_PHASES] stamp buffers, see enable_probes
         log.info("fused dispatch: %s blocks, heap used %.1f MiB, packed rows %d", self.nblocks or "auto",
                  heap.used / 2**20, nrows)
@@ -189,7 +190,7 @@ class FusedDispatch:
                              f"got {expert_out.dtype} {tuple(expert_out.shape)}")
         y = expert_out.reshape(-1, H)  # [rows, H]
         out = torch.empty(handle.num_tokens, H, dtype=torch.bfloat16, device=self.device)
-        self._combine(y, handle.topk_ids, out, self.row_pos, *self._cargs, self._probe(1),
+        self._combine(y, handle.topk_ids, out, self.row_pos, self.rstart, *self._cargs, self._probe(1),
                       self.blocks_for(handle.num_tokens))
         return out
 

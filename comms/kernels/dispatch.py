@@ -34,15 +34,18 @@ dispatch (one launch):
      (red.release.sys; block 0's lanes store rntok[me] on d first); see `_arrive`.
   B. wait until dcnt[s] - epoch * ARRIVAL_STEP >= 0 for every s (acquire, bounded; warp 0,
      convergent); barrier; block 0 stores the epoch for the next launch (`_store_epoch`).
-  C. pack: each block builds the (source, expert) exclusive prefix of recnt and the expert bases
-     in shared memory (one barrier masked, two contiguous); then warps take (received row, chunk)
-     units: load the chunk once and store
+  C. pack: each block builds the (source, expert) exclusive prefix of recnt, the expert bases and
+     the sources' row starts in shared memory (one barrier masked, two contiguous; block 0 also
+     writes the row starts to `rstart` for combine); then warps take (received row, chunk) units:
+     load the chunk once and store
      it to every local expert slot of the row at base[e] + prefix[s, e] + rslot. Output order
      (per expert: source rank, then token) equals the torch reference's.
 combine (one launch):
-  A. per (received row, chunk): sum over the row's local slots (ascending) of w * y in fp32
+  A. per (received row, chunk; rows located through dispatch's `rstart`, no scan or barrier first):
+     sum over the row's local slots (ascending) of w * y in fp32
      (mul.rn then add.rn: no FMA, bitwise the reference's arithmetic), round to bf16, store into
-     the owner's cx[me, t]; arrive on ccnt like dispatch; wait; block 0 stores the epoch.
+     the owner's cx[me, t]; arrive on ccnt like dispatch; compute the first B unit's routing from
+     local inputs; wait; block 0 stores the epoch.
   B. per (own token, chunk): sum the partials of the token's distinct ranks in ascending rank
      order in fp32, round to bf16.
 Phase probe: a non-zero `probe` address makes thread 0 of every block store %globaltimer (int64) at
@@ -311,6 +314,33 @@ def _row_starts(my_base, rntok_off, lane, active, world, rstart: cute.Tensor):
 
 
 @cute.jit
+def _token_ranks(ids: cute.Tensor, t, lane, nlocal, K: cutlass.Constexpr):
+    """Routing of own token t for combine's B: lane j < K holds dv = the rank of slot j's expert,
+    uniq = 1 where slot j is the first slot on that rank, order = dv's index among the token's
+    distinct ranks (ascending), so partials are summed in rank order."""
+    dv = Int32(-1)
+    if lane < K:
+        dv = ids[t, lane] // nlocal
+    uniq = Int32(0)
+    if lane < K:
+        uniq = Int32(1)
+    order = Int32(0)
+    for j in cutlass.range_constexpr(K):
+        o = cute.arch.shuffle_sync(dv, j)
+        if (j < lane) & (o == dv):
+            uniq = Int32(0)
+    for j in cutlass.range_constexpr(K):  # rank of dv among the distinct ranks
+        o = cute.arch.shuffle_sync(dv, j)
+        oj_first = Int32(1)
+        for i in cutlass.range_constexpr(j):
+            if cute.arch.shuffle_sync(dv, i) == o:
+                oj_first = Int32(0)
+        if (oj_first != 0) & (o < dv):
+            order = order + 1
+    return dv, uniq, order
+
+
+@cute.jit
 def _find_source(rstart: cute.Tensor, world, rr):
     """Largest s with rstart[s] <= rr (binary search in shared memory)."""
     lo = Int32(0)
@@ -357,7 +387,7 @@ def _make_dispatch(K: int, fp8: bool = False):
     one partial), values to out_x [rows, H] and scales to out_s [rows, H/32]."""
     @cute.kernel
     def kernel(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, out_x: cute.Tensor, out_s: cute.Tensor,
-               counts: cute.Tensor,
+               rstart_out: cute.Tensor, counts: cute.Tensor,
                offsets: cute.Tensor, o_rank: cute.Tensor, o_tok: cute.Tensor, o_w: cute.Tensor,
                row_pos: cute.Tensor, peers: cute.Tensor, rank: Int32, world: Int32, ntok: Int32, nvec: Int32,
                nlocal: Int32, maxt: Int32, cap: Int32, contiguous: Int32, off_rx: Int64, off_rid: Int64,
@@ -513,6 +543,11 @@ def _make_dispatch(K: int, fp8: bool = False):
         if (contiguous == 0) & (bid == 0) & (tid == 0):
             offsets[nlocal] = nlocal * cap
         cute.arch.sync_threads()
+        if bid == 0:  # for combine, which then needs no scan of its own
+            i = tid
+            while i <= world:
+                rstart_out[i] = rstart[i]
+                i += THREADS
         if contiguous != 0:
             if tid < 32:  # warp 0: bases = exclusive scan of the totals; counts, offsets
                 carry = Int32(0)
@@ -533,10 +568,8 @@ def _make_dispatch(K: int, fp8: bool = False):
                             ptx.st_release_sys(err_addr, ERR_CAPACITY | e2)
                     carry = carry + cute.arch.shuffle_sync(incl, 31)
                     e0 = e0 + 32
-                if tid == 0:
-                    base[nlocal] = carry
-                    if bid == 0:
-                        offsets[nlocal] = carry
+                if (tid == 0) & (bid == 0):
+                    offsets[nlocal] = carry
             cute.arch.sync_threads()
         _stamp(probe, tid, bid, 4)
 
@@ -605,10 +638,10 @@ def _make_dispatch(K: int, fp8: bool = False):
             u = u + nw
         _stamp(probe, tid, bid, 5)
 
-    def _launch(x, ids, wts, out_x, out_s, counts, offsets, o_rank, o_tok, o_w, row_pos, peers, rank, world, nlocal,
-                maxt, cap, contiguous, off_rx, off_rid, off_rw, off_rslot, off_rstamp, off_rntok, off_recnt, off_dcnt,
-                off_state, err_addr, timeout_ns, probe, nblocks, stream):
-        kernel(x, ids, wts, out_x, out_s, counts, offsets, o_rank, o_tok, o_w, row_pos, peers, rank, world,
+    def _launch(x, ids, wts, out_x, out_s, rstart, counts, offsets, o_rank, o_tok, o_w, row_pos, peers, rank, world,
+                nlocal, maxt, cap, contiguous, off_rx, off_rid, off_rw, off_rslot, off_rstamp, off_rntok, off_recnt,
+                off_dcnt, off_state, err_addr, timeout_ns, probe, nblocks, stream):
+        kernel(x, ids, wts, out_x, out_s, rstart, counts, offsets, o_rank, o_tok, o_w, row_pos, peers, rank, world,
                x.shape[0], x.shape[1] // 8, nlocal, maxt, cap, contiguous, off_rx, off_rid, off_rw, off_rslot,
                off_rstamp, off_rntok, off_recnt, off_dcnt, off_state, err_addr, timeout_ns, probe).launch(
             grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream)
@@ -616,24 +649,24 @@ def _make_dispatch(K: int, fp8: bool = False):
     if fp8:
         @cute.jit
         def launch(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, out_x: cute.Tensor, out_s: cute.Tensor,
-                   counts: cute.Tensor, offsets: cute.Tensor, o_rank: cute.Tensor, o_tok: cute.Tensor,
+                   rstart: cute.Tensor, counts: cute.Tensor, offsets: cute.Tensor, o_rank: cute.Tensor, o_tok: cute.Tensor,
                    o_w: cute.Tensor, row_pos: cute.Tensor, peers: cute.Tensor, rank: Int32, world: Int32,
                    nlocal: Int32, maxt: Int32, cap: Int32, contiguous: Int32, off_rx: Int64, off_rid: Int64,
                    off_rw: Int64, off_rslot: Int64, off_rstamp: Int64, off_rntok: Int64, off_recnt: Int64,
                    off_dcnt: Int64, off_state: Int64, err_addr: Int64, timeout_ns: Int64, probe: Int64,
                    nblocks: Int32, stream):
-            _launch(x, ids, wts, out_x, out_s, counts, offsets, o_rank, o_tok, o_w, row_pos, peers, rank, world,
+            _launch(x, ids, wts, out_x, out_s, rstart, counts, offsets, o_rank, o_tok, o_w, row_pos, peers, rank, world,
                     nlocal, maxt, cap, contiguous, off_rx, off_rid, off_rw, off_rslot, off_rstamp, off_rntok,
                     off_recnt, off_dcnt, off_state, err_addr, timeout_ns, probe, nblocks, stream)
     else:
         @cute.jit
-        def launch(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, out_x: cute.Tensor, counts: cute.Tensor,
-                   offsets: cute.Tensor, o_rank: cute.Tensor, o_tok: cute.Tensor, o_w: cute.Tensor,
+        def launch(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, out_x: cute.Tensor, rstart: cute.Tensor,
+                   counts: cute.Tensor, offsets: cute.Tensor, o_rank: cute.Tensor, o_tok: cute.Tensor, o_w: cute.Tensor,
                    row_pos: cute.Tensor, peers: cute.Tensor, rank: Int32, world: Int32, nlocal: Int32, maxt: Int32,
                    cap: Int32, contiguous: Int32, off_rx: Int64, off_rid: Int64, off_rw: Int64, off_rslot: Int64,
                    off_rstamp: Int64, off_rntok: Int64, off_recnt: Int64, off_dcnt: Int64, off_state: Int64,
                    err_addr: Int64, timeout_ns: Int64, probe: Int64, nblocks: Int32, stream):
-            _launch(x, ids, wts, out_x, out_x, counts, offsets, o_rank, o_tok, o_w, row_pos, peers, rank, world,
+            _launch(x, ids, wts, out_x, out_x, rstart, counts, offsets, o_rank, o_tok, o_w, row_pos, peers, rank, world,
                     nlocal, maxt, cap, contiguous, off_rx, off_rid, off_rw, off_rslot, off_rstamp, off_rntok,
                     off_recnt, off_dcnt, off_state, err_addr, timeout_ns, probe, nblocks, stream)
 
@@ -679,9 +712,9 @@ def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = Fals
     `trace`: every warp records its phase and next address in the pinned host buffer at err_addr
     (TRACE_WORDS int32 per warp after the error word; see _trace)."""
     @cute.kernel
-    def kernel(y: cute.Tensor, ids: cute.Tensor, out: cute.Tensor, row_pos: cute.Tensor, peers: cute.Tensor,
-               rank: Int32, world: Int32, ntok: Int32, nvec: Int32, nlocal: Int32, maxt: Int32, off_rid: Int64,
-               off_rw: Int64, off_rstamp: Int64, off_rntok: Int64, off_cx: Int64, off_ccnt: Int64,
+    def kernel(y: cute.Tensor, ids: cute.Tensor, out: cute.Tensor, row_pos: cute.Tensor, rstart: cute.Tensor,
+               peers: cute.Tensor, rank: Int32, world: Int32, ntok: Int32, nvec: Int32, nlocal: Int32, maxt: Int32,
+               off_rid: Int64, off_rw: Int64, off_rstamp: Int64, off_cx: Int64, off_ccnt: Int64,
                off_state: Int64, err_addr: Int64, timeout_ns: Int64, probe: Int64, yrows: Int32):
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -702,14 +735,10 @@ def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = Fals
 
         if cutlass.const_expr(trace):
             _trace(err_addr, gw, lane, TR_START, bid, me + off_state)
-        smem = SmemAllocator()
-        rstart = smem.allocate_tensor(Int32, cute.make_layout(MAX_WORLD + 1))
-        _row_starts(me, off_rntok, lane, tid < 32, world, rstart)
-        cute.arch.sync_threads()
-        _stamp(probe, tid, bid, 1)
-
-        # ---- A. partial sums over this rank's experts, back to the token's owner
+        # ---- A. partial sums over this rank's experts, back to the token's owner; the received rows'
+        # starts per source come from dispatch (rstart, L1-cached loads: no scan, no barrier here)
         total = rstart[world]
+        _stamp(probe, tid, bid, 1)
         u = gw
         while u < total * nchunk:
             rr = u // nchunk
@@ -779,8 +808,15 @@ def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = Fals
         cute.arch.sync_threads()
         _stamp(probe, tid, bid, 2)
         if cutlass.const_expr(not skip & SKIP_FLAGS):
-            _arrive(peers, tid, bid, nb, world, off_ccnt, rank, off_rntok, 0, False)
+            _arrive(peers, tid, bid, nb, world, off_ccnt, rank, Int64(0), 0, False)
             _stamp(probe, tid, bid, 3)
+        # the first B unit's routing (local inputs) while the peers' partials are still on the way
+        dv_p = Int32(-1)
+        uniq_p = Int32(0)
+        order_p = Int32(0)
+        if gw < ntok * nchunk:
+            dv_p, uniq_p, order_p = _token_ranks(ids, gw // nchunk, lane, nlocal, K)
+        if cutlass.const_expr(not skip & SKIP_FLAGS):
             _wait_all(me, tid, world, off_ccnt, wrap_mul(epoch, ARRIVAL_STEP), err_addr, timeout_ns,
                       ERR_COMBINE_TIMEOUT)
         cute.arch.sync_threads()
@@ -795,25 +831,11 @@ def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = Fals
         while u < ntok * nchunk:
             t = u // nchunk
             c = u - t * nchunk
-            dv = Int32(-1)
-            if lane < K:
-                dv = ids[t, lane] // nlocal
-            uniq = Int32(0)
-            if lane < K:
-                uniq = Int32(1)
-            order = Int32(0)
-            for j in cutlass.range_constexpr(K):
-                o = cute.arch.shuffle_sync(dv, j)
-                if (j < lane) & (o == dv):
-                    uniq = Int32(0)
-            for j in cutlass.range_constexpr(K):  # rank of dv among the distinct ranks
-                o = cute.arch.shuffle_sync(dv, j)
-                oj_first = Int32(1)
-                for i in cutlass.range_constexpr(j):
-                    if cute.arch.shuffle_sync(dv, i) == o:
-                        oj_first = Int32(0)
-                if (oj_first != 0) & (o < dv):
-                    order = order + 1
+            dv = dv_p
+            uniq = uniq_p
+            order = order_p
+            if u != gw:
+                dv, uniq, order = _token_ranks(ids, t, lane, nlocal, K)
             for q in cutlass.range_constexpr(32):
                 acc[q] = cutlass.Float32(0.0)
             d0 = cute.arch.shuffle_sync(dv, 0)
@@ -859,14 +881,14 @@ def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = Fals
             _trace(err_addr, gw, lane, TR_EXIT, 0, me)
 
     @cute.jit
-    def launch(y: cute.Tensor, ids: cute.Tensor, out: cute.Tensor, row_pos: cute.Tensor, peers: cute.Tensor,
-               rank: Int32, world: Int32, nlocal: Int32, maxt: Int32, off_rid: Int64, off_rw: Int64,
-               off_rstamp: Int64, off_rntok: Int64, off_cx: Int64, off_ccnt: Int64, off_state: Int64,
+    def launch(y: cute.Tensor, ids: cute.Tensor, out: cute.Tensor, row_pos: cute.Tensor, rstart: cute.Tensor,
+               peers: cute.Tensor, rank: Int32, world: Int32, nlocal: Int32, maxt: Int32, off_rid: Int64,
+               off_rw: Int64, off_rstamp: Int64, off_cx: Int64, off_ccnt: Int64, off_state: Int64,
                err_addr: Int64, timeout_ns: Int64, probe: Int64, nblocks: Int32, stream):
         ntok = out.shape[0]
         nvec = out.shape[1] // 8
-        kernel(y, ids, out, row_pos, peers, rank, world, ntok, nvec, nlocal, maxt, off_rid, off_rw, off_rstamp,
-               off_rntok, off_cx, off_ccnt, off_state, err_addr, timeout_ns, probe, y.shape[0]).launch(
+        kernel(y, ids, out, row_pos, rstart, peers, rank, world, ntok, nvec, nlocal, maxt, off_rid, off_rw,
+               off_rstamp, off_cx, off_ccnt, off_state, err_addr, timeout_ns, probe, y.shape[0]).launch(
             grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     return launch
@@ -888,16 +910,17 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
     """Compile dispatch_k{K} and combine_k{K} for each K in `topks` against fake tensors (no GPU).
 
     Call signatures (torch tensors; ints for scalars; the current torch stream):
-      dispatch_kK(x [T,H] bf16, ids [T,K] i32, wts [T,K] f32, out_x [rows,H] bf16, counts [L] i32,
+      dispatch_kK(x [T,H] bf16, ids [T,K] i32, wts [T,K] f32, out_x [rows,H] bf16, rstart [R+1] i32
+                  (out: received rows' starts per source, for combine), counts [L] i32,
                   offsets [L+1] i32, o_rank [rows] i32, o_tok [rows] i32, o_w [rows] f32,
                   row_pos [R*M*K] i32, peers [R] i64, rank, world, nlocal, maxt, cap, contiguous,
                   off_rx, off_rid, off_rw, off_rslot, off_rstamp, off_rntok, off_recnt, off_dcnt,
                   off_state, err_addr, timeout_ns, probe, nblocks)
       dispatch_mxfp8_kK: the same with out_x [rows,H] uint8 (E4M3 bits) followed by out_s [rows,H/32]
                   uint8 (E8M0); off_rx's region holds staged rows of H + H/32 bytes
-      combine_kK(y [rows,H] bf16, ids [T,K] i32, out [T,H] bf16, row_pos, peers, rank, world, nlocal,
-                 maxt, off_rid, off_rw, off_rstamp, off_rntok, off_cx, off_ccnt, off_state, err_addr,
-                 timeout_ns, probe, nblocks)
+      combine_kK(y [rows,H] bf16, ids [T,K] i32, out [T,H] bf16, row_pos, rstart (the last dispatch's),
+                 peers, rank, world, nlocal, maxt, off_rid, off_rw, off_rstamp, off_cx, off_ccnt, off_state,
+                 err_addr, timeout_ns, probe, nblocks)
     probe: 0, or the address of an int64 [nblocks, PROBE_PHASES] device buffer (phase stamps);
     nblocks: any grid of 1..SM count (co-resident); ranks and calls may differ.
     """
@@ -917,16 +940,17 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
         counts, offsets = ten(Int32, (cute.sym_int(),)), ten(Int32, (cute.sym_int(),))
         o_rank, o_tok, o_w = ten(Int32, (rows,)), ten(Int32, (rows,)), ten(cutlass.Float32, (rows,))
         row_pos = ten(Int32, (cute.sym_int(),))
+        rstart = ten(Int32, (cute.sym_int(),))
         peers = ten(Int64, (cute.sym_int(),), 8)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         scalars = (i32, i32, i32, i32, i32, i32, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32)
         meta = (counts, offsets, o_rank, o_tok, o_w, row_pos, peers)
-        out[f"dispatch_k{K}"] = cute.compile(_make_dispatch(K), x, ids, wts, out_x, *meta, *scalars, stream,
+        out[f"dispatch_k{K}"] = cute.compile(_make_dispatch(K), x, ids, wts, out_x, rstart, *meta, *scalars, stream,
                                              options=opts)
         q_x = ten(cutlass.Uint8, (rows, hid), 16)
         q_s = ten(cutlass.Uint8, (rows, cute.sym_int()), 16)
-        out[f"dispatch_mxfp8_k{K}"] = cute.compile(_make_dispatch(K, fp8=True), x, ids, wts, q_x, q_s, *meta,
-                                                   *scalars, stream, options=opts)
+        out[f"dispatch_mxfp8_k{K}"] = cute.compile(_make_dispatch(K, fp8=True), x, ids, wts, q_x, q_s, rstart,
+                                                   *meta, *scalars, stream, options=opts)
         y = ten(cutlass.BFloat16, (cute.sym_int(), hid), 16)
         o = ten(cutlass.BFloat16, (ntok, hid), 16)
         skips = (0,) + (DEBUG_SKIPS if os.environ.get("NVL72_DISPATCH_DEBUG_VARIANTS") == "1" and K == 4 else ())
@@ -935,6 +959,6 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
             variants += [(f"combine_k{K}_checked", 0, True), (f"combine_k{K}_trace", 0, "trace")]
         for name, skip, check in variants:
             out[name] = cute.compile(
-                _make_combine(K, skip, check is True, check == "trace"), y, ids, o, row_pos, peers, i32, i32, i32, i32,
-                i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32, stream, options=opts)
+                _make_combine(K, skip, check is True, check == "trace"), y, ids, o, row_pos, rstart, peers, i32, i32,
+                i32, i32, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32, stream, options=opts)
     return out

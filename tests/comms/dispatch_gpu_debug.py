@@ -124,9 +124,9 @@ def _combine_traced(rank, fused, recv, h, tag):
     nb = f.blocks_for(h.num_tokens)
     warps = nb * 8
     buf = torch.zeros((1 + warps) * TRACE_WORDS, dtype=torch.int32).pin_memory()
-    f.err = buf
     cargs = list(f._cargs)
-    cargs[12] = buf.data_ptr()
+    cargs[cargs.index(f.err.data_ptr())] = buf.data_ptr()
+    f.err = buf
     H = f.cfg.hidden
     y = recv.x.reshape(-1, H)
     out = torch.empty(h.num_tokens, H, dtype=torch.bfloat16, device=y.device)
@@ -137,7 +137,7 @@ def _combine_traced(rank, fused, recv, h, tag):
     ranges.append(("trace(host)", buf.data_ptr(), buf.numel() * 4))
     fault = None
     try:
-        f._combine(y, h.topk_ids, out, f.row_pos, *cargs, 0, nb)
+        f._combine(y, h.topk_ids, out, f.row_pos, f.rstart, *cargs, 0, nb)
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001  (the trace is printed, then the fault re-raised)
         fault = e
@@ -166,7 +166,7 @@ def _worker(rank, world, store, cfg_index, num_blocks, variant=""):
     from comms.dispatch import DispatchCombine
     from perf.comms.dispatch import make_heap
 
-    E, K, H, M, toks, cases, layouts = CONFIGS[cfg_index]
+    E, K, H, M, toks, cases, layouts, _ = CONFIGS[cfg_index]  # bf16 payload (combine is bf16 either way)
     T = toks[rank % len(toks)]
     gen = torch.Generator().manual_seed(11 + rank)
     bad = []

@@ -195,6 +195,7 @@ def emulate(world, E, K, H, M, toks, layout, ids=None, cap=None, gen=None, paylo
             Region(name, 0, nrows * width).check(posv[ok] * width, width, f"C {name} write")
         row_pos_idx = row[:, None] * K + torch.arange(K)
         Region("row_pos", 0, rows_in * K * 4).check(row_pos_idx[ok] * 4, 4, "C row_pos write")
+        Region("rstart", 0, (world + 1) * 4).check(torch.arange(world + 1) * 4, 4, "C rstart write / combine read")
         Region("counts", 0, L * 4).check(torch.arange(L) * 4, 4, "C counts")
         Region("offsets", 0, (L + 1) * 4).check(torch.arange(L + 1) * 4, 4, "C offsets")
         # packed positions are distinct (no two entries share a row)
