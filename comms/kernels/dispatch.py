@@ -71,6 +71,7 @@ MAX_WORLD = 128      # shared-memory table bounds (checked on the host)
 MAX_LOCAL = 512
 MAX_PAIRS = 1024     # R * L (source rank, local expert) pairs
 TOPK_VARIANTS = (1, 2, 4, 6, 8, 10)
+SCAN_UNROLL = 4      # slot scan: 32-token groups whose id loads are issued together
 ARRIVAL_STEP = 1024  # counter units one source adds per epoch (>= any grid: see _arrive)
 PROBE_PHASES = 8     # int64 stamps per block in the probe buffer
 DISPATCH_PHASES = ("start", "A sent", "signalled", "waited", "tables", "C packed")
@@ -426,20 +427,24 @@ def _make_dispatch(K: int, fp8: bool = False):
             dbase = peers[d]
             running = Int32(0)
             t0 = Int32(0)
-            while t0 < ntok:
-                t = t0 + lane
-                hit = Int32(-1)
-                if t < ntok:
+            while t0 < ntok:  # SCAN_UNROLL x 32 tokens per step: every id load in flight at once
+                hits = []
+                for r in cutlass.range_constexpr(SCAN_UNROLL):
+                    t = t0 + 32 * r + lane
+                    tc = cutlass.min(t, ntok - 1)  # loads without a branch; lanes past ntok never hit
+                    hit = Int32(-1)
                     for j in cutlass.range_constexpr(K):
-                        if ids[t, j] == g:
+                        if (ids[tc, j] == g) & (t < ntok):
                             hit = Int32(j)
-                m = cute.arch.vote_ballot_sync(hit >= 0)
-                if hit >= 0:
-                    i = running + cute.arch.popc(m & lanemask_lt())
-                    row = _i64(rank) * maxt + t
-                    st_b32(dbase + off_rslot + (row * K + hit) * 4, i)
-                running = running + cute.arch.popc(m)
-                t0 = t0 + 32
+                    hits.append(hit)
+                for r in cutlass.range_constexpr(SCAN_UNROLL):
+                    m = cute.arch.vote_ballot_sync(hits[r] >= 0)
+                    if hits[r] >= 0:
+                        i = running + cute.arch.popc(m & lanemask_lt())
+                        row = _i64(rank) * maxt + t0 + 32 * r + lane
+                        st_b32(dbase + off_rslot + (row * K + hits[r]) * 4, i)
+                    running = running + cute.arch.popc(m)
+                t0 = t0 + 32 * SCAN_UNROLL
             if lane == 0:
                 st_b32(dbase + off_recnt + (_i64(rank) * nlocal + (g - d * nlocal)) * 4, running)
             g = g + nw
