@@ -251,12 +251,17 @@ class FlashInferBackend(AttentionBackend):
 NAMES = ("torch", "triton", "flashinfer")
 
 
-def available(name: str, device: torch.device) -> str | None:
-    """None when backend `name` can run on `device`, else the reason it cannot."""
+def available(name: str, device: torch.device, shape: AttentionShape | None = None) -> str | None:
+    """None when backend `name` can run on `device` (for `shape`, when given), else the reason it cannot."""
     if name not in NAMES:
         return f"unknown attention backend {name!r}; known: {', '.join(NAMES)}"
     if name == "torch":
         return None
+    if name == "triton" and shape is not None:
+        d = shape.head_dim
+        if shape.num_heads % shape.num_kv_heads or d & (d - 1) or d < 16:
+            return (f"its kernels need a whole query group per KV head and a power-of-two head_dim >= 16 "
+                    f"({shape.num_heads}/{shape.num_kv_heads} heads x {d})")
     if importlib.util.find_spec("triton") is None and name == "triton":
         return "the triton package is not importable"
     if device.type != "cuda" and not (name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"):
@@ -270,10 +275,11 @@ def available(name: str, device: torch.device) -> str | None:
     return None
 
 
-def default_name(device: torch.device) -> str:
-    """triton on CUDA (graph-safe, decode and prefill), else flashinfer, else the torch reference."""
+def default_name(device: torch.device, shape: AttentionShape | None = None) -> str:
+    """triton on CUDA (graph-safe, decode and prefill), else flashinfer, else the torch reference
+    (also for shapes the others do not serve, e.g. the tiny test models' head_dim 8)."""
     for name in ("triton", "flashinfer"):
-        if device.type == "cuda" and available(name, device) is None:
+        if device.type == "cuda" and available(name, device, shape) is None:
             return name
     return "torch"
 
@@ -284,8 +290,8 @@ def select(shape: AttentionShape, device: torch.device | str, name: str | None =
     requested = name or os.environ.get(ENV) or None
     if requested == "auto":
         requested = None
-    chosen = requested or default_name(device)
-    reason = available(chosen, device)
+    chosen = requested or default_name(device, shape)
+    reason = available(chosen, device, shape)
     if reason is not None:
         raise BackendUnavailable(f"attention backend {chosen!r}: {reason}")
     backend = {"torch": TorchBackend, "triton": TritonBackend}[chosen]() if chosen != "flashinfer" \

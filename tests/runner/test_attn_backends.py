@@ -39,6 +39,25 @@ def test_triton_needs_the_package(monkeypatch):
     assert ab.default_name(torch.device("cpu")) == "torch"
 
 
+def test_triton_refuses_shapes_its_kernels_do_not_serve(monkeypatch):
+    """head_dim 8 (the tiny test models) or a partial query group: triton is unavailable with the
+    reason, the capability default on a GPU falls to the next backend, and asking for it raises."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv(ab.ENV, raising=False)
+    cpu = torch.device("cpu")
+    for bad in (ab.AttentionShape(4, 2, 8, torch.float32), ab.AttentionShape(6, 4, 16, torch.float32),
+                ab.AttentionShape(4, 2, 48, torch.float32)):
+        assert "head_dim" in ab.available("triton", cpu, bad)
+        with pytest.raises(ab.BackendUnavailable, match=f"x {bad.head_dim}"):
+            ab.select(bad, cpu, "triton")
+    assert ab.available("triton", cpu, SHAPE) is None
+    monkeypatch.setattr(ab, "available", lambda name, device, shape=None: None if name == "torch" or (
+        name == "triton" and shape.head_dim >= 16) else "no")
+    gpu = torch.device("cuda")
+    assert ab.default_name(gpu, SHAPE) == "triton"
+    assert ab.default_name(gpu, ab.AttentionShape(4, 2, 8, torch.float32)) == "torch"
+
+
 def test_device_slot_mapping_matches_reference_and_marks_missing_pages():
     batch, *_ = random_batch([3, 1, 6], [5, 9, 0], 4, 4, 2, 16, torch.float32, "cpu", seed=1)
     meta = ops.AttentionMetadata.build(batch, 4)
