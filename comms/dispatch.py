@@ -179,6 +179,9 @@ class DispatchCombine:
     expert_capacity: rows per local expert (default: every token of every rank fits).
     all_reduce: replicated mode's sum (default: comms.AllReduce on a heap, torch.distributed else).
     timeout_s: bound on every wait for a peer inside a kernel.
+    pipeline_phases: fused dispatch only; > 1 compiles in the pipelined kernel, which at
+        >= `comms.dispatch_fused.PIPE_MIN_TOKENS` tokens sends in that many phases and packs each
+        phase while the next one is on the wire (the same results; same value on every rank).
     num_blocks: fused kernels' grid (default: sized per call from the token count,
         `comms.dispatch_fused.auto_blocks`; ranks need not agree). Every block must be resident at
         once; leave SMs free with a smaller grid if other kernels run concurrently.
@@ -187,7 +190,7 @@ class DispatchCombine:
     def __init__(self, heap_or_group, num_experts: int, top_k: int, hidden: int, max_tokens_per_rank: int,
                  mode: str = "dp_ep", dtype: torch.dtype = torch.bfloat16, payload: str = "bf16", *,
                  layout: str = "masked", expert_capacity: int | None = None, all_reduce=None,
-                 timeout_s: float = 10.0, num_blocks: int | None = None):
+                 timeout_s: float = 10.0, num_blocks: int | None = None, pipeline_phases: int = 1):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}, expected one of {MODES}")
         if layout not in LAYOUTS:
@@ -210,6 +213,7 @@ class DispatchCombine:
         self.group, self.mode, self.layout = group, mode, layout
         self.num_experts, self.top_k, self.hidden = num_experts, top_k, hidden
         self.max_tokens, self.dtype, self.payload = max_tokens_per_rank, dtype, payload
+        self.pipeline_phases = pipeline_phases
         self.num_local = num_experts // self.world
         self.expert_offset = self.rank * self.num_local
         rows_in = max_tokens_per_rank * (self.world if mode == "dp_ep" else 1)
@@ -242,11 +246,11 @@ class DispatchCombine:
 
     @staticmethod
     def heap_size_hint(world: int, num_experts: int, top_k: int, hidden: int, max_tokens_per_rank: int,
-                       payload: str = "bf16") -> int:
+                       payload: str = "bf16", pipeline_phases: int = 1) -> int:
         """Bytes of symmetric heap the fused dp_ep path allocates (size the heap with this)."""
         from comms.dispatch_fused import heap_bytes
 
-        return heap_bytes(world, num_experts, top_k, hidden, max_tokens_per_rank, payload)
+        return heap_bytes(world, num_experts, top_k, hidden, max_tokens_per_rank, payload, pipeline_phases)
 
     # ------------------------------------------------------------------ public
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):

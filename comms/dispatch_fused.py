@@ -31,6 +31,9 @@ MAX_WORLD, MAX_LOCAL, MAX_PAIRS = 128, 512, 1024
 TOPK_VARIANTS = (1, 2, 4, 6, 8, 10)
 THREADS, PROBE_PHASES = 256, 8
 ARRIVAL_STEP = 1024  # arrival counter units per source and epoch: bounds the grid
+PIPE_MAX = 8  # pipelined dispatch: phases at most
+PIPE_MIN_TOKENS = 512  # pipelined dispatch: calls with fewer tokens send in one phase (latency)
+PIPE_SEND_WARPS = 2  # pipelined dispatch: warps per block sending while the others pack (a guess until timed)
 DISPATCH_PHASES = ("start", "A sent", "signalled", "waited", "tables", "C packed")
 COMBINE_PHASES = ("start", "row starts", "A sent", "signalled", "waited", "B summed")
 _ERR_KINDS = {1: "dispatch wait", 2: "combine wait", 3: "capacity"}
@@ -52,19 +55,21 @@ def staged_row_bytes(hidden: int, payload: str) -> int:
 
 
 def heap_regions(world: int, num_experts: int, top_k: int, hidden: int, max_tokens: int,
-                 payload: str = "bf16") -> list[tuple[str, int]]:
-    """(name, bytes) of the kernels' heap regions in allocation order (see comms.kernels.dispatch)."""
+                 payload: str = "bf16", phases: int = 1) -> list[tuple[str, int]]:
+    """(name, bytes) of the kernels' heap regions in allocation order (see comms.kernels.dispatch);
+    `phases`: the pipelined dispatch's phase counters per source (1: not pipelined)."""
     rows, L = world * max_tokens, num_experts // world
     return [("rx", rows * staged_row_bytes(hidden, payload)), ("rid", rows * top_k * 4), ("rw", rows * top_k * 4),
             ("rslot", rows * top_k * 4), ("rstamp", rows * 4), ("rntok", world * 4), ("recnt", world * L * 4),
-            ("dcnt", world * 4), ("cx", rows * hidden * 2), ("ccnt", world * 4), ("state", 16)]
+            ("dcnt", phases * world * 4), ("cx", rows * hidden * 2), ("ccnt", world * 4), ("state", 16),
+            ("rnph", world * 4)]
 
 
 def heap_bytes(world: int, num_experts: int, top_k: int, hidden: int, max_tokens: int,
-               payload: str = "bf16") -> int:
+               payload: str = "bf16", phases: int = 1) -> int:
     """Symmetric-heap bytes one fused DispatchCombine takes (with REGION_ALIGN-byte region alignment)."""
     return sum(-(-n // REGION_ALIGN) * REGION_ALIGN
-               for _, n in heap_regions(world, num_experts, top_k, hidden, max_tokens, payload))
+               for _, n in heap_regions(world, num_experts, top_k, hidden, max_tokens, payload, phases))
 
 
 def auto_blocks(world: int, num_experts: int, hidden: int, tokens: int, sms: int) -> int:
@@ -90,11 +95,13 @@ class FusedDispatch:
                              f"(<= {MAX_WORLD} ranks, {MAX_LOCAL} local experts, {MAX_PAIRS} pairs)")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be positive")
+        if not 1 <= cfg.pipeline_phases <= PIPE_MAX:
+            raise ValueError(f"pipeline_phases={cfg.pipeline_phases} must be in [1, {PIPE_MAX}]")
         self.cfg, self.heap, self.device = cfg, heap, torch.device(heap.device)
         self.timeout_ns = int(timeout_s * 1e9)
         rows = R * M
         self.off = {name: heap.alloc(nbytes, align=REGION_ALIGN)
-                    for name, nbytes in heap_regions(R, cfg.num_experts, K, H, M, cfg.payload)}
+                    for name, nbytes in heap_regions(R, cfg.num_experts, K, H, M, cfg.payload, cfg.pipeline_phases)}
         heap.barrier()
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.set_blocks(nblocks)
@@ -115,9 +122,13 @@ class FusedDispatch:
         self.recv_x = self.out_x.view(*lead, H)
         self.recv_s = self.out_s.view(*lead, H // 32) if fp8 else None
         # the kernel takes the E4M3 bits as uint8 (its export has no float8 tensor type)
-        self._outs = ((self.out_x.view(torch.uint8), self.out_s) if fp8 else (self.out_x,)) + (self.rstart,)
+        self._outs = ((self.out_x.view(torch.uint8), self.out_s) if fp8 else (self.out_x, self.out_x)) + (self.rstart,)
         # From the ahead-of-time bundle (NVL72_KERNEL_BUNDLE); JIT only as aot's logged development path.
-        self._dispatch = aot.function("comms.kernels.dispatch", f"dispatch_{'mxfp8_' if fp8 else ''}k{K}")
+        self.maxp = cfg.pipeline_phases
+        self.phases = None  # send phases of later calls: None = phases_for(tokens); see set_phases
+        self.send_warps = PIPE_SEND_WARPS
+        name = "dispatch_" + ("mxfp8_" if fp8 else "") + ("pipe_" if self.maxp > 1 else "") + f"k{K}"
+        self._dispatch = aot.function("comms.kernels.dispatch", name)
         self._combine = aot.function("comms.kernels.dispatch", f"combine_k{K}")
         o = self.off
         self._dargs = (heap.peer_ptrs, cfg.rank, R, L, M, cfg.cap, int(cfg.layout == "contiguous"), o["rx"],
@@ -136,6 +147,25 @@ class FusedDispatch:
             raise ValueError(f"nblocks={nblocks} must be in [1, {min(self.sms, ARRIVAL_STEP)}] "
                              "(one co-resident block per SM)")
         self.nblocks = nblocks
+
+    def set_phases(self, phases: int | None, send_warps: int | None = None) -> None:
+        """Send phases of later calls (pipelined buffers only): a fixed count in [1, pipeline_phases],
+        or None for `phases_for`. Ranks may differ; each tells its receivers. `send_warps`: warps per
+        block that send the next phase while the others pack (0: all send, then all pack)."""
+        if phases is not None and not 1 <= phases <= self.maxp:
+            raise ValueError(f"phases={phases} must be in [1, pipeline_phases={self.maxp}]")
+        if send_warps is not None and not 0 <= send_warps < THREADS // 32:
+            raise ValueError(f"send_warps={send_warps} must be in [0, {THREADS // 32 - 1}]")
+        self.phases = phases
+        if send_warps is not None:
+            self.send_warps = send_warps
+
+    def phases_for(self, tokens: int) -> int:
+        """Send phases of a call: one below PIPE_MIN_TOKENS tokens (a phase costs an arrival and a
+        wait), else pipeline_phases."""
+        if self.phases is not None:
+            return self.phases
+        return self.maxp if tokens >= PIPE_MIN_TOKENS else 1
 
     def blocks_for(self, tokens: int) -> int:
         c = self.cfg
@@ -176,8 +206,10 @@ class FusedDispatch:
                              f"must be [{x.shape[0]}, top_k={cfg.top_k}]")
         ids = topk_ids.to(torch.int32).contiguous()
         w = topk_weights.to(torch.float32).contiguous()
+        T = x.shape[0]
         self._dispatch(x, ids, w, *self._outs, self.counts, self.offsets, self.o_rank, self.o_tok, self.o_w,
-                       self.row_pos, *self._dargs, self._probe(0), self.blocks_for(x.shape[0]))
+                       self.row_pos, *self._dargs, self._probe(0), self.off["rnph"], self.maxp, self.phases_for(T),
+                       self.send_warps, self.blocks_for(T))
         recv = DispatchRecv(self.recv_x, self.counts, self.offsets, self.o_rank, self.o_tok, self.o_w, self.recv_s)
         return recv, FusedHandle(x.shape[0], ids)
 

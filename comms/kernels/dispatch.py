@@ -18,12 +18,14 @@ M = max tokens per rank, K = top-k, L = local experts):
                          that expert (so packing needs no cross-block scan on the receiver)
   rstamp int32 [R, M]    dispatch epoch at which row (s, t) was written (stale rows: older epochs)
   rntok int32 [R]        tokens of source s this epoch;  recnt int32 [R, L] entries per (s, expert)
-  dcnt  int32 [R]        dispatch arrival counters (source s adds ARRIVAL_STEP per epoch; a rank at
-                         epoch e waits for cnt - e * ARRIVAL_STEP >= 0 modulo 2**32: wrap-safe)
+  dcnt  int32 [P, R]     dispatch arrival counters, P = 1 or the pipelined kernel's maxp (source s
+                         adds ARRIVAL_STEP per epoch to each; a rank at epoch e waits for
+                         cnt - e * ARRIVAL_STEP >= 0 modulo 2**32: wrap-safe)
   cx    bf16  [R, M, H]  combine partials: row (s, t) = rank s's partial for my token t
   ccnt  int32 [R]        combine arrival counters
   state int32 [4]        dispatch epoch, -, combine epoch, combine ticket (the SKIP_FLAGS debug
                          variants' exit hand-off only); block 0 stores the new epoch after its wait
+  rnph  int32 [R]        pipelined dispatch: send phases of source s this epoch
 
 dispatch (one launch):
   A. send: the last E warps scan this rank's tokens for one global expert each (ballot + popc) and
@@ -40,6 +42,21 @@ dispatch (one launch):
      load the chunk once and store
      it to every local expert slot of the row at base[e] + prefix[s, e] + rslot. Output order
      (per expert: source rank, then token) equals the torch reference's.
+pipelined dispatch (dispatch_pipe_kK; host: pipeline_phases > 1): at large token counts C runs
+after A, so the wire and the pack take turns. Here a source sends its tokens in nphase <= maxp
+phases of ch = ceil(ntok / nphase) tokens (A1 and rntok / rnph go with phase 0). A block sends
+phase 0, arrives on counter 0, waits for counter 0 of every source (then the tables, with each
+source's phase sizes: `_phase_tables`), and for q = 0, 1, ... < max over sources of nphase: sends
+its phase q + 1 and packs every source's phase-q rows (with swarps > 0, swarps warps per block
+send while the rest pack, so the NVLink stores and the local copy run at once), then
+arrives on counter q + 1 and waits for it. A source's last phase also arrives on every later
+counter, so each counter gets ARRIVAL_STEP per source and epoch whatever the phase counts (ranks
+may differ). Separate counters per phase are needed: with one counter a block's phase q + 1 add
+could overtake another block's phase q add to a third rank. A block arrives on counter q + 1 only
+after its wait on counter q, and every arrival q precedes every wait q, so no rank can wait on
+an arrival that waits on it (no deadlock). The arrival's release covers the block's pack stores
+too; each phase costs one more arrival and wait (a few us), hence one phase below
+`comms.dispatch_fused.PIPE_MIN_TOKENS`.
 combine (one launch):
   A. per (received row, chunk; rows located through dispatch's `rstart`, no scan or barrier first):
      sum over the row's local slots (ascending) of w * y in fp32
@@ -72,6 +89,7 @@ MAX_LOCAL = 512
 MAX_PAIRS = 1024     # R * L (source rank, local expert) pairs
 TOPK_VARIANTS = (1, 2, 4, 6, 8, 10)
 SCAN_UNROLL = 4      # slot scan: 32-token groups whose id loads are issued together
+PIPE_MAX = 8         # pipelined dispatch: phase counters per source at most
 ARRIVAL_STEP = 1024  # counter units one source adds per epoch (>= any grid: see _arrive)
 PROBE_PHASES = 8     # int64 stamps per block in the probe buffer
 DISPATCH_PHASES = ("start", "A sent", "signalled", "waited", "tables", "C packed")
@@ -204,12 +222,16 @@ def _i64(v):
 
 
 @cute.jit
-def _arrive(peers: cute.Tensor, tid, bid, nb, world, cnt_off, rank, ntok_off, ntok, with_ntok: cutlass.Constexpr):
+def _arrive(peers: cute.Tensor, tid, bid, nb, world, cnt_off, rank, ntok_off, ntok, with_ntok: cutlass.Constexpr,
+            ncnt=1, nph_off=0, nph=1):
     """After a bar.sync: this block's arrival on every rank d, released by lane d % 32 of warp 0 with
     one red.release.sys.add into cnt[rank] on d. Block 0 adds ARRIVAL_STEP + 1 - nb, the others 1,
     so one source adds exactly ARRIVAL_STEP per epoch whatever its grid (ranks and calls may differ).
     `with_ntok`: block 0's lane d first stores this launch's token count into rntok[rank] on d (the
-    same thread's release covers it: no extra barrier).
+    same thread's release covers it: no extra barrier). Pipelined dispatch: the arrival goes to
+    `ncnt` consecutive counters [ncnt, R] from cnt_off (a last send phase also arrives on the phase
+    counters it will not use, so each counter still gets ARRIVAL_STEP per source and epoch), and
+    with `with_ntok` also stores the source's phase count `nph` into rnph[rank] (nph_off != 0).
 
     Why the release covers the whole block: every write of the block is ordered before the bar.sync,
     which synchronises the block's threads (PTX memory model: bar.sync synchronizes-with bar.sync);
@@ -233,7 +255,12 @@ def _arrive(peers: cute.Tensor, tid, bid, nb, world, cnt_off, rank, ntok_off, nt
                 if cutlass.const_expr(with_ntok):
                     if bid == 0:
                         st_b32(db + ntok_off + _i64(rank) * 4, ntok)
-                red_add_release_sys(db + cnt_off + _i64(rank) * 4, inc)
+                        if nph_off != 0:
+                            st_b32(db + nph_off + _i64(rank) * 4, nph)
+                k = Int32(0)
+                while k < ncnt:
+                    red_add_release_sys(db + cnt_off + (_i64(k) * world + rank) * 4, inc)
+                    k += 1
             d0 += 32
 
 
@@ -315,6 +342,48 @@ def _row_starts(my_base, rntok_off, lane, active, world, rstart: cute.Tensor):
 
 
 @cute.jit
+def _phase_tables(my_base, rntok_off, rnph_off, lane, active, world, rstq: cute.Tensor, chs: cute.Tensor,
+                  qmax: cute.Tensor):
+    """Pipelined dispatch: source s sends its tokens in P_s = rnph[s] phases of chs[s] =
+    ceil(rntok[s] / P_s) tokens; rstq[q * (MAX_WORLD + 1) + s] = first row of source s among the
+    rows of receive phase q (rstq[.. + world]: their count); qmax[0] = max P_s. The warp with
+    `active` set computes them; the caller's bar.sync publishes them."""
+    if active:
+        pm = Int32(1)
+        s0 = Int32(0)
+        while s0 < world:
+            s = s0 + lane
+            if s < world:
+                n = ld_b32_cg(my_base + rntok_off + _i64(s) * 4)
+                ps = cutlass.max(cutlass.min(ld_b32_cg(my_base + rnph_off + _i64(s) * 4), Int32(PIPE_MAX)), Int32(1))
+                chs[s] = (n + ps - 1) // ps
+                pm = cutlass.max(pm, ps)
+            s0 = s0 + 32
+        for k in cutlass.range_constexpr(5):
+            pm = cutlass.max(pm, cute.arch.shuffle_sync_bfly(pm, 1 << k))
+        q = Int32(0)
+        while q < pm:
+            carry = Int32(0)
+            s0 = Int32(0)
+            while s0 < world:
+                s = s0 + lane
+                n = Int32(0)
+                if s < world:
+                    ntot = ld_b32_cg(my_base + rntok_off + _i64(s) * 4)
+                    n = cutlass.max(cutlass.min(ntot - q * chs[s], chs[s]), Int32(0))
+                incl = _warp_inclusive_scan(n, lane)
+                if s < world:
+                    rstq[q * (MAX_WORLD + 1) + s + 1] = carry + incl
+                carry = carry + cute.arch.shuffle_sync(incl, 31)
+                s0 = s0 + 32
+            if lane == 0:
+                rstq[q * (MAX_WORLD + 1)] = Int32(0)
+            q = q + 1
+        if lane == 0:
+            qmax[0] = pm
+
+
+@cute.jit
 def _token_ranks(ids: cute.Tensor, t, lane, nlocal, K: cutlass.Constexpr):
     """Routing of own token t for combine's B: lane j < K holds dv = the rank of slot j's expert,
     uniq = 1 where slot j is the first slot on that rank, order = dv's index among the token's
@@ -342,13 +411,13 @@ def _token_ranks(ids: cute.Tensor, t, lane, nlocal, K: cutlass.Constexpr):
 
 
 @cute.jit
-def _find_source(rstart: cute.Tensor, world, rr):
-    """Largest s with rstart[s] <= rr (binary search in shared memory)."""
+def _find_source(rstart: cute.Tensor, off, world, rr):
+    """Largest s with rstart[off + s] <= rr (binary search)."""
     lo = Int32(0)
     hi = world
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if rstart[mid] <= rr:
+        if rstart[off + mid] <= rr:
             lo = mid
         else:
             hi = mid
@@ -380,12 +449,169 @@ def _quantize_mx(v, lane):
     return e4m3x4_bf16(v[0], v[1], inv), e4m3x4_bf16(v[2], v[3], inv), s + 127
 
 
+@cute.jit
+def _send_rows(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.Tensor, rank, maxt, nlocal, tb, te,
+               nvec, epoch, lane, gw, nw, off_rx, off_rid, off_rw, off_rstamp, K: cutlass.Constexpr,
+               fp8: cutlass.Constexpr):
+    """Dispatch A2 for own tokens [tb, te): each (token, 2 KiB of bf16) unit once per distinct
+    destination rank of the token (bf16 as is; fp8: quantized once, 1 KiB of E4M3 + 32 scale
+    bytes), plus ids, weights and the epoch stamp with the first chunk."""
+    xa = x.iterator.toint()
+    row_bytes = _i64(nvec) * 16
+    nchunk = nvec // CHUNK_VEC
+    lane_off = _i64(lane) * 16
+    rx_row = row_bytes
+    if cutlass.const_expr(fp8):
+        rx_row = _i64(nvec) * 8 + _i64(nvec // 4)
+    u = gw
+    while u < (te - tb) * nchunk:
+        t = tb + u // nchunk
+        c = u - (t - tb) * nchunk
+        idv = Int32(0)
+        wv = Int32(0)
+        dv = Int32(-1)
+        if lane < K:
+            idv = ids[t, lane]
+            wv = ptx.f32_as_i32(wts[t, lane])
+            dv = idv // nlocal
+        dup = Int32(0)
+        for j in cutlass.range_constexpr(K):
+            o = cute.arch.shuffle_sync(dv, j)
+            if (j < lane) & (o == dv):
+                dup = Int32(1)
+        m = cute.arch.vote_ballot_sync((lane < K) & (dup == 0))
+        src = xa + _i64(t) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
+        v0 = ptx.ld_v4(src)
+        v1 = ptx.ld_v4(src + 512)
+        v2 = ptx.ld_v4(src + 1024)
+        v3 = ptx.ld_v4(src + 1536)
+        row = _i64(rank) * maxt + t
+        if cutlass.const_expr(fp8):
+            q0, q1, s0 = _quantize_mx(v0, lane)
+            q2, q3, s1 = _quantize_mx(v1, lane)
+            q4, q5, s2 = _quantize_mx(v2, lane)
+            q6, q7, s3 = _quantize_mx(v3, lane)
+        for j in cutlass.range_constexpr(K):
+            if ((m >> j) & 1) != 0:
+                db = peers[cute.arch.shuffle_sync(dv, j)]
+                if cutlass.const_expr(fp8):
+                    dst = db + off_rx + row * rx_row + _i64(c) * 1024 + _i64(lane) * 8
+                    st_v2(dst, [q0, q1])
+                    st_v2(dst + 256, [q2, q3])
+                    st_v2(dst + 512, [q4, q5])
+                    st_v2(dst + 768, [q6, q7])
+                    if lane % 4 == 0:  # block lane // 4 of each 256-value quarter
+                        sc = db + off_rx + row * rx_row + _i64(nvec) * 8 + _i64(c) * 32 + lane // 4
+                        st_b8(sc, s0)
+                        st_b8(sc + 8, s1)
+                        st_b8(sc + 16, s2)
+                        st_b8(sc + 24, s3)
+                else:
+                    dst = db + off_rx + row * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
+                    ptx.st_v4(dst, v0)
+                    ptx.st_v4(dst + 512, v1)
+                    ptx.st_v4(dst + 1024, v2)
+                    ptx.st_v4(dst + 1536, v3)
+                if c == 0:
+                    if lane < K:
+                        st_b32(db + off_rid + (row * K + lane) * 4, idv)
+                        st_b32(db + off_rw + (row * K + lane) * 4, wv)
+                    if lane == 0:
+                        st_b32(db + off_rstamp + row * 4, epoch)
+        u = u + nw
+
+
+@cute.jit
+def _pack_rows(me, tab: cute.Tensor, tab_off, chs: cute.Tensor, q, world, pre: cute.Tensor, base: cute.Tensor, cap,
+               nrows, rank, nlocal, maxt, nvec, epoch, lane, gw, nw, oxa, osa, o_rank: cute.Tensor,
+               o_tok: cute.Tensor, o_w: cute.Tensor, row_pos: cute.Tensor, off_rx, off_rid, off_rw, off_rslot,
+               off_rstamp, K: cutlass.Constexpr, fp8: cutlass.Constexpr, pipe: cutlass.Constexpr):
+    """Dispatch C over received rows: tab[tab_off + s] = first row of source s among them,
+    tab[tab_off + world] = their count (pipe: phase q's rows, token t = q * chs[s] + index; else
+    every row, t = index). Each (row, 2 KiB of the staged row) unit is loaded once and stored to
+    every local expert slot of the row."""
+    row_bytes = _i64(nvec) * 16
+    rx_row = row_bytes
+    hvec = nvec
+    if cutlass.const_expr(fp8):
+        rx_row = _i64(nvec) * 8 + _i64(nvec // 4)
+        hvec = nvec // 2
+    rvec = Int32(rx_row // 16)
+    rchunk = (rvec + CHUNK_VEC - 1) // CHUNK_VEC
+    total = tab[tab_off + world]
+    u = gw
+    while u < total * rchunk:
+        rr = u // rchunk
+        c = u - rr * rchunk
+        s = _find_source(tab, tab_off, world, rr)
+        t = rr - tab[tab_off + s]
+        if cutlass.const_expr(pipe):
+            t = t + q * chs[s]
+        row = _i64(s) * maxt + t
+        # every load of the unit is issued before the first use (stale rows are valid memory)
+        stamp = ld_b32_cg(me + off_rstamp + row * 4)
+        idl = Int32(-1)
+        sl = Int32(0)
+        wl = Int32(0)
+        if lane < K:
+            idl = ld_b32_cg(me + off_rid + (row * K + lane) * 4)
+            sl = ld_b32_cg(me + off_rslot + (row * K + lane) * 4)
+            wl = ld_b32_cg(me + off_rw + (row * K + lane) * 4)
+        vbase = c * CHUNK_VEC + lane  # this lane's vectors: vbase + 32 q
+        src = me + off_rx + row * rx_row
+        if cutlass.const_expr(fp8):  # the last chunk is partial: lanes past the row load its last vector
+            v0 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase, rvec - 1)) * 16)
+            v1 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase + 32, rvec - 1)) * 16)
+            v2 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase + 64, rvec - 1)) * 16)
+            v3 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase + 96, rvec - 1)) * 16)
+        else:
+            v0 = ptx.ld_v4_cg(src + _i64(vbase) * 16)
+            v1 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 512)
+            v2 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 1024)
+            v3 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 1536)
+        if stamp == epoch:
+            posv = Int32(-1)
+            lid = idl - rank * nlocal
+            if (lane < K) & (lid >= 0) & (lid < nlocal):
+                p = pre[s * nlocal + lid] + sl
+                if p < cap:
+                    posv = base[lid] + p
+                if posv >= nrows:  # never with consistent metadata; keeps stray rows in bounds
+                    posv = Int32(-1)
+            m = cute.arch.vote_ballot_sync(posv >= 0)
+            for j in cutlass.range_constexpr(K):
+                if ((m >> j) & 1) != 0:
+                    pj = _i64(cute.arch.shuffle_sync(posv, j))
+                    if cutlass.const_expr(fp8):
+                        vs = [v0, v1, v2, v3]
+                        for q in cutlass.range_constexpr(4):
+                            v = vbase + 32 * q
+                            if v < hvec:
+                                ptx.st_v4(oxa + pj * (_i64(hvec) * 16) + _i64(v) * 16, vs[q])
+                            elif v < rvec:
+                                ptx.st_v4(osa + pj * (_i64(rvec - hvec) * 16) + _i64(v - hvec) * 16, vs[q])
+                    else:
+                        dst = oxa + pj * row_bytes + _i64(vbase) * 16
+                        ptx.st_v4(dst, v0)
+                        ptx.st_v4(dst + 512, v1)
+                        ptx.st_v4(dst + 1024, v2)
+                        ptx.st_v4(dst + 1536, v3)
+            if c == 0:
+                if posv >= 0:
+                    o_rank[posv] = s
+                    o_tok[posv] = t
+                    o_w[posv] = ptx.i32_as_f32(wl)
+                    row_pos[row * K + lane] = posv
+        u = u + nw
+
+
 # ------------------------------------------------------------------------------- dispatch
-def _make_dispatch(K: int, fp8: bool = False):
+def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
     """`fp8`: the MXFP8 payload. Each A2 unit (token, 1024 bf16) is quantized once in registers
     (_quantize_mx: 4 lanes per 32-value block) and sent as 1 KiB of E4M3 plus 32 scale bytes into
     the staged row (s, t) = [H E4M3 | H/32 E8M0]; C copies staged rows in 2 KiB chunks (the last
-    one partial), values to out_x [rows, H] and scales to out_s [rows, H/32]."""
+    one partial), values to out_x [rows, H] and scales to out_s [rows, H/32].
+    `pipe`: send and pack overlap in phases (see the module docstring, "pipelined dispatch")."""
     @cute.kernel
     def kernel(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, out_x: cute.Tensor, out_s: cute.Tensor,
                rstart_out: cute.Tensor, counts: cute.Tensor,
@@ -393,7 +619,8 @@ def _make_dispatch(K: int, fp8: bool = False):
                row_pos: cute.Tensor, peers: cute.Tensor, rank: Int32, world: Int32, ntok: Int32, nvec: Int32,
                nlocal: Int32, maxt: Int32, cap: Int32, contiguous: Int32, off_rx: Int64, off_rid: Int64,
                off_rw: Int64, off_rslot: Int64, off_rstamp: Int64, off_rntok: Int64, off_recnt: Int64,
-               off_dcnt: Int64, off_state: Int64, err_addr: Int64, timeout_ns: Int64, probe: Int64):
+               off_dcnt: Int64, off_state: Int64, err_addr: Int64, timeout_ns: Int64, probe: Int64,
+               off_rnph: Int64, maxp: Int32, nphase: Int32, swarps: Int32):
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nb, _, _ = cute.arch.grid_dim()
@@ -403,20 +630,12 @@ def _make_dispatch(K: int, fp8: bool = False):
         _stamp(probe, tid, bid, 0)
         me = peers[rank]
         epoch = ptx.ld_relaxed_gpu(me + off_state) + 1
-        xa = x.iterator.toint()
         oxa = out_x.iterator.toint()
         osa = out_s.iterator.toint()
         nrows = out_x.shape[0]
-        row_bytes = _i64(nvec) * 16
-        nchunk = nvec // CHUNK_VEC
-        lane_off = _i64(lane) * 16
-        rx_row = row_bytes  # bytes of a staged row in rx
-        hvec = nvec  # 16-byte vectors of values in a staged row (the rest: scales)
-        if cutlass.const_expr(fp8):
-            rx_row = _i64(nvec) * 8 + _i64(nvec // 4)
-            hvec = nvec // 2
-        rvec = Int32(rx_row // 16)
-        rchunk = (rvec + CHUNK_VEC - 1) // CHUNK_VEC
+        ch = ntok  # own tokens per send phase (pipe: ceil(ntok / nphase))
+        if cutlass.const_expr(pipe):
+            ch = (ntok + nphase - 1) // nphase
 
         # ---- A1. per-expert slot indices of this rank's tokens (the last warps: one global expert
         # each, so they overlap the row copies of A2, which start at warp 0)
@@ -449,67 +668,16 @@ def _make_dispatch(K: int, fp8: bool = False):
                 st_b32(dbase + off_recnt + (_i64(rank) * nlocal + (g - d * nlocal)) * 4, running)
             g = g + nw
 
-        # ---- A2. token rows, once per destination rank, 2 KiB chunks
-        u = gw
-        while u < ntok * nchunk:
-            t = u // nchunk
-            c = u - t * nchunk
-            idv = Int32(0)
-            wv = Int32(0)
-            dv = Int32(-1)
-            if lane < K:
-                idv = ids[t, lane]
-                wv = ptx.f32_as_i32(wts[t, lane])
-                dv = idv // nlocal
-            dup = Int32(0)
-            for j in cutlass.range_constexpr(K):
-                o = cute.arch.shuffle_sync(dv, j)
-                if (j < lane) & (o == dv):
-                    dup = Int32(1)
-            m = cute.arch.vote_ballot_sync((lane < K) & (dup == 0))
-            src = xa + _i64(t) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
-            v0 = ptx.ld_v4(src)
-            v1 = ptx.ld_v4(src + 512)
-            v2 = ptx.ld_v4(src + 1024)
-            v3 = ptx.ld_v4(src + 1536)
-            row = _i64(rank) * maxt + t
-            if cutlass.const_expr(fp8):
-                q0, q1, s0 = _quantize_mx(v0, lane)
-                q2, q3, s1 = _quantize_mx(v1, lane)
-                q4, q5, s2 = _quantize_mx(v2, lane)
-                q6, q7, s3 = _quantize_mx(v3, lane)
-            for j in cutlass.range_constexpr(K):
-                if ((m >> j) & 1) != 0:
-                    db = peers[cute.arch.shuffle_sync(dv, j)]
-                    if cutlass.const_expr(fp8):
-                        dst = db + off_rx + row * rx_row + _i64(c) * 1024 + _i64(lane) * 8
-                        st_v2(dst, [q0, q1])
-                        st_v2(dst + 256, [q2, q3])
-                        st_v2(dst + 512, [q4, q5])
-                        st_v2(dst + 768, [q6, q7])
-                        if lane % 4 == 0:  # block lane // 4 of each 256-value quarter
-                            sc = db + off_rx + row * rx_row + _i64(nvec) * 8 + _i64(c) * 32 + lane // 4
-                            st_b8(sc, s0)
-                            st_b8(sc + 8, s1)
-                            st_b8(sc + 16, s2)
-                            st_b8(sc + 24, s3)
-                    else:
-                        dst = db + off_rx + row * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
-                        ptx.st_v4(dst, v0)
-                        ptx.st_v4(dst + 512, v1)
-                        ptx.st_v4(dst + 1024, v2)
-                        ptx.st_v4(dst + 1536, v3)
-                    if c == 0:
-                        if lane < K:
-                            st_b32(db + off_rid + (row * K + lane) * 4, idv)
-                            st_b32(db + off_rw + (row * K + lane) * 4, wv)
-                        if lane == 0:
-                            st_b32(db + off_rstamp + row * 4, epoch)
-            u = u + nw
-
+        # ---- A2. token rows (pipe: the first send phase's), once per destination rank
+        _send_rows(x, ids, wts, peers, rank, maxt, nlocal, 0, cutlass.min(ch, ntok), nvec, epoch, lane, gw, nw,
+                   off_rx, off_rid, off_rw, off_rstamp, K, fp8)
         cute.arch.sync_threads()
         _stamp(probe, tid, bid, 1)
-        _arrive(peers, tid, bid, nb, world, off_dcnt, rank, off_rntok, ntok, True)
+        if cutlass.const_expr(pipe):  # phase counter 0, and every later one if this is the last phase
+            _arrive(peers, tid, bid, nb, world, off_dcnt, rank, off_rntok, ntok, True,
+                    Int32(cutlass.select_(nphase == 1, maxp, 1)), off_rnph, nphase)
+        else:
+            _arrive(peers, tid, bid, nb, world, off_dcnt, rank, off_rntok, ntok, True)
         _stamp(probe, tid, bid, 2)
 
         # ---- B. wait for every block of every source (ARRIVAL_STEP per source and epoch)
@@ -527,7 +695,15 @@ def _make_dispatch(K: int, fp8: bool = False):
         pre = smem.allocate_tensor(Int32, cute.make_layout(MAX_PAIRS))
         base = smem.allocate_tensor(Int32, cute.make_layout(MAX_LOCAL + 1))
         rstart = smem.allocate_tensor(Int32, cute.make_layout(MAX_WORLD + 1))
+        rstq = rstart  # pipe: per receive phase q, the row starts of phase q's rows
+        chs = rstart  # pipe: per source, its tokens per send phase
+        qmax = smem.allocate_tensor(Int32, cute.make_layout(1))
+        if cutlass.const_expr(pipe):
+            rstq = smem.allocate_tensor(Int32, cute.make_layout(PIPE_MAX * (MAX_WORLD + 1)))
+            chs = smem.allocate_tensor(Int32, cute.make_layout(MAX_WORLD))
         _row_starts(me, off_rntok, lane, tid // 32 == WARPS - 1, world, rstart)
+        if cutlass.const_expr(pipe):
+            _phase_tables(me, off_rntok, off_rnph, lane, tid // 32 == WARPS - 1, world, rstq, chs, qmax)
         e = tid
         while e < nlocal:
             acc = Int32(0)
@@ -578,102 +754,61 @@ def _make_dispatch(K: int, fp8: bool = False):
             cute.arch.sync_threads()
         _stamp(probe, tid, bid, 4)
 
-        total = rstart[world]
-        u = gw
-        while u < total * rchunk:
-            rr = u // rchunk
-            c = u - rr * rchunk
-            s = _find_source(rstart, world, rr)
-            t = rr - rstart[s]
-            row = _i64(s) * maxt + t
-            # every load of the unit is issued before the first use (stale rows are valid memory)
-            stamp = ld_b32_cg(me + off_rstamp + row * 4)
-            idl = Int32(-1)
-            sl = Int32(0)
-            wl = Int32(0)
-            if lane < K:
-                idl = ld_b32_cg(me + off_rid + (row * K + lane) * 4)
-                sl = ld_b32_cg(me + off_rslot + (row * K + lane) * 4)
-                wl = ld_b32_cg(me + off_rw + (row * K + lane) * 4)
-            vbase = c * CHUNK_VEC + lane  # this lane's vectors: vbase + 32 q
-            src = me + off_rx + row * rx_row
-            if cutlass.const_expr(fp8):  # the last chunk is partial: lanes past the row load its last vector
-                v0 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase, rvec - 1)) * 16)
-                v1 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase + 32, rvec - 1)) * 16)
-                v2 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase + 64, rvec - 1)) * 16)
-                v3 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase + 96, rvec - 1)) * 16)
-            else:
-                v0 = ptx.ld_v4_cg(src + _i64(vbase) * 16)
-                v1 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 512)
-                v2 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 1024)
-                v3 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 1536)
-            if stamp == epoch:
-                posv = Int32(-1)
-                lid = idl - rank * nlocal
-                if (lane < K) & (lid >= 0) & (lid < nlocal):
-                    p = pre[s * nlocal + lid] + sl
-                    if p < cap:
-                        posv = base[lid] + p
-                    if posv >= nrows:  # never with consistent metadata; keeps stray rows in bounds
-                        posv = Int32(-1)
-                m = cute.arch.vote_ballot_sync(posv >= 0)
-                for j in cutlass.range_constexpr(K):
-                    if ((m >> j) & 1) != 0:
-                        pj = _i64(cute.arch.shuffle_sync(posv, j))
-                        if cutlass.const_expr(fp8):
-                            vs = [v0, v1, v2, v3]
-                            for q in cutlass.range_constexpr(4):
-                                v = vbase + 32 * q
-                                if v < hvec:
-                                    ptx.st_v4(oxa + pj * (_i64(hvec) * 16) + _i64(v) * 16, vs[q])
-                                elif v < rvec:
-                                    ptx.st_v4(osa + pj * (_i64(rvec - hvec) * 16) + _i64(v - hvec) * 16, vs[q])
-                        else:
-                            dst = oxa + pj * row_bytes + _i64(vbase) * 16
-                            ptx.st_v4(dst, v0)
-                            ptx.st_v4(dst + 512, v1)
-                            ptx.st_v4(dst + 1024, v2)
-                            ptx.st_v4(dst + 1536, v3)
-                if c == 0:
-                    if posv >= 0:
-                        o_rank[posv] = s
-                        o_tok[posv] = t
-                        o_w[posv] = ptx.i32_as_f32(wl)
-                        row_pos[row * K + lane] = posv
-            u = u + nw
+        if cutlass.const_expr(not pipe):
+            _pack_rows(me, rstart, 0, chs, 0, world, pre, base, cap, nrows, rank, nlocal, maxt, nvec, epoch, lane, gw,
+                       nw, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp, K,
+                       fp8, False)
+        else:
+            # phase q: send own phase q + 1 and pack every source's phase q -- with swarps > 0 the
+            # first swarps warps of each block send while the others pack, so the NVLink stores and the
+            # local copy run at once; swarps == 0: every warp sends, then packs -- then arrive on
+            # counter q + 1 (its release waits for this block's stores) and wait for it. Arrival q + 1
+            # follows wait q, so the protocol cannot deadlock.
+            nq = qmax[0]
+            w = tid // 32
+            q = Int32(0)
+            while q < nq:
+                tb = (q + 1) * ch
+                te = cutlass.min((q + 2) * ch, ntok)
+                tq = q * (MAX_WORLD + 1)
+                if (q + 1 < nphase) & (swarps > 0):
+                    if w < swarps:
+                        _send_rows(x, ids, wts, peers, rank, maxt, nlocal, tb, te, nvec, epoch, lane,
+                                   bid * swarps + w, nb * swarps, off_rx, off_rid, off_rw, off_rstamp, K, fp8)
+                    else:
+                        _pack_rows(me, rstq, tq, chs, q, world, pre, base, cap, nrows, rank, nlocal, maxt, nvec, epoch,
+                                   lane, bid * (WARPS - swarps) + w - swarps, nb * (WARPS - swarps), oxa, osa, o_rank,
+                                   o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp, K, fp8, True)
+                else:
+                    if q + 1 < nphase:
+                        _send_rows(x, ids, wts, peers, rank, maxt, nlocal, tb, te, nvec, epoch, lane, gw, nw, off_rx,
+                                   off_rid, off_rw, off_rstamp, K, fp8)
+                    _pack_rows(me, rstq, tq, chs, q, world, pre, base, cap, nrows, rank, nlocal, maxt, nvec, epoch,
+                               lane, gw, nw, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot,
+                               off_rstamp, K, fp8, True)
+                cute.arch.sync_threads()
+                if q + 1 < nphase:
+                    _arrive(peers, tid, bid, nb, world, off_dcnt + _i64(q + 1) * world * 4, rank, off_rntok, ntok,
+                            False, Int32(cutlass.select_(q + 2 == nphase, maxp - q - 1, 1)), off_rnph, nphase)
+                if q + 1 < nq:
+                    _wait_all(me, tid, world, off_dcnt + _i64(q + 1) * world * 4, wrap_mul(epoch, ARRIVAL_STEP),
+                              err_addr, timeout_ns, ERR_DISPATCH_TIMEOUT)
+                    cute.arch.sync_threads()
+                q = q + 1
         _stamp(probe, tid, bid, 5)
 
-    def _launch(x, ids, wts, out_x, out_s, rstart, counts, offsets, o_rank, o_tok, o_w, row_pos, peers, rank, world,
-                nlocal, maxt, cap, contiguous, off_rx, off_rid, off_rw, off_rslot, off_rstamp, off_rntok, off_recnt,
-                off_dcnt, off_state, err_addr, timeout_ns, probe, nblocks, stream):
+    @cute.jit
+    def launch(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, out_x: cute.Tensor, out_s: cute.Tensor,
+               rstart: cute.Tensor, counts: cute.Tensor, offsets: cute.Tensor, o_rank: cute.Tensor, o_tok: cute.Tensor,
+               o_w: cute.Tensor, row_pos: cute.Tensor, peers: cute.Tensor, rank: Int32, world: Int32, nlocal: Int32,
+               maxt: Int32, cap: Int32, contiguous: Int32, off_rx: Int64, off_rid: Int64, off_rw: Int64,
+               off_rslot: Int64, off_rstamp: Int64, off_rntok: Int64, off_recnt: Int64, off_dcnt: Int64,
+               off_state: Int64, err_addr: Int64, timeout_ns: Int64, probe: Int64, off_rnph: Int64, maxp: Int32,
+               nphase: Int32, swarps: Int32, nblocks: Int32, stream):
         kernel(x, ids, wts, out_x, out_s, rstart, counts, offsets, o_rank, o_tok, o_w, row_pos, peers, rank, world,
                x.shape[0], x.shape[1] // 8, nlocal, maxt, cap, contiguous, off_rx, off_rid, off_rw, off_rslot,
-               off_rstamp, off_rntok, off_recnt, off_dcnt, off_state, err_addr, timeout_ns, probe).launch(
-            grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream)
-
-    if fp8:
-        @cute.jit
-        def launch(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, out_x: cute.Tensor, out_s: cute.Tensor,
-                   rstart: cute.Tensor, counts: cute.Tensor, offsets: cute.Tensor, o_rank: cute.Tensor, o_tok: cute.Tensor,
-                   o_w: cute.Tensor, row_pos: cute.Tensor, peers: cute.Tensor, rank: Int32, world: Int32,
-                   nlocal: Int32, maxt: Int32, cap: Int32, contiguous: Int32, off_rx: Int64, off_rid: Int64,
-                   off_rw: Int64, off_rslot: Int64, off_rstamp: Int64, off_rntok: Int64, off_recnt: Int64,
-                   off_dcnt: Int64, off_state: Int64, err_addr: Int64, timeout_ns: Int64, probe: Int64,
-                   nblocks: Int32, stream):
-            _launch(x, ids, wts, out_x, out_s, rstart, counts, offsets, o_rank, o_tok, o_w, row_pos, peers, rank, world,
-                    nlocal, maxt, cap, contiguous, off_rx, off_rid, off_rw, off_rslot, off_rstamp, off_rntok,
-                    off_recnt, off_dcnt, off_state, err_addr, timeout_ns, probe, nblocks, stream)
-    else:
-        @cute.jit
-        def launch(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, out_x: cute.Tensor, rstart: cute.Tensor,
-                   counts: cute.Tensor, offsets: cute.Tensor, o_rank: cute.Tensor, o_tok: cute.Tensor, o_w: cute.Tensor,
-                   row_pos: cute.Tensor, peers: cute.Tensor, rank: Int32, world: Int32, nlocal: Int32, maxt: Int32,
-                   cap: Int32, contiguous: Int32, off_rx: Int64, off_rid: Int64, off_rw: Int64, off_rslot: Int64,
-                   off_rstamp: Int64, off_rntok: Int64, off_recnt: Int64, off_dcnt: Int64, off_state: Int64,
-                   err_addr: Int64, timeout_ns: Int64, probe: Int64, nblocks: Int32, stream):
-            _launch(x, ids, wts, out_x, out_x, rstart, counts, offsets, o_rank, o_tok, o_w, row_pos, peers, rank, world,
-                    nlocal, maxt, cap, contiguous, off_rx, off_rid, off_rw, off_rslot, off_rstamp, off_rntok,
-                    off_recnt, off_dcnt, off_state, err_addr, timeout_ns, probe, nblocks, stream)
+               off_rstamp, off_rntok, off_recnt, off_dcnt, off_state, err_addr, timeout_ns, probe, off_rnph, maxp,
+               nphase, swarps).launch(grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     return launch
 
@@ -748,7 +883,7 @@ def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = Fals
         while u < total * nchunk:
             rr = u // nchunk
             c = u - rr * nchunk
-            s = _find_source(rstart, world, rr)
+            s = _find_source(rstart, 0, world, rr)
             t = rr - rstart[s]
             if cutlass.const_expr(check):
                 if (s < 0) | (s >= world) | (t < 0) | (t >= maxt):
@@ -915,14 +1050,18 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
     """Compile dispatch_k{K} and combine_k{K} for each K in `topks` against fake tensors (no GPU).
 
     Call signatures (torch tensors; ints for scalars; the current torch stream):
-      dispatch_kK(x [T,H] bf16, ids [T,K] i32, wts [T,K] f32, out_x [rows,H] bf16, rstart [R+1] i32
-                  (out: received rows' starts per source, for combine), counts [L] i32,
+      dispatch_kK(x [T,H] bf16, ids [T,K] i32, wts [T,K] f32, out_x [rows,H] bf16, out_s (= out_x),
+                  rstart [R+1] i32 (out: received rows' starts per source, for combine), counts [L] i32,
                   offsets [L+1] i32, o_rank [rows] i32, o_tok [rows] i32, o_w [rows] f32,
                   row_pos [R*M*K] i32, peers [R] i64, rank, world, nlocal, maxt, cap, contiguous,
                   off_rx, off_rid, off_rw, off_rslot, off_rstamp, off_rntok, off_recnt, off_dcnt,
-                  off_state, err_addr, timeout_ns, probe, nblocks)
-      dispatch_mxfp8_kK: the same with out_x [rows,H] uint8 (E4M3 bits) followed by out_s [rows,H/32]
+                  off_state, err_addr, timeout_ns, probe, off_rnph, maxp, nphase, swarps, nblocks)
+      dispatch_mxfp8_kK: the same with out_x [rows,H] uint8 (E4M3 bits) and out_s [rows,H/32]
                   uint8 (E8M0); off_rx's region holds staged rows of H + H/32 bytes
+      dispatch_pipe_kK, dispatch_mxfp8_pipe_kK: pipelined (maxp phase counters per source in
+                  off_dcnt, [maxp, R]; nphase <= maxp send phases of this call; off_rnph [R];
+                  swarps: warps per block that send while the others pack, 0..WARPS-1);
+                  the others ignore off_rnph / maxp / nphase / swarps
       combine_kK(y [rows,H] bf16, ids [T,K] i32, out [T,H] bf16, row_pos, rstart (the last dispatch's),
                  peers, rank, world, nlocal, maxt, off_rid, off_rw, off_rstamp, off_cx, off_ccnt, off_state,
                  err_addr, timeout_ns, probe, nblocks)
@@ -948,14 +1087,16 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
         rstart = ten(Int32, (cute.sym_int(),))
         peers = ten(Int64, (cute.sym_int(),), 8)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-        scalars = (i32, i32, i32, i32, i32, i32, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32)
+        scalars = (i32, i32, i32, i32, i32, i32, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64,
+                   i64, i32, i32, i32, i32)
         meta = (counts, offsets, o_rank, o_tok, o_w, row_pos, peers)
-        out[f"dispatch_k{K}"] = cute.compile(_make_dispatch(K), x, ids, wts, out_x, rstart, *meta, *scalars, stream,
-                                             options=opts)
         q_x = ten(cutlass.Uint8, (rows, hid), 16)
         q_s = ten(cutlass.Uint8, (rows, cute.sym_int()), 16)
-        out[f"dispatch_mxfp8_k{K}"] = cute.compile(_make_dispatch(K, fp8=True), x, ids, wts, q_x, q_s, rstart,
-                                                   *meta, *scalars, stream, options=opts)
+        for fp8, outs in ((False, (out_x, out_x)), (True, (q_x, q_s))):
+            for pipe in (False, True):
+                name = "dispatch_" + ("mxfp8_" if fp8 else "") + ("pipe_" if pipe else "") + f"k{K}"
+                out[name] = cute.compile(_make_dispatch(K, fp8, pipe), x, ids, wts, *outs, rstart, *meta, *scalars,
+                                         stream, options=opts)
         y = ten(cutlass.BFloat16, (cute.sym_int(), hid), 16)
         o = ten(cutlass.BFloat16, (ntok, hid), 16)
         skips = (0,) + (DEBUG_SKIPS if os.environ.get("NVL72_DISPATCH_DEBUG_VARIANTS") == "1" and K == 4 else ())

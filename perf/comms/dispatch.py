@@ -13,6 +13,10 @@ top-k routing:
   floor   bytes leaving this GPU / NCCL send-recv bandwidth measured in the same run.
 `--payload bf16,mxfp8` runs each row per dispatch payload (mxfp8: tokens quantized in the dispatch
 kernel, H + H/32 bytes per row on the wire; combine stays bf16; the NCCL columns move bf16 rows);
+`--pipeline 1,4` runs each row per `pipeline_phases` (4: the pipelined dispatch, which sends in 4
+phases from PIPE_MIN_TOKENS tokens on and packs each phase while the next is on the wire), and per
+`--send-warps` value (warps per block sending while the others pack); payload column
+"<payload>/p4w2";
 `--blocks` sweeps the fused kernels' grid per row ("auto": sized per call from the token count);
 `--phases` adds, per row, when the latest block passed each phase boundary of the last dispatch and
 combine of a probed pair replay (rank 0; us after the first block started; %globaltimer stamps).
@@ -54,6 +58,9 @@ def add_arguments(p):
     p.add_argument("--phases", action="store_true",
                    help="also print per-phase times of one probed pair replay per row (rank 0)")
     p.add_argument("--payload", default="bf16", help="dispatch payloads, comma-separated: bf16, mxfp8")
+    p.add_argument("--pipeline", default="1", help="pipeline_phases values, comma-separated (1: not pipelined)")
+    p.add_argument("--send-warps", default="2", help="pipelined rows: warps per block sending while the others pack, "
+                   "comma-separated (0: send, then pack)")
     p.add_argument("--skip-nccl", action="store_true", help="leave out the NCCL reference path columns (0)")
     p.add_argument("--heap", default="auto", choices=("auto", "comms", "torch"),
                    help="symmetric memory: comms.SymmetricHeap, torch symmetric memory, or auto (comms if it works)")
@@ -234,13 +241,18 @@ def _worker(rank, world, store, args, out_path):
     M = max(tokens)
     gen = torch.Generator(device=dev).manual_seed(1 + rank)
     try:
-        for H, E, payload in [(H, E, pl) for H in _ints(args.hidden) for E in _ints(args.experts)
-                              for pl in _payloads(args.payload)]:
-            heap = make_heap(heap_kind, group, DispatchCombine.heap_size_hint(world, E, K, H, M, payload), dev)
-            fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", layout=args.layout, payload=payload)
+        for H, E, payload, pipe in [(H, E, pl, pp) for H in _ints(args.hidden) for E in _ints(args.experts)
+                                    for pl in _payloads(args.payload) for pp in _ints(args.pipeline)]:
+            heap = make_heap(heap_kind, group, DispatchCombine.heap_size_hint(world, E, K, H, M, payload, pipe), dev)
+            fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", layout=args.layout, payload=payload,
+                                    pipeline_phases=pipe)
             ref = DispatchCombine(group, E, K, H, M, mode="dp_ep", layout=args.layout)
             wire = staged_row_bytes(H, payload)  # bytes of one row in flight
-            for T, blocks in [(T, b) for T in tokens for b in _blocks(args.blocks)]:
+            sends = _ints(args.send_warps) if pipe > 1 else [0]
+            for T, blocks, sw in [(T, b, sw) for T in tokens for b in _blocks(args.blocks) for sw in sends]:
+                label = payload + (f"/p{pipe}w{sw}" if pipe > 1 else "")
+                if pipe > 1:
+                    fused._fused.set_phases(None, sw)
                 fused._fused.set_blocks(blocks)
                 nb = fused._fused.blocks_for(T)
                 bname = f"auto({nb})" if blocks is None else str(nb)
@@ -298,7 +310,8 @@ def _worker(rank, world, store, args, out_path):
                 nbytes = int(remote) * wire
                 floor = nbytes / bw
                 rows.append(dict(tokens=T, hidden=H, experts=E, topk=K, world=world, layout=args.layout,
-                                 payload=payload, graph=not eager,
+                                 payload=payload, pipeline_phases=pipe, send_phases=fused._fused.phases_for(T), send_warps=sw,
+                                 graph=not eager,
                                  blocks=nb, blocks_auto=blocks is None, phases=phases,
                                  fused_dispatch_us=t_d * 1e6, fused_combine_us=t_c * 1e6,
                                  fused_pair_us=t_dc * 1e6, nccl_dispatch_us=t_nd * 1e6,
@@ -308,7 +321,7 @@ def _worker(rank, world, store, args, out_path):
                                  combine_GBps=nbytes / t_c / 1e9 if t_c else 0.0))
                 if rank == 0:
                     r = rows[-1]
-                    print(f"{T:6d} {H:6d} {E:4d} {payload:>7s} {bname:>9s} {r['fused_dispatch_us']:9.1f} {r['fused_combine_us']:9.1f} "
+                    print(f"{T:6d} {H:6d} {E:4d} {label:>8s} {bname:>9s} {r['fused_dispatch_us']:9.1f} {r['fused_combine_us']:9.1f} "
                           f"{r['fused_pair_us']:9.1f} {r['nccl_dispatch_us']:9.1f} {r['nccl_combine_us']:9.1f} "
                           f"{(r['nccl_dispatch_us'] + r['nccl_combine_us']) / r['fused_pair_us']:6.1f}x "
                           f"{r['nccl_a2a_rows_us']:9.1f} {r['floor_us']:8.1f} {r['dispatch_GBps']:7.1f} "
@@ -316,7 +329,7 @@ def _worker(rank, world, store, args, out_path):
                           f"{'' if r['graph'] else ' (eager)'}",
                           flush=True)
                     if phases:
-                        print(_phase_line(T, f"{bname} {payload}", phases), flush=True)
+                        print(_phase_line(T, f"{bname} {label}", phases), flush=True)
             fused.destroy()
             heap.destroy()
     finally:
@@ -327,7 +340,7 @@ def _worker(rank, world, store, args, out_path):
         dist.destroy_process_group()
 
 
-HEADER = ("tokens hidden    E payload    blocks  disp(us)  comb(us)  pair(us) ncclD(us) ncclC(us) speedup"
+HEADER = ("tokens hidden    E  payload    blocks  disp(us)  comb(us)  pair(us) ncclD(us) ncclC(us) speedup"
           "  a2a(us) floor(us) dispGB/s combGB/s %sendrecv")
 
 

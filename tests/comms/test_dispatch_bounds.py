@@ -34,14 +34,14 @@ class Region:
             f"{what}: bytes [{a}, {b}) outside {self.name} [{self.lo}, {self.hi})")
 
 
-def _heap(world, E, K, H, M, payload="bf16"):
+def _heap(world, E, K, H, M, payload="bf16", phases=1):
     """The host's regions at the offsets its bump allocator gives them (REGION_ALIGN aligned)."""
     out, off = {}, 0
-    for name, nbytes in host.heap_regions(world, E, K, H, M, payload):
+    for name, nbytes in host.heap_regions(world, E, K, H, M, payload, phases):
         off = -(-off // host.REGION_ALIGN) * host.REGION_ALIGN
         out[name] = Region(name, off, nbytes)
         off += nbytes
-    assert off <= host.heap_bytes(world, E, K, H, M, payload), "regions overrun heap_bytes (the heap's size)"
+    assert off <= host.heap_bytes(world, E, K, H, M, payload, phases), "regions overrun heap_bytes (the heap's size)"
     return out
 
 
@@ -271,3 +271,14 @@ def test_bounds_checker_catches_an_overrun():
         emulate(2, 16, 4, 1024, 4, (5, 5), "masked", ids=ids)
     with pytest.raises(AssertionError, match="outside"):
         Region("x", 0, 32).check(torch.tensor([0, 17]), 16, "probe")
+
+
+@pytest.mark.parametrize("world,phases", [(2, 4), (8, 8), (72, 8)])
+def test_pipelined_counters_stay_in_bounds(world, phases):
+    """Pipelined dispatch: arrivals on counter (p, source) at dcnt + (p * world + source) * 4 for
+    every phase counter, rnph[source], and the receive-phase tables' shared-memory bound."""
+    heap = _heap(world, 8 * world, 8, 1024, 16, "mxfp8", phases)
+    p, s = torch.meshgrid(torch.arange(phases), torch.arange(world), indexing="ij")
+    heap["dcnt"].check(heap["dcnt"].lo + (p * world + s) * 4, 4, "pipelined arrival")
+    heap["rnph"].check(heap["rnph"].lo + torch.arange(world) * 4, 4, "rnph")
+    assert phases <= host.PIPE_MAX and world <= host.MAX_WORLD

@@ -4,7 +4,8 @@ Each rank runs the fused path (SymmetricHeap + CuTeDSL kernels) and the NCCL all
 on the same rank-tagged inputs and compares: per-expert counts and offsets, every packed row (data,
 source rank, source token, weight) and the combine output, all exactly; for the MXFP8 payload the
 packed E4M3 bytes and E8M0 scale bytes (quantized in the dispatch kernel) against the reference's
-torch quantization, and combine of the dequantized rows. Also: several epochs on one
+torch quantization, and combine of the dequantized rows; the pipelined dispatch with send phases
+that differ across ranks and calls. Also: several epochs on one
 buffer, CUDA-graph capture and replay with fresh inputs, the capacity error, and the bounded wait
 (a peer that never arrives gives DispatchTimeoutError instead of a hung GPU).
 
@@ -253,6 +254,27 @@ def _worker(rank, world, store_path, log):
         dist.barrier()
         fused.destroy()
         heap.destroy()
+        # pipelined dispatch, last (gpu_dispatch_sweep.sh still times the others if only this fails):
+        # send phases and send warps differ across ranks and calls (one phase too), == reference
+        for E, K, H, M, Ts, layout in ((16, 4, 1024, 64, (64, 37), "masked"),
+                                        (128, 8, 4096, 512, (512, 300), "contiguous")):
+            T = Ts[rank % len(Ts)]
+            for pl in ("bf16", "mxfp8"):
+                heap = make_heap(kind, group, DispatchCombine.heap_size_hint(world, E, K, H, M, pl, 4), dev)
+                fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", layout=layout, timeout_s=5.0, payload=pl,
+                                        pipeline_phases=4)
+                ref = DispatchCombine(group, E, K, H, M, mode="dp_ep", layout=layout, payload=pl)
+                errs, used = [], []
+                for it, (phases, sw) in enumerate((((4, 2), (2, 0)), ((None, None), (0, 4)), ((1, 3), (3, 2)),
+                                                   ((1, 1), (2, 2)))):
+                    fused._fused.set_phases(phases[rank % 2], sw[rank % 2])
+                    used.append((fused._fused.phases_for(T), sw[rank % 2]))
+                    x, ids, w = _inputs("random", rank, world, T, E, K, H, gen, dev)
+                    errs += _compare(rank, fused, ref, x, ids, w, f"pipe E={E} T={T} {layout} {pl} phases={used[-1]}")[1]
+                report(errs, f"pipe   E={E:3d} K={K} H={H} T={T:3d} {layout:10s} {pl:5s} (phases, send warps) "
+                             f"{used} == reference")
+                fused.destroy()
+                heap.destroy()
         if failures:
             raise AssertionError(f"rank {rank}: {len(failures)} failures, first: {failures[0]}")
     finally:

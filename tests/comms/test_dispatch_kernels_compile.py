@@ -12,7 +12,8 @@ def test_dispatch_kernels_compile(arch):
     from comms.kernels import dispatch
 
     fns = dispatch.compile_for_export(arch, topks=(4,))
-    assert sorted(fns) == ["combine_k4", "dispatch_k4", "dispatch_mxfp8_k4"]
+    assert sorted(fns) == ["combine_k4", "dispatch_k4", "dispatch_mxfp8_k4", "dispatch_mxfp8_pipe_k4",
+                           "dispatch_pipe_k4"]
 
 
 def test_fake_tensors_are_row_major():
@@ -33,7 +34,7 @@ def test_host_mirrors_kernel_constants():
     assert host.CHUNK_BYTES == k.CHUNK_VEC * 16
     assert (host.MAX_WORLD, host.MAX_LOCAL, host.MAX_PAIRS) == (k.MAX_WORLD, k.MAX_LOCAL, k.MAX_PAIRS)
     assert host.TOPK_VARIANTS == k.TOPK_VARIANTS
-    assert host.ARRIVAL_STEP == k.ARRIVAL_STEP
+    assert (host.ARRIVAL_STEP, host.PIPE_MAX) == (k.ARRIVAL_STEP, k.PIPE_MAX)
     assert {1: k.ERR_DISPATCH_TIMEOUT, 2: k.ERR_COMBINE_TIMEOUT, 3: k.ERR_CAPACITY} == {
         kind: kind << 16 for kind in host._ERR_KINDS}
 
@@ -45,5 +46,6 @@ def test_fault_isolation_variants_compile(monkeypatch):
 
     monkeypatch.setenv("NVL72_DISPATCH_DEBUG_VARIANTS", "1")
     fns = dispatch.compile_for_export("sm_90a", topks=(4,))
-    assert sorted(fns) == sorted(["dispatch_k4", "dispatch_mxfp8_k4", "combine_k4", "combine_k4_checked", "combine_k4_trace"]
+    assert sorted(fns) == sorted(["dispatch_k4", "dispatch_mxfp8_k4", "dispatch_pipe_k4", "dispatch_mxfp8_pipe_k4",
+                                  "combine_k4", "combine_k4_checked", "combine_k4_trace"]
                                  + [f"combine_k4_skip{b}" for b in dispatch.DEBUG_SKIPS])

@@ -24,9 +24,11 @@ def test_fused_path_rejects_unsupported_shapes_by_name():
 
     from comms.dispatch_fused import FusedDispatch, heap_bytes
 
-    cfg = dict(world=2, max_tokens=8, top_k=8, hidden=4096, num_local=64, dtype=torch.bfloat16, payload="bf16")
+    cfg = dict(world=2, max_tokens=8, top_k=8, hidden=4096, num_local=64, dtype=torch.bfloat16, payload="bf16",
+               pipeline_phases=1)
     for bad, msg in ((dict(hidden=1000), "hidden=1000"), (dict(top_k=3), "top_k=3"),
-                     (dict(dtype=torch.float16), "dtype=torch.float16"), (dict(world=200), "world=200")):
+                     (dict(dtype=torch.float16), "dtype=torch.float16"), (dict(world=200), "world=200"),
+                     (dict(pipeline_phases=9), "pipeline_phases=9")):
         with pytest.raises(ValueError, match=msg):
             FusedDispatch(None, SimpleNamespace(**{**cfg, **bad}), timeout_s=1.0)
     # the size hint covers every region, rounded to 256 bytes each
@@ -38,7 +40,8 @@ def test_fused_path_rejects_unsupported_shapes_by_name():
 def test_blocks_and_phase_arguments():
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
-    args = p.parse_args(["--blocks", "auto,16,132", "--phases", "--payload", "bf16,mxfp8"])
+    args = p.parse_args(["--blocks", "auto,16,132", "--phases", "--payload", "bf16,mxfp8", "--pipeline", "1,4"])
+    assert bench._ints(args.pipeline) == [1, 4] and bench._ints(args.send_warps) == [2]
     assert bench._blocks(args.blocks) == [None, 16, 132] and args.phases
     assert bench._payloads(args.payload) == ["bf16", "mxfp8"]
     with pytest.raises(ValueError, match="'0'"):

@@ -85,3 +85,60 @@ def test_auto_grid_fits_the_work():
         nb = host.auto_blocks(world, E, H, T, 132)
         assert 1 <= nb <= 132
         assert nb == 132 or nb * host.THREADS // 32 >= max(E, world * T * H * 2 // host.CHUNK_BYTES)
+
+
+def _block_program(P, nq, maxp):
+    """Arrivals and waits of one block of the pipelined dispatch (comms/kernels/dispatch.py): a list
+    of ("arrive", first counter, count) / ("wait", counter) in program order."""
+    prog = [("arrive", 0, maxp if P == 1 else 1), ("wait", 0)]
+    for q in range(nq):
+        if q + 1 < P:
+            prog.append(("arrive", q + 1, maxp - q - 1 if q + 2 == P else 1))
+        if q + 1 < nq:
+            prog.append(("wait", q + 1))
+    return prog
+
+
+@pytest.mark.parametrize("world,maxp,start", [(2, 2, 0), (2, 4, 2**32 // STEP - 1), (3, 4, 0), (4, 8, 5)])
+def test_pipelined_phases_never_pass_early_nor_deadlock(world, maxp, start):
+    """Per-phase counters, a last phase that also arrives on the later counters, phase counts and
+    grids that differ per rank and per epoch: a wait on counter q passes only once every block of
+    every source sending a phase q has made that arrival (its phase-q rows are out), every counter
+    ends each epoch at ARRIVAL_STEP per source, and the ranks never deadlock."""
+    rng = random.Random(world * 31 + maxp)
+    epochs = 5
+    cnt = [[[_i32(start * STEP)] * world for _ in range(maxp)] for _ in range(world)]  # [dest][counter][src]
+    for e in range(epochs):
+        target = _i32((start + e + 1) * STEP)
+        P = [rng.randint(1, maxp) for _ in range(world)]
+        nq = max(P)
+        grids = [rng.randint(1, 40) for _ in range(world)]
+        progs = {(r, b): _block_program(P[r], nq, maxp) for r in range(world) for b in range(grids[r])}
+        pc = {k: 0 for k in progs}
+        covered = [[0] * world for _ in range(maxp)]  # [counter][source] blocks whose arrival covers it
+        live = list(progs)
+        while live:
+            runnable = []
+            for r, b in live:
+                op = progs[r, b][pc[r, b]]
+                if op[0] == "arrive" or all(_wrap_sub(cnt[r][op[1]][s], target) >= 0 for s in range(world)):
+                    runnable.append((r, b))
+            assert runnable, f"deadlock in epoch {e}: P={P}, blocks at {[(k, progs[k][pc[k]]) for k in live]}"
+            r, b = rng.choice(runnable)
+            op = progs[r, b][pc[r, b]]
+            if op[0] == "arrive":
+                _, first, n = op
+                inc = STEP + 1 - grids[r] if b == 0 else 1
+                for p in range(first, first + n):
+                    for d in range(world):
+                        cnt[d][p][r] = _i32(cnt[d][p][r] + inc)
+                    covered[p][r] += 1
+            else:  # the wait passed: every block of every source has arrived on this counter
+                q = op[1]
+                assert all(covered[q][s] == grids[s] for s in range(world)), (e, r, q, covered[q], grids)
+            pc[r, b] += 1
+            if pc[r, b] == len(progs[r, b]):
+                live.remove((r, b))
+        assert all(covered[p] == grids for p in range(maxp))
+        for d in range(world):
+            assert cnt[d] == [[target] * world for _ in range(maxp)], "a counter off ARRIVAL_STEP per epoch"
