@@ -97,6 +97,11 @@ class FusedDispatch:
             raise ValueError(f"timeout_s={timeout_s} must be positive")
         if not 1 <= cfg.pipeline_phases <= PIPE_MAX:
             raise ValueError(f"pipeline_phases={cfg.pipeline_phases} must be in [1, {PIPE_MAX}]")
+        if cfg.pipeline_phases > 1 and cfg.payload != "bf16":
+            # the pipelined MXFP8 kernel packed rows of the wrong tokens on 2 x H200 (2026-11-22T06:30Z,
+            # tests/comms/test_dispatch_gpu.py) while the bf16 one is exact: off until that is found
+            raise ValueError(f"pipeline_phases={cfg.pipeline_phases} with payload={cfg.payload!r}: the pipelined "
+                             "dispatch is bf16 only for now")
         self.cfg, self.heap, self.device = cfg, heap, torch.device(heap.device)
         self.timeout_ns = int(timeout_s * 1e9)
         rows = R * M

@@ -9,7 +9,7 @@
 #    (sized per call) and 132, payloads bf16 and mxfp8, each row followed by its phase stamps
 #    (`#   phases`);
 # 3) the pipelined dispatch (pipeline_phases 4; 0, 2 or 4 of 8 warps sending while the rest pack)
-#    at 4096 tokens/rank, both payloads.
+#    at 4096 tokens/rank beside the unpipelined one, bf16 (the pipelined MXFP8 dispatch is refused for now).
 # Logs under $OUT; a short table (from the JSONs) comes last.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -35,11 +35,11 @@ if [ "$rc" -ne 0 ]; then
   fi
 fi
 timeout -k 5 60 python3 -m perf.comms dispatch --tokens 1,128,4096 --hidden 4096 --experts 128 \
-  --blocks auto,132 --phases --skip-nccl --payload bf16,mxfp8 --iters 20 --timeout 55 \
+  --blocks auto,132 --phases --skip-nccl --payload bf16,mxfp8 --iters 50 --timeout 55 \
   --json "$OUT/dispatch_sweep.json" > "$OUT/perf.log" 2>&1
 echo "perf.comms dispatch rc=$?"
 [ "$pipe_ok" -eq 1 ] && timeout -k 5 50 python3 -m perf.comms dispatch --tokens 4096 --hidden 4096 --experts 128 --blocks auto --phases \
-  --skip-nccl --payload bf16,mxfp8 --pipeline 4 --send-warps 0,2,4 --iters 10 --timeout 45 \
+  --skip-nccl --payload bf16 --pipeline 1,4 --send-warps 0,2,4 --iters 10 --timeout 45 \
   --json "$OUT/dispatch_pipe.json" > "$OUT/perf_pipe.log" 2>&1
 echo "perf.comms dispatch --pipeline 4 rc=$?"
 grep -shE "Error|error" "$OUT/perf.log" "$OUT/perf_pipe.log" | tail -4

@@ -259,7 +259,7 @@ def _worker(rank, world, store_path, log):
         for E, K, H, M, Ts, layout in ((16, 4, 1024, 64, (64, 37), "masked"),
                                         (128, 8, 4096, 512, (512, 300), "contiguous")):
             T = Ts[rank % len(Ts)]
-            for pl in ("bf16", "mxfp8"):
+            for pl in ("bf16",):  # the pipelined MXFP8 dispatch is refused for now (comms.dispatch_fused)
                 heap = make_heap(kind, group, DispatchCombine.heap_size_hint(world, E, K, H, M, pl, 4), dev)
                 fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", layout=layout, timeout_s=5.0, payload=pl,
                                         pipeline_phases=4)

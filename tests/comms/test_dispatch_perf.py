@@ -28,7 +28,8 @@ def test_fused_path_rejects_unsupported_shapes_by_name():
                pipeline_phases=1)
     for bad, msg in ((dict(hidden=1000), "hidden=1000"), (dict(top_k=3), "top_k=3"),
                      (dict(dtype=torch.float16), "dtype=torch.float16"), (dict(world=200), "world=200"),
-                     (dict(pipeline_phases=9), "pipeline_phases=9")):
+                     (dict(pipeline_phases=9), "pipeline_phases=9"),
+                     (dict(pipeline_phases=2, payload="mxfp8"), "bf16 only")):
         with pytest.raises(ValueError, match=msg):
             FusedDispatch(None, SimpleNamespace(**{**cfg, **bad}), timeout_s=1.0)
     # the size hint covers every region, rounded to 256 bytes each
