@@ -17,6 +17,7 @@ Prints a table last; `--json` keeps everything.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -94,6 +95,32 @@ def decode_rate(engine: LLMEngine, batch: int, prompt_len: int, out_len: int, se
     return {"tok_s": tokens / dt, "step_ms": dt / max(steps, 1) * 1e3, "steps": steps}
 
 
+def fixed_rate(engine: LLMEngine, concurrency: int, num_requests: int, prompt_len: int, out_len: int,
+               seed: int) -> dict[str, float]:
+    """The HTTP benchmark's fixed workload without HTTP: `num_requests` requests, at most
+    `concurrency` in the engine, a new one admitted as one finishes (so prefills of the newcomers
+    share steps with the others' decodes). Output tokens/s, steps and the mean step: beside the
+    served TPOT, it says whether the engine or the server path sets it."""
+    g = torch.Generator().manual_seed(seed)
+    sp = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    prompts = [torch.randint(1000, 30000, (prompt_len,), generator=g).tolist() for _ in range(num_requests)]
+    nxt, live, tokens = 0, 0, 0
+    steps0 = engine.counters["num_steps"]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while nxt < num_requests or engine.has_unfinished():
+        while live < concurrency and nxt < num_requests:
+            engine.add_request(AddRequest(f"f{seed}-{nxt}", prompts[nxt], sp))
+            nxt, live = nxt + 1, live + 1
+        for o in engine.step():
+            tokens += len(o.new_token_ids)
+            live -= o.finish_reason is not None
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    steps = engine.counters["num_steps"] - steps0
+    return {"tok_s": tokens / dt, "steps": steps, "step_ms": dt / max(steps, 1) * 1e3}
+
+
 def ttft(engine: LLMEngine, prompt_len: int, seed: int) -> float:
     g = torch.Generator().manual_seed(seed)
     engine.add_request(AddRequest(f"t{seed}", torch.randint(1000, 30000, (prompt_len,), generator=g).tolist(),
@@ -163,6 +190,12 @@ def main(argv=None) -> int:
     ap.add_argument("--no-async", action="store_true",
                     help="synchronous scheduling (each step scheduled after the previous one's read-back)")
     ap.add_argument("--no-ttft", action="store_true", help="skip the 1K/8K TTFT rows (and their warm-up)")
+    ap.add_argument("--fixed", type=int, default=0, metavar="C",
+                    help="also run the HTTP benchmark's fixed workload engine-direct at concurrency C "
+                         "(2 requests per slot, 256 prompt + 256 output tokens)")
+    ap.add_argument("--server-config", action="store_true",
+                    help="the engine as `nvl72 serve` builds it: prefix caching on, 2048 batched tokens, "
+                         "max_model_len 16384, KV cache from free memory")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="also profile decode at batch 1 and 64 (graphs) and one 1K / 8K prefill: kernel tables "
@@ -181,6 +214,9 @@ def main(argv=None) -> int:
     ecfg = EngineConfig(max_model_len=8192 + 256, max_num_seqs=64, max_num_batched_tokens=8192, page_size=16,
                         kv_cache_bytes=8 << 30, enable_prefix_caching=False, attention_backend=args.attention,
                         cuda_graph_batch_sizes=sizes, async_scheduling=not args.no_async)
+    if args.server_config:
+        ecfg = dataclasses.replace(ecfg, max_model_len=16384, max_num_batched_tokens=2048, kv_cache_bytes=None,
+                                   enable_prefix_caching=True)
     t = time.perf_counter()
     engine = LLMEngine(model, ecfg, eos_token_ids=[])
     capture_s = time.perf_counter() - t
@@ -213,6 +249,10 @@ def main(argv=None) -> int:
                                 "bound_step_ms": floor_step * 1e3, "bound_tok_s": b / floor_step,
                                 "experts_touched": bound["experts_touched"]})
     engine.model.attn_backend, engine.runner.graphs = triton, graphs
+    if args.fixed:
+        r = fixed_rate(engine, args.fixed, 2 * args.fixed, 256, 256, seed=7)
+        res["rows"].append({"what": f"fixed c={args.fixed}", "mode": triton.name + ("+graphs" if graphs else ""),
+                            "tok_s": r["tok_s"], "step_ms": r["step_ms"], "steps": r["steps"]})
     if args.profile:
         for b in (1, 64):
             profile_decode(engine, b, args.profile)
@@ -230,9 +270,11 @@ def main(argv=None) -> int:
           f"async scheduling {'on' if engine.overlap else 'off'}")
     print(f"{'what':<14} {'mode':<14} {'tok/s':>9} {'step ms':>8} {'bound ms':>9} {'% of bound':>10} {'TTFT ms':>8}")
     for r in res["rows"]:
-        if "tok_s" in r:
+        if "bound_step_ms" in r:
             print(f"{r['what']:<14} {r['mode']:<14} {r['tok_s']:>9.1f} {r['step_ms']:>8.3f} {r['bound_step_ms']:>9.3f} "
                   f"{100 * r['bound_step_ms'] / r['step_ms']:>9.1f}% {'':>8}")
+        elif "tok_s" in r:  # the fixed workload: prefills mixed in, no bound
+            print(f"{r['what']:<14} {r['mode']:<14} {r['tok_s']:>9.1f} {r['step_ms']:>8.3f} {'':>9} {'':>10} {'':>8}")
         else:
             print(f"{r['what']:<14} {r['mode']:<14} {'':>9} {'':>8} {'':>9} {'':>10} {r['ms']:>8.1f}")
     return 0
