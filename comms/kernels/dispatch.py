@@ -274,6 +274,17 @@ def _store_epoch(my_base, state_off, tid, bid, epoch):
 
 
 @cute.jit
+def _pdl_start():
+    """Programmatic dependent launch: wait for the previous kernel of the stream (its writes are then
+    visible; a no-op when not launched with PDL), then let the next one launch, so its blocks are
+    resident and waiting here instead of being launched after this kernel ends (~1 us a kernel in
+    graph replays). Every block of this launch is resident by the time the next one's blocks arrive
+    (the trigger needs all of them), so the co-residency the arrival counters rely on holds."""
+    cute.arch.griddepcontrol_wait()
+    cute.arch.griddepcontrol_launch_dependents()
+
+
+@cute.jit
 def _stamp(probe, tid, bid, phase):
     """Phase probe: thread 0 stores %globaltimer into probe[bid, phase] when probe != 0."""
     if probe != 0:
@@ -621,6 +632,7 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
                off_rw: Int64, off_rslot: Int64, off_rstamp: Int64, off_rntok: Int64, off_recnt: Int64,
                off_dcnt: Int64, off_state: Int64, err_addr: Int64, timeout_ns: Int64, probe: Int64,
                off_rnph: Int64, maxp: Int32, nphase: Int32, swarps: Int32):
+        _pdl_start()
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nb, _, _ = cute.arch.grid_dim()
@@ -804,11 +816,11 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
                maxt: Int32, cap: Int32, contiguous: Int32, off_rx: Int64, off_rid: Int64, off_rw: Int64,
                off_rslot: Int64, off_rstamp: Int64, off_rntok: Int64, off_recnt: Int64, off_dcnt: Int64,
                off_state: Int64, err_addr: Int64, timeout_ns: Int64, probe: Int64, off_rnph: Int64, maxp: Int32,
-               nphase: Int32, swarps: Int32, nblocks: Int32, stream):
+               nphase: Int32, swarps: Int32, nblocks: Int32, pdl: Int32, stream):
         kernel(x, ids, wts, out_x, out_s, rstart, counts, offsets, o_rank, o_tok, o_w, row_pos, peers, rank, world,
                x.shape[0], x.shape[1] // 8, nlocal, maxt, cap, contiguous, off_rx, off_rid, off_rw, off_rslot,
                off_rstamp, off_rntok, off_recnt, off_dcnt, off_state, err_addr, timeout_ns, probe, off_rnph, maxp,
-               nphase, swarps).launch(grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream)
+               nphase, swarps).launch(grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=pdl)
 
     return launch
 
@@ -856,6 +868,7 @@ def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = Fals
                peers: cute.Tensor, rank: Int32, world: Int32, ntok: Int32, nvec: Int32, nlocal: Int32, maxt: Int32,
                off_rid: Int64, off_rw: Int64, off_rstamp: Int64, off_cx: Int64, off_ccnt: Int64,
                off_state: Int64, err_addr: Int64, timeout_ns: Int64, probe: Int64, yrows: Int32):
+        _pdl_start()
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nb, _, _ = cute.arch.grid_dim()
@@ -1024,12 +1037,12 @@ def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = Fals
     def launch(y: cute.Tensor, ids: cute.Tensor, out: cute.Tensor, row_pos: cute.Tensor, rstart: cute.Tensor,
                peers: cute.Tensor, rank: Int32, world: Int32, nlocal: Int32, maxt: Int32, off_rid: Int64,
                off_rw: Int64, off_rstamp: Int64, off_cx: Int64, off_ccnt: Int64, off_state: Int64,
-               err_addr: Int64, timeout_ns: Int64, probe: Int64, nblocks: Int32, stream):
+               err_addr: Int64, timeout_ns: Int64, probe: Int64, nblocks: Int32, pdl: Int32, stream):
         ntok = out.shape[0]
         nvec = out.shape[1] // 8
         kernel(y, ids, out, row_pos, rstart, peers, rank, world, ntok, nvec, nlocal, maxt, off_rid, off_rw,
                off_rstamp, off_cx, off_ccnt, off_state, err_addr, timeout_ns, probe, y.shape[0]).launch(
-            grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream)
+            grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=pdl)
 
     return launch
 
@@ -1055,7 +1068,7 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
                   offsets [L+1] i32, o_rank [rows] i32, o_tok [rows] i32, o_w [rows] f32,
                   row_pos [R*M*K] i32, peers [R] i64, rank, world, nlocal, maxt, cap, contiguous,
                   off_rx, off_rid, off_rw, off_rslot, off_rstamp, off_rntok, off_recnt, off_dcnt,
-                  off_state, err_addr, timeout_ns, probe, off_rnph, maxp, nphase, swarps, nblocks)
+                  off_state, err_addr, timeout_ns, probe, off_rnph, maxp, nphase, swarps, nblocks, pdl)
       dispatch_mxfp8_kK: the same with out_x [rows,H] uint8 (E4M3 bits) and out_s [rows,H/32]
                   uint8 (E8M0); off_rx's region holds staged rows of H + H/32 bytes
       dispatch_pipe_kK, dispatch_mxfp8_pipe_kK: pipelined (maxp phase counters per source in
@@ -1064,9 +1077,10 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
                   the others ignore off_rnph / maxp / nphase / swarps
       combine_kK(y [rows,H] bf16, ids [T,K] i32, out [T,H] bf16, row_pos, rstart (the last dispatch's),
                  peers, rank, world, nlocal, maxt, off_rid, off_rw, off_rstamp, off_cx, off_ccnt, off_state,
-                 err_addr, timeout_ns, probe, nblocks)
+                 err_addr, timeout_ns, probe, nblocks, pdl)
     probe: 0, or the address of an int64 [nblocks, PROBE_PHASES] device buffer (phase stamps);
     nblocks: any grid of 1..SM count (co-resident); ranks and calls may differ.
+    pdl: 1 launches with programmatic dependent launch (not on the legacy default stream), 0 plainly.
     """
     from cutlass.runtime import make_fake_stream
 
@@ -1088,7 +1102,7 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
         peers = ten(Int64, (cute.sym_int(),), 8)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         scalars = (i32, i32, i32, i32, i32, i32, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64,
-                   i64, i32, i32, i32, i32)
+                   i64, i32, i32, i32, i32, i32)
         meta = (counts, offsets, o_rank, o_tok, o_w, row_pos, peers)
         q_x = ten(cutlass.Uint8, (rows, hid), 16)
         q_s = ten(cutlass.Uint8, (rows, cute.sym_int()), 16)
@@ -1106,5 +1120,5 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
         for name, skip, check in variants:
             out[name] = cute.compile(
                 _make_combine(K, skip, check is True, check == "trace"), y, ids, o, row_pos, rstart, peers, i32, i32,
-                i32, i32, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32, stream, options=opts)
+                i32, i32, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, stream, options=opts)
     return out

@@ -137,7 +137,7 @@ def _combine_traced(rank, fused, recv, h, tag):
     ranges.append(("trace(host)", buf.data_ptr(), buf.numel() * 4))
     fault = None
     try:
-        f._combine(y, h.topk_ids, out, f.row_pos, f.rstart, *cargs, 0, nb)
+        f._combine(y, h.topk_ids, out, f.row_pos, f.rstart, *cargs, 0, nb, 0)
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001  (the trace is printed, then the fault re-raised)
         fault = e
