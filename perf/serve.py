@@ -219,6 +219,8 @@ def main(argv=None) -> int:
                                    enable_prefix_caching=True)
     t = time.perf_counter()
     engine = LLMEngine(model, ecfg, eos_token_ids=[])
+    if args.server_config:
+        engine.warmup()  # as build_engine does for `nvl72 serve`
     capture_s = time.perf_counter() - t
     graphs = engine.runner.graphs
     moe_backend = model.model.layers[0].mlp._ready().name
@@ -249,10 +251,11 @@ def main(argv=None) -> int:
                                 "bound_step_ms": floor_step * 1e3, "bound_tok_s": b / floor_step,
                                 "experts_touched": bound["experts_touched"]})
     engine.model.attn_backend, engine.runner.graphs = triton, graphs
-    if args.fixed:
-        r = fixed_rate(engine, args.fixed, 2 * args.fixed, 256, 256, seed=7)
-        res["rows"].append({"what": f"fixed c={args.fixed}", "mode": triton.name + ("+graphs" if graphs else ""),
-                            "tok_s": r["tok_s"], "step_ms": r["step_ms"], "steps": r["steps"]})
+    if args.fixed:  # twice: the first run also pays for first-time kernel compilations of new shapes
+        for i, seed in enumerate((7, 8)):
+            r = fixed_rate(engine, args.fixed, 2 * args.fixed, 256, 256, seed=seed)
+            res["rows"].append({"what": f"fixed c={args.fixed} #{i + 1}", "mode": triton.name + ("+graphs" if graphs else ""),
+                                "tok_s": r["tok_s"], "step_ms": r["step_ms"], "steps": r["steps"]})
     if args.profile:
         for b in (1, 64):
             profile_decode(engine, b, args.profile)

@@ -4,8 +4,10 @@ SiLU-and-mul + quantize, weighted un-permute with the gated shared expert added 
 Each function has the signature of its reference in moe/reference.py. The power-of-two scale
 exponent is computed from the bits of the block's amax exactly as moe.mxfp8.scale_exponent does,
 so quantized values match the reference bit for bit (up to the fp32 rounding of SiLU's exp).
-Imported only where Triton and a CUDA device exist (the GPU backends in moe/backend.py), and by
-the tests under Triton's CPU interpreter.
+Size arguments that change from step to step are not specialised on (`do_not_specialize`), so
+serving does not compile a variant per divisibility class mid-run. Imported only where Triton and
+a CUDA device exist (the GPU backends in moe/backend.py), and by the tests under Triton's CPU
+interpreter.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def _quant_store(v, q_ptr, s_ptr, row, kb0, ncols, nkb, rows_per_batch, KBP: tl.
     tl.store(s_ptr + (batch.to(tl.int64) * nkb + kb) * rows_per_batch + r, scale, mask=kb < nkb)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows_per_batch"])
 def _gather_quant_kernel(x_ptr, row_ptr, q_ptr, s_ptr, H, nkb, rows_per_batch, K: tl.constexpr, KBP: tl.constexpr,
                          BLOCK: tl.constexpr):
     """Program (pair, j): K-blocks j * KBP .. of the pair's token row, into its grouped row."""
@@ -93,7 +95,7 @@ def _gather_quant_mx_kernel(
         tl.store(sf_ptr + off, byte.to(tl.uint8), mask=c < H // 32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows_per_batch"])
 def _silu_mul_quant_kernel(
     h_ptr, row_ptr, q_ptr, s_ptr, inter, nkb, rows_per_batch, BY_PAIR: tl.constexpr, KBP: tl.constexpr,
     BLOCK: tl.constexpr
@@ -114,7 +116,7 @@ def _silu_mul_quant_kernel(
         _quant_store(v, q_ptr, s_ptr, row, kb0, inter, nkb, rows_per_batch, KBP, BLOCK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_pairs", "capacity"])
 def _permute_masked_kernel(ids_ptr, row_ptr, count_ptr, n_pairs, num_local, expert_offset, capacity, BLOCK: tl.constexpr):
     """Program e < num_local: the pairs routed to local expert e get rows e * capacity + rank, rank
     in pair order (what the torch path's stable sort gives), and counts[e] their number. Program
@@ -136,7 +138,7 @@ def _permute_masked_kernel(ids_ptr, row_ptr, count_ptr, n_pairs, num_local, expe
         tl.store(count_ptr + e, seen)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_pairs", "num_tiles"])
 def _contig_rows_kernel(ids_ptr, row_ptr, count_ptr, pstart_ptr, tile_ptr, n_pairs, num_local, expert_offset,
                         num_tiles, ALIGN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
                         BLOCK_T: tl.constexpr):

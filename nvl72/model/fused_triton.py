@@ -18,6 +18,10 @@
   chunks share the kernel; online softmax in fp32. Its launch needs no host sync (the grid's
   query-block count comes from `max_query_len`, known on the host), so it runs inside CUDA graphs.
 
+Size arguments that change from step to step (sequence count, page-table width) are not
+specialised on (`do_not_specialize`): Triton would otherwise compile a variant per divisibility
+class while serving.
+
 The shared-expert gate `sigmoid(x . w) * shared` is not here: `moe` adds it in its un-permute
 kernel already.
 
@@ -37,7 +41,7 @@ def _round(x, DT: tl.constexpr):
     return x.to(DT).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "width", "stride_pt"])
 def _slot_mapping_kernel(positions, qsl, page_table, slots, num_seqs, width, stride_pt, PAGE_SIZE: tl.constexpr,
                          BLOCK_B: tl.constexpr):
     t = tl.program_id(0)
@@ -305,7 +309,7 @@ def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
                                    PAGE_SIZE=kv_cache.shape[3], D=d)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt"])
 def _paged_attention_kernel(q, kv_cache, out, part_acc, part_ml, counters, qsl, seq_lens, page_table, scale,
                             stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_kind, stride_head,
                             stride_tok, stride_pt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,

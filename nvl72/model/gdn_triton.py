@@ -22,7 +22,7 @@ import triton.language as tl
 from nvl72.model.gdn_ops import check_heads, plan_chunks, prepare_chunks, unchunk
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _causal_conv1d_kernel(x, w, tails, conv_state, out, tok_seq, qsl, write_slots, T, D, stride_x, stride_o,
                           K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     i_d, i_t = tl.program_id(0), tl.program_id(1)
