@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 from comms.heap import SymmetricHeap
+from comms.launch import pdl_allowed
 
 log = logging.getLogger(__name__)
 
@@ -416,9 +417,8 @@ class AllReduce:
             return fn(*args)
 
     def _pdl(self) -> int:
-        """1: launch with PDL; only on a real stream (capture and side streams), never on the
-        legacy default stream, whose implicit synchronisation PDL is not defined against."""
-        return int(self.pdl and torch.cuda.current_stream(self.device).cuda_stream != 0)
+        """1: launch the kernel with PDL (when enabled and `comms.launch.pdl_allowed`)."""
+        return int(self.pdl and pdl_allowed(self.device))
 
     def _launch(self, algo: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         epv = VEC_BYTES // x.element_size()

@@ -22,6 +22,7 @@ import torch
 
 import aot
 from comms.dispatch import CapacityError, DispatchError, DispatchRecv, DispatchTimeoutError
+from comms.launch import pdl_allowed
 
 log = logging.getLogger(__name__)
 
@@ -200,12 +201,6 @@ class FusedDispatch:
         self.probes[i].zero_()
         return self.probes[i].data_ptr()
 
-    def _pdl(self) -> int:
-        """1: launch with programmatic dependent launch; only on a real stream (graph capture and side
-        streams), never on the legacy default stream, whose implicit synchronisation PDL is not
-        defined against (as comms.AllReduce)."""
-        return int(torch.cuda.current_stream(self.device).cuda_stream != 0)
-
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
         cfg = self.cfg
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != cfg.hidden or not x.is_contiguous():
@@ -220,7 +215,7 @@ class FusedDispatch:
         T = x.shape[0]
         self._dispatch(x, ids, w, *self._outs, self.counts, self.offsets, self.o_rank, self.o_tok, self.o_w,
                        self.row_pos, *self._dargs, self._probe(0), self.off["rnph"], self.maxp, self.phases_for(T),
-                       self.send_warps, self.blocks_for(T), self._pdl())
+                       self.send_warps, self.blocks_for(T), int(pdl_allowed(self.device)))
         recv = DispatchRecv(self.recv_x, self.counts, self.offsets, self.o_rank, self.o_tok, self.o_w, self.recv_s)
         return recv, FusedHandle(x.shape[0], ids)
 
@@ -234,7 +229,7 @@ class FusedDispatch:
         y = expert_out.reshape(-1, H)  # [rows, H]
         out = torch.empty(handle.num_tokens, H, dtype=torch.bfloat16, device=self.device)
         self._combine(y, handle.topk_ids, out, self.row_pos, self.rstart, *self._cargs, self._probe(1),
-                      self.blocks_for(handle.num_tokens), self._pdl())
+                      self.blocks_for(handle.num_tokens), int(pdl_allowed(self.device)))
         return out
 
     def check(self) -> None:
