@@ -333,7 +333,7 @@ class DispatchCombine:
         dist.all_to_all_single(recv_counts_t, send_counts, group=self.group)
         send_counts, recv_counts = send_counts.tolist(), recv_counts_t.tolist()
         n = sum(recv_counts)
-        k, H = self.top_k, self.hidden
+        k = self.top_k
         meta = torch.empty(tok.numel(), 2 * k + 1, dtype=torch.float64, device=x.device)
         meta[:, :k] = topk_ids[tok].double()  # exact for ids < 2**53
         meta[:, k:2 * k] = topk_weights[tok].double()  # fp32 -> fp64 exact
