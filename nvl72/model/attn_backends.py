@@ -257,15 +257,16 @@ def available(name: str, device: torch.device, shape: AttentionShape | None = No
         return f"unknown attention backend {name!r}; known: {', '.join(NAMES)}"
     if name == "torch":
         return None
-    if name == "triton" and shape is not None:
-        d = shape.head_dim
-        if shape.num_heads % shape.num_kv_heads or d & (d - 1) or d < 16:
-            return (f"its kernels need a whole query group per KV head and a power-of-two head_dim >= 16 "
-                    f"({shape.num_heads}/{shape.num_kv_heads} heads x {d})")
     if importlib.util.find_spec("triton") is None and name == "triton":
         return "the triton package is not importable"
     if device.type != "cuda" and not (name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"):
         return f"needs a CUDA device (got {device})"
+    if name == "triton" and shape is not None:
+        from nvl72.model import fused_triton
+
+        if not fused_triton.attention_shape_ok(shape.num_heads, shape.num_kv_heads, shape.head_dim):
+            return (f"its kernels need a whole query group per KV head and a power-of-two head_dim >= 16 "
+                    f"({shape.num_heads}/{shape.num_kv_heads} heads x {shape.head_dim})")
     if name == "flashinfer":
         if importlib.util.find_spec("flashinfer") is None:
             return "the flashinfer package is not importable"

@@ -429,6 +429,12 @@ def decode_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_ke
     return 1 if want < 2 else 1 << (want.bit_length() - 1)
 
 
+def attention_shape_ok(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether `paged_attention` serves these heads: a whole query group per KV head and a
+    power-of-two head_dim >= 16 (tl.dot and the head-dim arange)."""
+    return num_heads % num_kv_heads == 0 and head_dim & (head_dim - 1) == 0 and head_dim >= 16
+
+
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     page_table: torch.Tensor, max_query_len: int, scale: float,
                     out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
@@ -440,7 +446,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     `decode_splits`); the last of a (sequence, KV head)'s programs to finish combines them."""
     t, hq, d = q.shape
     hkv, page_size = kv_cache.shape[2], kv_cache.shape[3]
-    if hq % hkv or d & (d - 1) or d < 16:
+    if not attention_shape_ok(hq, hkv, d):
         raise ValueError(f"paged_attention: {hq} query heads over {hkv} KV heads, head_dim {d} "
                          "(needs a whole group and a power-of-two head_dim >= 16)")
     if q.stride(2) != 1 or kv_cache.stride(4) != 1:
