@@ -223,8 +223,8 @@ class LLMEngine:
         self._arrival = 0
         self._rng = torch.Generator().manual_seed(config.seed)
         self.counters = dict(generation_tokens=0, spec_decode_num_drafts=0,
-                             spec_decode_num_draft_tokens=0, spec_decode_num_accepted_tokens=0, num_steps=0)
-        self.step_seconds = 0.0  # host time inside step(): a served run's mean step beside its TPOT
+                             spec_decode_num_draft_tokens=0, spec_decode_num_accepted_tokens=0, num_steps=0,
+                             step_seconds=0.0)  # host time inside step(): a served run's mean step beside its TPOT
         log.info("engine: %d KV pages of %d tokens (%.1f MiB), %d GDN slots, spec k=%d, prefix cache %s, "
                  "async scheduling %s, device %s",
                  num_pages, config.page_size, num_pages * spec.kv_bytes_per_page(config.page_size) / 2**20,
@@ -369,7 +369,6 @@ class LLMEngine:
         self.prefix.clear()
         self.scheduler.prefix_queries = self.scheduler.prefix_hits = 0
         self.counters = dict.fromkeys(self.counters, 0)
-        self.step_seconds = 0.0
         return n
 
     # ---------------------------------------------------------------- the step
@@ -378,7 +377,7 @@ class LLMEngine:
         try:
             return self._step_async() if self.overlap else self._step_sync()
         finally:
-            self.step_seconds += time.perf_counter() - t0
+            self.counters["step_seconds"] += time.perf_counter() - t0
 
     def _fail(self, scheduled: list[ScheduledSeq], e: Exception) -> list[RequestOutput]:
         """The model failed: fail this step's requests, keep the engine alive (not on a DP+EP
@@ -566,7 +565,7 @@ class LLMEngine:
             "spec_decode_num_draft_tokens": float(c["spec_decode_num_draft_tokens"]),
             "spec_decode_num_accepted_tokens": float(c["spec_decode_num_accepted_tokens"]),
             "num_steps": float(c["num_steps"]),
-            "step_seconds": self.step_seconds,
+            "step_seconds": float(c["step_seconds"]),
             "spec_decode_acceptance_rate": c["spec_decode_num_accepted_tokens"] / max(c["spec_decode_num_draft_tokens"], 1),
             "spec_decode_tokens_per_step": (c["spec_decode_num_accepted_tokens"] + drafts) / max(drafts, 1),
         }
