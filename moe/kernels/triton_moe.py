@@ -296,9 +296,17 @@ def permute_masked(topk_ids: torch.Tensor, num_local: int, capacity: int, expert
     GEMMs' aux). token_of is not built (the FP8 decode pipeline never reads it)."""
     from moe.routing import Permutation
 
-    t, k = topk_ids.shape
+    t = topk_ids.shape[0]
     if capacity < t:
         raise ValueError(f"capacity={capacity} < T={t}: the kernel path needs capacity >= T")
+    row, counts = _expert_rows(topk_ids, num_local, expert_offset, capacity)
+    return Permutation("masked", row, None, counts, num_local * capacity, 1, capacity=capacity)
+
+
+def _expert_rows(topk_ids: torch.Tensor, num_local: int, expert_offset: int, capacity: int):
+    """_permute_masked_kernel's launch: (row [T, k] int64 = e * capacity + the pair's rank inside its
+    local expert e, -1 for other ranks' experts; counts [E_local] int32)."""
+    t, k = topk_ids.shape
     row = torch.empty(t, k, dtype=torch.int64, device=topk_ids.device)
     counts = torch.empty(num_local, dtype=torch.int32, device=topk_ids.device)
     n = t * k
@@ -307,7 +315,7 @@ def permute_masked(topk_ids: torch.Tensor, num_local: int, capacity: int, expert
         topk_ids.contiguous(), row, counts, n, num_local, expert_offset, capacity, BLOCK=block,
         num_warps=1 if block <= 256 else 4,
     )
-    return Permutation("masked", row, None, counts, num_local * capacity, 1, capacity=capacity)
+    return row, counts
 
 
 def contiguous_rows_bound(pairs: int, num_local: int, align: int) -> int:
@@ -326,25 +334,16 @@ def permute_contiguous(topk_ids: torch.Tensor, num_local: int, expert_offset: in
 
     if align <= 0:
         raise ValueError(f"align={align} must be positive")
-    t, k = topk_ids.shape
-    n = t * k
+    n = topk_ids.numel()
     num_rows = contiguous_rows_bound(n, num_local, align)
-    row = torch.empty(t, k, dtype=torch.int64, device=topk_ids.device)
-    counts = torch.empty(num_local, dtype=torch.int32, device=topk_ids.device)
+    row, counts = _expert_rows(topk_ids, num_local, expert_offset, 0)  # rank inside the expert
     tiles = torch.empty(num_rows // align, dtype=torch.int32, device=topk_ids.device)
-    if n:
-        ids = topk_ids.contiguous()
-        block = min(1024, max(16, triton.next_power_of_2(n)))
-        _permute_masked_kernel[(num_local + 1,)](ids, row, counts, n, num_local, expert_offset, 0, BLOCK=block,
-                                                num_warps=1 if block <= 256 else 4)
+    if n:  # (no pairs: no rows, no tiles)
         pstart = torch.empty(num_local, dtype=torch.int32, device=topk_ids.device)
         nt, bt = tiles.numel(), 16
         _contig_rows_kernel[(max(triton.cdiv(n, 256), triton.cdiv(nt, bt)),)](
-            ids, row, counts, pstart, tiles, n, num_local, expert_offset, nt, ALIGN=align, BLOCK=256,
-            BLOCK_E=triton.next_power_of_2(num_local), BLOCK_T=bt, num_warps=4)
-    else:
-        counts.zero_()
-        tiles.fill_(-1)
+            topk_ids.contiguous(), row, counts, pstart, tiles, n, num_local, expert_offset, nt, ALIGN=align,
+            BLOCK=256, BLOCK_E=triton.next_power_of_2(num_local), BLOCK_T=bt, num_warps=4)
     return Permutation("contiguous", row, None, counts, num_rows, align, tile_expert=tiles)
 
 
