@@ -35,7 +35,10 @@ ARRIVAL_STEP = 1024  # arrival counter units per source and epoch: bounds the gr
 PIPE_MAX = 8  # pipelined dispatch: phases at most
 PIPE_MIN_TOKENS = 512  # pipelined dispatch: calls with fewer tokens send in one phase (latency)
 PIPE_SEND_WARPS = 2  # pipelined dispatch: warps per block sending while the others pack (a guess until timed)
-DISPATCH_PHASES = ("start", "A sent", "signalled", "waited", "tables", "C packed")
+# unpipelined dispatch: from this many tokens the tables go first and own rows are packed while the
+# sends are on the wire (one more arrival and wait, a few us); below it one arrival and wait (latency)
+OVERLAP_MIN_TOKENS = 1024
+DISPATCH_PHASES = ("start", "tables sent", "tables waited", "tables built", "rows sent", "rows waited", "packed")
 COMBINE_PHASES = ("start", "row starts", "A sent", "signalled", "waited", "B summed")
 _ERR_KINDS = {1: "dispatch wait", 2: "combine wait", 3: "capacity"}
 REGION_ALIGN = 256
@@ -58,11 +61,12 @@ def staged_row_bytes(hidden: int, payload: str) -> int:
 def heap_regions(world: int, num_experts: int, top_k: int, hidden: int, max_tokens: int,
                  payload: str = "bf16", phases: int = 1) -> list[tuple[str, int]]:
     """(name, bytes) of the kernels' heap regions in allocation order (see comms.kernels.dispatch);
-    `phases`: the pipelined dispatch's phase counters per source (1: not pipelined)."""
+    `phases`: the pipelined dispatch's phase counters per source (1: not pipelined, whose dcnt holds
+    two counters per source: the tables arrival and the rows arrival)."""
     rows, L = world * max_tokens, num_experts // world
     return [("rx", rows * staged_row_bytes(hidden, payload)), ("rid", rows * top_k * 4), ("rw", rows * top_k * 4),
             ("rslot", rows * top_k * 4), ("rstamp", rows * 4), ("rntok", world * 4), ("recnt", world * L * 4),
-            ("dcnt", phases * world * 4), ("cx", rows * hidden * 2), ("ccnt", world * 4), ("state", 16),
+            ("dcnt", max(phases, 2) * world * 4), ("cx", rows * hidden * 2), ("ccnt", world * 4), ("state", 16),
             ("rnph", world * 4)]
 
 
@@ -132,6 +136,7 @@ class FusedDispatch:
         # From the ahead-of-time bundle (NVL72_KERNEL_BUNDLE); JIT only as aot's logged development path.
         self.maxp = cfg.pipeline_phases
         self.phases = None  # send phases of later calls: None = phases_for(tokens); see set_phases
+        self.overlap = None  # unpipelined: tables first, own rows packed while sending; see set_overlap
         self.send_warps = PIPE_SEND_WARPS
         name = "dispatch_" + ("mxfp8_" if fp8 else "") + ("pipe_" if self.maxp > 1 else "") + f"k{K}"
         self._dispatch = aot.function("comms.kernels.dispatch", name)
@@ -172,6 +177,21 @@ class FusedDispatch:
         if self.phases is not None:
             return self.phases
         return self.maxp if tokens >= PIPE_MIN_TOKENS else 1
+
+    def set_overlap(self, overlap: bool | None) -> None:
+        """Unpipelined dispatch of later calls: True exchanges the tables first and packs own rows
+        while the sends are on the wire, False makes one arrival and one wait, None picks by
+        `overlap_for`. Ranks may differ (the kernels' protocol allows any mix); the pipelined
+        dispatch ignores it."""
+        if overlap not in (None, True, False):
+            raise ValueError(f"overlap={overlap!r} must be True, False or None")
+        self.overlap = overlap
+
+    def overlap_for(self, tokens: int) -> bool:
+        """Overlap from OVERLAP_MIN_TOKENS tokens (the extra arrival and wait cost a few us)."""
+        if self.overlap is not None:
+            return self.overlap
+        return tokens >= OVERLAP_MIN_TOKENS
 
     def blocks_for(self, tokens: int) -> int:
         c = self.cfg
@@ -215,7 +235,7 @@ class FusedDispatch:
         T = x.shape[0]
         self._dispatch(x, ids, w, *self._outs, self.counts, self.offsets, self.o_rank, self.o_tok, self.o_w,
                        self.row_pos, *self._dargs, self._probe(0), self.off["rnph"], self.maxp, self.phases_for(T),
-                       self.send_warps, self.blocks_for(T), int(pdl_allowed(self.device)))
+                       self.send_warps, int(self.overlap_for(T)), self.blocks_for(T), int(pdl_allowed(self.device)))
         recv = DispatchRecv(self.recv_x, self.counts, self.offsets, self.o_rank, self.o_tok, self.o_w, self.recv_s)
         return recv, FusedHandle(x.shape[0], ids)
 

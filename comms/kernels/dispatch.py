@@ -12,37 +12,54 @@ and per rank (`comms.dispatch_fused.auto_blocks`).
 
 Heap regions (byte offsets chosen by `comms.dispatch_fused`, identical on every rank; R ranks,
 M = max tokens per rank, K = top-k, L = local experts):
-  rx    bf16  [R, M, H]  token rows, rank-major: row (s, t) = token t of source rank s
+  rx    bf16  [R, M, H]  token rows, rank-major: row (s, t) = token t of source rank s (unpipelined:
+                         peers only, own rows are packed from x)
   rid   int32 [R, M, K]  its top-k global expert ids;  rw fp32 [R, M, K] its weights
   rslot int32 [R, M, K]  for slots on this rank: index of the token among source s's tokens of
                          that expert (so packing needs no cross-block scan on the receiver)
   rstamp int32 [R, M]    dispatch epoch at which row (s, t) was written (stale rows: older epochs)
   rntok int32 [R]        tokens of source s this epoch;  recnt int32 [R, L] entries per (s, expert)
-  dcnt  int32 [P, R]     dispatch arrival counters, P = 1 or the pipelined kernel's maxp (source s
-                         adds ARRIVAL_STEP per epoch to each; a rank at epoch e waits for
-                         cnt - e * ARRIVAL_STEP >= 0 modulo 2**32: wrap-safe)
+  dcnt  int32 [P, R]     dispatch arrival counters (source s adds ARRIVAL_STEP per epoch to each; a
+                         rank at epoch e waits for cnt - e * ARRIVAL_STEP >= 0 modulo 2**32:
+                         wrap-safe). Unpipelined P = 2: dcnt[0] the tables arrival (rslot, recnt,
+                         rntok written), dcnt[1] the rows arrival (rx, rid, rw, rstamp written; it
+                         follows the tables arrival in program order, so it covers the tables too).
+                         Pipelined P = maxp: one counter per send phase
   cx    bf16  [R, M, H]  combine partials: row (s, t) = rank s's partial for my token t
   ccnt  int32 [R]        combine arrival counters
   state int32 [4]        dispatch epoch, -, combine epoch, combine ticket (the SKIP_FLAGS debug
                          variants' exit hand-off only); block 0 stores the new epoch after its wait
   rnph  int32 [R]        pipelined dispatch: send phases of source s this epoch
 
-dispatch (one launch):
-  A. send: the last E warps scan this rank's tokens for one global expert each (ballot + popc) and
-     write each hit's index (rslot) and the per-(rank, expert) count (recnt) to the owner; all
-     warps copy 2 KiB chunks of token rows (16-byte vectors, 4 per lane) to every distinct
-     destination rank of the token (once per rank, not per expert), plus ids, weights and stamp.
-     Block barrier, then lane d of warp 0 releases the block's arrival into dcnt[me] on rank d
-     (red.release.sys; block 0's lanes store rntok[me] on d first); see `_arrive`.
-  B. wait until dcnt[s] - epoch * ARRIVAL_STEP >= 0 for every s (acquire, bounded; warp 0,
-     convergent); barrier; block 0 stores the epoch for the next launch (`_store_epoch`).
-  C. pack: each block builds the (source, expert) exclusive prefix of recnt, the expert bases and
-     the sources' row starts in shared memory (one barrier masked, two contiguous; block 0 also
-     writes the row starts to `rstart` for combine); then warps take (received row, chunk) units:
-     load the chunk once and store
-     it to every local expert slot of the row at base[e] + prefix[s, e] + rslot. Output order
-     (per expert: source rank, then token) equals the torch reference's.
-pipelined dispatch (dispatch_pipe_kK; host: pipeline_phases > 1): at large token counts C runs
+dispatch (one launch; `overlap` chosen per call and per rank, ranks may differ):
+  A1. slot scan: per global expert, each hit's index among this rank's tokens of that expert
+     (rslot) and the per-(rank, expert) count (recnt) go to the expert's owner (ballot + popc);
+     block 0 also stores rntok[me] on every rank with its arrival.
+  A2. rows: all warps copy 2 KiB chunks of own token rows (16-byte vectors, 4 per lane) to every
+     distinct peer rank of the token (once per rank, not per expert), plus ids, weights and stamp
+     (to this rank too: combine reads them). No row goes to this rank's own rx: own rows are packed
+     straight from x (MXFP8: quantized in registers the same way).
+  C. pack: tables first -- per local expert the exclusive prefix of recnt over sources, the expert
+     bases, the sources' row starts in shared memory (block 0 writes the row starts to `rstart` for
+     combine) -- then each (row, chunk) unit is loaded once and stored to every local expert slot of
+     the row at base[e] + prefix[s, e] + rslot. Output order (per expert: source rank, then token)
+     equals the torch reference's.
+  overlap = 0 (latency; small batches): A1 runs on the last E warps (one global expert each) while
+     A2 starts at warp 0; block barrier; lane d of warp 0 releases the block's arrival into dcnt[0]
+     and dcnt[1] (rank me) on rank d (`_arrive`); wait for dcnt[1] of every source (acquire, bounded;
+     warp 0, convergent: `_wait_all`); barrier; block 0 stores the epoch (`_store_epoch`); tables;
+     C over own tokens (from x) and the peers' received rows in one loop.
+  overlap = 1 (large batches): A1 with a block per expert (8 warps split the tokens: count, block
+     prefix, write) so it is short; arrive on dcnt[0]; wait for dcnt[0] of every source; tables;
+     then A2 with the own-row pack fused in (each unit loaded once, sent to the peers and stored to
+     its own local slots: the local HBM copy of own rows runs while NVLink carries the sends); arrive
+     on dcnt[1]; wait for dcnt[1] of every source; epoch; C over the peers' rows. Costs one more
+     arrival and wait before the sends (a few us); saves the own rows' pack after the wait and the
+     own rows' copy into rx. No deadlock in mixed calls: every wait on dcnt[0] needs only tables
+     arrivals, which no rank makes after a wait; a wait on dcnt[1] needs rows arrivals, made after
+     at most a dcnt[0] wait.
+pipelined dispatch (dispatch_pipe_kK; host: pipeline_phases > 1; ignores `overlap`, own rows go
+through rx as the peers' do): at large token counts C runs
 after A, so the wire and the pack take turns. Here a source sends its tokens in nphase <= maxp
 phases of ch = ceil(ntok / nphase) tokens (A1 and rntok / rnph go with phase 0). A block sends
 phase 0, arrives on counter 0, waits for counter 0 of every source (then the tables, with each
@@ -68,6 +85,8 @@ combine (one launch):
 Phase probe: a non-zero `probe` address makes thread 0 of every block store %globaltimer (int64) at
 each phase boundary into probe[block, phase] (PROBE_PHASES per block; DISPATCH_PHASES /
 COMBINE_PHASES name them), for `perf.comms dispatch --phases`; off (0) it costs one uniform branch.
+Dispatch with overlap = 0 (and the pipelined one) has one arrival and one wait: it stamps "tables
+sent" and "rows sent" together after A, "tables waited" and "rows waited" after its wait.
 K is a compile-time constant (one export per top-k in TOPK_VARIANTS) so the per-slot loads are
 unrolled and in flight together.
 """
@@ -92,7 +111,9 @@ SCAN_UNROLL = 4      # slot scan: 32-token groups whose id loads are issued toge
 PIPE_MAX = 8         # pipelined dispatch: phase counters per source at most
 ARRIVAL_STEP = 1024  # counter units one source adds per epoch (>= any grid: see _arrive)
 PROBE_PHASES = 8     # int64 stamps per block in the probe buffer
-DISPATCH_PHASES = ("start", "A sent", "signalled", "waited", "tables", "C packed")
+DISPATCH_PHASES = ("start", "tables sent", "tables waited", "tables built", "rows sent", "rows waited", "packed")
+(PH_START, PH_TABLES_SENT, PH_TABLES_WAITED, PH_TABLES_BUILT, PH_ROWS_SENT, PH_ROWS_WAITED,
+ PH_PACKED) = range(len(DISPATCH_PHASES))
 COMBINE_PHASES = ("start", "row starts", "A sent", "signalled", "waited", "B summed")
 ERR_DISPATCH_TIMEOUT = 1 << 16   # error word = kind | detail (source rank or local expert)
 ERR_COMBINE_TIMEOUT = 2 << 16
@@ -461,74 +482,166 @@ def _quantize_mx(v, lane):
 
 
 @cute.jit
-def _send_rows(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.Tensor, rank, maxt, nlocal, tb, te,
-               nvec, epoch, lane, gw, nw, off_rx, off_rid, off_rw, off_rstamp, K: cutlass.Constexpr,
-               fp8: cutlass.Constexpr):
-    """Dispatch A2 for own tokens [tb, te): each (token, 2 KiB of bf16) unit once per distinct
-    destination rank of the token (bf16 as is; fp8: quantized once, 1 KiB of E4M3 + 32 scale
-    bytes), plus ids, weights and the epoch stamp with the first chunk."""
+def _scan_expert(ids: cute.Tensor, g, tb, te, running, dbase, row0, lane, off_rslot, K: cutlass.Constexpr,
+                 write: cutlass.Constexpr):
+    """Slot scan of own tokens [tb, te) for global expert g, SCAN_UNROLL x 32 tokens per step (every
+    id load in flight at once; clamped, no branch: lanes past te never hit). Returns running + the
+    hits; `write`: also stores each hit's index (running + hits before it) into rslot on the owner
+    (dbase), row row0 + t."""
+    t0 = tb
+    while t0 < te:
+        hits = []
+        for r in cutlass.range_constexpr(SCAN_UNROLL):
+            t = t0 + 32 * r + lane
+            tc = cutlass.min(t, te - 1)
+            hit = Int32(-1)
+            for j in cutlass.range_constexpr(K):
+                if (ids[tc, j] == g) & (t < te):
+                    hit = Int32(j)
+            hits.append(hit)
+        for r in cutlass.range_constexpr(SCAN_UNROLL):
+            m = cute.arch.vote_ballot_sync(hits[r] >= 0)
+            if cutlass.const_expr(write):
+                if hits[r] >= 0:
+                    i = running + cute.arch.popc(m & lanemask_lt())
+                    row = row0 + t0 + 32 * r + lane
+                    st_b32(dbase + off_rslot + (row * K + hits[r]) * 4, i)
+            running = running + cute.arch.popc(m)
+        t0 = t0 + 32 * SCAN_UNROLL
+    return running
+
+
+@cute.jit
+def _token_unit(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.Tensor, me, rank, maxt, nlocal, t,
+                c, nvec, epoch, lane, send, pack, pre: cute.Tensor, base: cute.Tensor, cap, nrows, oxa, osa,
+                o_rank: cute.Tensor, o_tok: cute.Tensor, o_w: cute.Tensor, row_pos: cute.Tensor, off_rx, off_rid,
+                off_rw, off_rslot, off_rstamp, K: cutlass.Constexpr, fp8: cutlass.Constexpr,
+                self_copy: cutlass.Constexpr):
+    """One (own token t, 2 KiB of its bf16 row: chunk c) unit, loaded once (fp8: quantized once,
+    1 KiB of E4M3 + 32 scale bytes). `send` != 0: sent once per distinct destination rank of the
+    token, with ids, weights and the epoch stamp on chunk 0; the payload to this rank itself only
+    with `self_copy` (the pipelined kernel packs own rows from rx). `pack` != 0: stored to every
+    local expert slot of the token, exactly the bytes C would copy from the staged row (needs the
+    tables and this rank's rslot rows), plus the packed rows' metadata on chunk 0."""
     xa = x.iterator.toint()
     row_bytes = _i64(nvec) * 16
-    nchunk = nvec // CHUNK_VEC
     lane_off = _i64(lane) * 16
     rx_row = row_bytes
     if cutlass.const_expr(fp8):
         rx_row = _i64(nvec) * 8 + _i64(nvec // 4)
-    u = gw
-    while u < (te - tb) * nchunk:
-        t = tb + u // nchunk
-        c = u - (t - tb) * nchunk
-        idv = Int32(0)
-        wv = Int32(0)
-        dv = Int32(-1)
+    idv = Int32(0)
+    wv = Int32(0)
+    dv = Int32(-1)
+    if lane < K:
+        idv = ids[t, lane]
+        wv = ptx.f32_as_i32(wts[t, lane])
+        dv = idv // nlocal
+    row = _i64(rank) * maxt + t
+    sl = Int32(0)
+    if pack != 0:  # issued with the row loads
         if lane < K:
-            idv = ids[t, lane]
-            wv = ptx.f32_as_i32(wts[t, lane])
-            dv = idv // nlocal
+            sl = ld_b32_cg(me + off_rslot + (row * K + lane) * 4)
+    src = xa + _i64(t) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
+    v0 = ptx.ld_v4(src)
+    v1 = ptx.ld_v4(src + 512)
+    v2 = ptx.ld_v4(src + 1024)
+    v3 = ptx.ld_v4(src + 1536)
+    if cutlass.const_expr(fp8):
+        q0, q1, s0 = _quantize_mx(v0, lane)
+        q2, q3, s1 = _quantize_mx(v1, lane)
+        q4, q5, s2 = _quantize_mx(v2, lane)
+        q6, q7, s3 = _quantize_mx(v3, lane)
+    if send != 0:
         dup = Int32(0)
         for j in cutlass.range_constexpr(K):
             o = cute.arch.shuffle_sync(dv, j)
             if (j < lane) & (o == dv):
                 dup = Int32(1)
         m = cute.arch.vote_ballot_sync((lane < K) & (dup == 0))
-        src = xa + _i64(t) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
-        v0 = ptx.ld_v4(src)
-        v1 = ptx.ld_v4(src + 512)
-        v2 = ptx.ld_v4(src + 1024)
-        v3 = ptx.ld_v4(src + 1536)
-        row = _i64(rank) * maxt + t
-        if cutlass.const_expr(fp8):
-            q0, q1, s0 = _quantize_mx(v0, lane)
-            q2, q3, s1 = _quantize_mx(v1, lane)
-            q4, q5, s2 = _quantize_mx(v2, lane)
-            q6, q7, s3 = _quantize_mx(v3, lane)
         for j in cutlass.range_constexpr(K):
             if ((m >> j) & 1) != 0:
-                db = peers[cute.arch.shuffle_sync(dv, j)]
-                if cutlass.const_expr(fp8):
-                    dst = db + off_rx + row * rx_row + _i64(c) * 1024 + _i64(lane) * 8
-                    st_v2(dst, [q0, q1])
-                    st_v2(dst + 256, [q2, q3])
-                    st_v2(dst + 512, [q4, q5])
-                    st_v2(dst + 768, [q6, q7])
-                    if lane % 4 == 0:  # block lane // 4 of each 256-value quarter
-                        sc = db + off_rx + row * rx_row + _i64(nvec) * 8 + _i64(c) * 32 + lane // 4
-                        st_b8(sc, s0)
-                        st_b8(sc + 8, s1)
-                        st_b8(sc + 16, s2)
-                        st_b8(sc + 24, s3)
-                else:
-                    dst = db + off_rx + row * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
-                    ptx.st_v4(dst, v0)
-                    ptx.st_v4(dst + 512, v1)
-                    ptx.st_v4(dst + 1024, v2)
-                    ptx.st_v4(dst + 1536, v3)
+                d = cute.arch.shuffle_sync(dv, j)
+                db = peers[d]
+                if (d != rank) | (Int32(1 if self_copy else 0) != 0):
+                    if cutlass.const_expr(fp8):
+                        dst = db + off_rx + row * rx_row + _i64(c) * 1024 + _i64(lane) * 8
+                        st_v2(dst, [q0, q1])
+                        st_v2(dst + 256, [q2, q3])
+                        st_v2(dst + 512, [q4, q5])
+                        st_v2(dst + 768, [q6, q7])
+                        if lane % 4 == 0:  # block lane // 4 of each 256-value quarter
+                            sc = db + off_rx + row * rx_row + _i64(nvec) * 8 + _i64(c) * 32 + lane // 4
+                            st_b8(sc, s0)
+                            st_b8(sc + 8, s1)
+                            st_b8(sc + 16, s2)
+                            st_b8(sc + 24, s3)
+                    else:
+                        dst = db + off_rx + row * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
+                        ptx.st_v4(dst, v0)
+                        ptx.st_v4(dst + 512, v1)
+                        ptx.st_v4(dst + 1024, v2)
+                        ptx.st_v4(dst + 1536, v3)
                 if c == 0:
                     if lane < K:
                         st_b32(db + off_rid + (row * K + lane) * 4, idv)
                         st_b32(db + off_rw + (row * K + lane) * 4, wv)
                     if lane == 0:
                         st_b32(db + off_rstamp + row * 4, epoch)
+    if pack != 0:
+        posv = Int32(-1)
+        lid = idv - rank * nlocal
+        if (lane < K) & (lid >= 0) & (lid < nlocal):
+            p = pre[rank * nlocal + lid] + sl
+            if p < cap:
+                posv = base[lid] + p
+            if posv >= nrows:  # never with consistent metadata; keeps stray rows in bounds
+                posv = Int32(-1)
+        mp = cute.arch.vote_ballot_sync(posv >= 0)
+        for j in cutlass.range_constexpr(K):
+            if ((mp >> j) & 1) != 0:
+                pj = _i64(cute.arch.shuffle_sync(posv, j))
+                if cutlass.const_expr(fp8):  # out_x rows of H = 8 nvec bytes, out_s rows of H / 32
+                    dst = oxa + pj * (_i64(nvec) * 8) + _i64(c) * 1024 + _i64(lane) * 8
+                    st_v2(dst, [q0, q1])
+                    st_v2(dst + 256, [q2, q3])
+                    st_v2(dst + 512, [q4, q5])
+                    st_v2(dst + 768, [q6, q7])
+                    if lane % 4 == 0:
+                        sc = osa + pj * _i64(nvec // 4) + _i64(c) * 32 + lane // 4
+                        st_b8(sc, s0)
+                        st_b8(sc + 8, s1)
+                        st_b8(sc + 16, s2)
+                        st_b8(sc + 24, s3)
+                else:
+                    dst = oxa + pj * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
+                    ptx.st_v4(dst, v0)
+                    ptx.st_v4(dst + 512, v1)
+                    ptx.st_v4(dst + 1024, v2)
+                    ptx.st_v4(dst + 1536, v3)
+        if c == 0:
+            if posv >= 0:
+                o_rank[posv] = rank
+                o_tok[posv] = t
+                o_w[posv] = ptx.i32_as_f32(wv)
+                row_pos[row * K + lane] = posv
+
+
+@cute.jit
+def _send_rows(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.Tensor, me, rank, maxt, nlocal, tb,
+               te, nvec, epoch, lane, gw, nw, send, pack, pre: cute.Tensor, base: cute.Tensor, cap, nrows, oxa, osa,
+               o_rank: cute.Tensor, o_tok: cute.Tensor, o_w: cute.Tensor, row_pos: cute.Tensor, off_rx, off_rid,
+               off_rw, off_rslot, off_rstamp, K: cutlass.Constexpr, fp8: cutlass.Constexpr,
+               self_copy: cutlass.Constexpr):
+    """Dispatch A2 (and with `pack` the own rows' C) for own tokens [tb, te): warp gw takes units
+    gw, gw + nw, ... of (token, 2 KiB chunk); see _token_unit."""
+    nchunk = nvec // CHUNK_VEC
+    u = gw
+    while u < (te - tb) * nchunk:
+        t = tb + u // nchunk
+        c = u - (t - tb) * nchunk
+        _token_unit(x, ids, wts, peers, me, rank, maxt, nlocal, t, c, nvec, epoch, lane, send, pack, pre, base, cap,
+                    nrows, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp, K,
+                    fp8, self_copy)
         u = u + nw
 
 
@@ -536,11 +649,14 @@ def _send_rows(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.T
 def _pack_rows(me, tab: cute.Tensor, tab_off, chs: cute.Tensor, q, world, pre: cute.Tensor, base: cute.Tensor, cap,
                nrows, rank, nlocal, maxt, nvec, epoch, lane, gw, nw, oxa, osa, o_rank: cute.Tensor,
                o_tok: cute.Tensor, o_w: cute.Tensor, row_pos: cute.Tensor, off_rx, off_rid, off_rw, off_rslot,
-               off_rstamp, K: cutlass.Constexpr, fp8: cutlass.Constexpr, pipe: cutlass.Constexpr):
+               off_rstamp, x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.Tensor, own_tokens,
+               K: cutlass.Constexpr, fp8: cutlass.Constexpr, pipe: cutlass.Constexpr):
     """Dispatch C over received rows: tab[tab_off + s] = first row of source s among them,
     tab[tab_off + world] = their count (pipe: phase q's rows, token t = q * chs[s] + index; else
     every row, t = index). Each (row, 2 KiB of the staged row) unit is loaded once and stored to
-    every local expert slot of the row."""
+    every local expert slot of the row. Unpipelined: this rank's own rows are not in rx; they are
+    skipped here, and the first own_tokens * (H / 1024) units of the loop are instead the own rows'
+    (token, chunk) units packed from x (_token_unit; own_tokens = 0 when A2 packed them already)."""
     row_bytes = _i64(nvec) * 16
     rx_row = row_bytes
     hvec = nvec
@@ -549,70 +665,87 @@ def _pack_rows(me, tab: cute.Tensor, tab_off, chs: cute.Tensor, q, world, pre: c
         hvec = nvec // 2
     rvec = Int32(rx_row // 16)
     rchunk = (rvec + CHUNK_VEC - 1) // CHUNK_VEC
+    nchunk = nvec // CHUNK_VEC
     total = tab[tab_off + world]
+    nown = Int32(0)
+    sk0 = Int32(0)
+    nskip = Int32(0)
+    if cutlass.const_expr(not pipe):
+        nown = own_tokens * nchunk
+        sk0 = tab[tab_off + rank]
+        nskip = tab[tab_off + rank + 1] - sk0
     u = gw
-    while u < total * rchunk:
-        rr = u // rchunk
-        c = u - rr * rchunk
-        s = _find_source(tab, tab_off, world, rr)
-        t = rr - tab[tab_off + s]
-        if cutlass.const_expr(pipe):
-            t = t + q * chs[s]
-        row = _i64(s) * maxt + t
-        # every load of the unit is issued before the first use (stale rows are valid memory)
-        stamp = ld_b32_cg(me + off_rstamp + row * 4)
-        idl = Int32(-1)
-        sl = Int32(0)
-        wl = Int32(0)
-        if lane < K:
-            idl = ld_b32_cg(me + off_rid + (row * K + lane) * 4)
-            sl = ld_b32_cg(me + off_rslot + (row * K + lane) * 4)
-            wl = ld_b32_cg(me + off_rw + (row * K + lane) * 4)
-        vbase = c * CHUNK_VEC + lane  # this lane's vectors: vbase + 32 q
-        src = me + off_rx + row * rx_row
-        if cutlass.const_expr(fp8):  # the last chunk is partial: lanes past the row load its last vector
-            v0 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase, rvec - 1)) * 16)
-            v1 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase + 32, rvec - 1)) * 16)
-            v2 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase + 64, rvec - 1)) * 16)
-            v3 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase + 96, rvec - 1)) * 16)
+    while u < nown + (total - nskip) * rchunk:
+        if u < nown:
+            if cutlass.const_expr(not pipe):
+                t = u // nchunk
+                _token_unit(x, ids, wts, peers, me, rank, maxt, nlocal, t, u - t * nchunk, nvec, epoch, lane,
+                            Int32(0), Int32(1), pre, base, cap, nrows, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx,
+                            off_rid, off_rw, off_rslot, off_rstamp, K, fp8, False)
         else:
-            v0 = ptx.ld_v4_cg(src + _i64(vbase) * 16)
-            v1 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 512)
-            v2 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 1024)
-            v3 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 1536)
-        if stamp == epoch:
-            posv = Int32(-1)
-            lid = idl - rank * nlocal
-            if (lane < K) & (lid >= 0) & (lid < nlocal):
-                p = pre[s * nlocal + lid] + sl
-                if p < cap:
-                    posv = base[lid] + p
-                if posv >= nrows:  # never with consistent metadata; keeps stray rows in bounds
-                    posv = Int32(-1)
-            m = cute.arch.vote_ballot_sync(posv >= 0)
-            for j in cutlass.range_constexpr(K):
-                if ((m >> j) & 1) != 0:
-                    pj = _i64(cute.arch.shuffle_sync(posv, j))
-                    if cutlass.const_expr(fp8):
-                        vs = [v0, v1, v2, v3]
-                        for q in cutlass.range_constexpr(4):
-                            v = vbase + 32 * q
-                            if v < hvec:
-                                ptx.st_v4(oxa + pj * (_i64(hvec) * 16) + _i64(v) * 16, vs[q])
-                            elif v < rvec:
-                                ptx.st_v4(osa + pj * (_i64(rvec - hvec) * 16) + _i64(v - hvec) * 16, vs[q])
-                    else:
-                        dst = oxa + pj * row_bytes + _i64(vbase) * 16
-                        ptx.st_v4(dst, v0)
-                        ptx.st_v4(dst + 512, v1)
-                        ptx.st_v4(dst + 1024, v2)
-                        ptx.st_v4(dst + 1536, v3)
-            if c == 0:
-                if posv >= 0:
-                    o_rank[posv] = s
-                    o_tok[posv] = t
-                    o_w[posv] = ptx.i32_as_f32(wl)
-                    row_pos[row * K + lane] = posv
+            rr = (u - nown) // rchunk
+            c = (u - nown) - rr * rchunk
+            if rr >= sk0:  # past this rank's own rows (none skipped when pipelined)
+                rr = rr + nskip
+            s = _find_source(tab, tab_off, world, rr)
+            t = rr - tab[tab_off + s]
+            if cutlass.const_expr(pipe):
+                t = t + q * chs[s]
+            row = _i64(s) * maxt + t
+            # every load of the unit is issued before the first use (stale rows are valid memory)
+            stamp = ld_b32_cg(me + off_rstamp + row * 4)
+            idl = Int32(-1)
+            sl = Int32(0)
+            wl = Int32(0)
+            if lane < K:
+                idl = ld_b32_cg(me + off_rid + (row * K + lane) * 4)
+                sl = ld_b32_cg(me + off_rslot + (row * K + lane) * 4)
+                wl = ld_b32_cg(me + off_rw + (row * K + lane) * 4)
+            vbase = c * CHUNK_VEC + lane  # this lane's vectors: vbase + 32 q
+            src = me + off_rx + row * rx_row
+            if cutlass.const_expr(fp8):  # the last chunk is partial: lanes past the row load its last vector
+                v0 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase, rvec - 1)) * 16)
+                v1 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase + 32, rvec - 1)) * 16)
+                v2 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase + 64, rvec - 1)) * 16)
+                v3 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase + 96, rvec - 1)) * 16)
+            else:
+                v0 = ptx.ld_v4_cg(src + _i64(vbase) * 16)
+                v1 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 512)
+                v2 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 1024)
+                v3 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 1536)
+            if stamp == epoch:
+                posv = Int32(-1)
+                lid = idl - rank * nlocal
+                if (lane < K) & (lid >= 0) & (lid < nlocal):
+                    p = pre[s * nlocal + lid] + sl
+                    if p < cap:
+                        posv = base[lid] + p
+                    if posv >= nrows:  # never with consistent metadata; keeps stray rows in bounds
+                        posv = Int32(-1)
+                m = cute.arch.vote_ballot_sync(posv >= 0)
+                for j in cutlass.range_constexpr(K):
+                    if ((m >> j) & 1) != 0:
+                        pj = _i64(cute.arch.shuffle_sync(posv, j))
+                        if cutlass.const_expr(fp8):
+                            vs = [v0, v1, v2, v3]
+                            for qq in cutlass.range_constexpr(4):
+                                v = vbase + 32 * qq
+                                if v < hvec:
+                                    ptx.st_v4(oxa + pj * (_i64(hvec) * 16) + _i64(v) * 16, vs[qq])
+                                elif v < rvec:
+                                    ptx.st_v4(osa + pj * (_i64(rvec - hvec) * 16) + _i64(v - hvec) * 16, vs[qq])
+                        else:
+                            dst = oxa + pj * row_bytes + _i64(vbase) * 16
+                            ptx.st_v4(dst, v0)
+                            ptx.st_v4(dst + 512, v1)
+                            ptx.st_v4(dst + 1024, v2)
+                            ptx.st_v4(dst + 1536, v3)
+                if c == 0:
+                    if posv >= 0:
+                        o_rank[posv] = s
+                        o_tok[posv] = t
+                        o_w[posv] = ptx.i32_as_f32(wl)
+                        row_pos[row * K + lane] = posv
         u = u + nw
 
 
@@ -621,7 +754,8 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
     """`fp8`: the MXFP8 payload. Each A2 unit (token, 1024 bf16) is quantized once in registers
     (_quantize_mx: 4 lanes per 32-value block) and sent as 1 KiB of E4M3 plus 32 scale bytes into
     the staged row (s, t) = [H E4M3 | H/32 E8M0]; C copies staged rows in 2 KiB chunks (the last
-    one partial), values to out_x [rows, H] and scales to out_s [rows, H/32].
+    one partial), values to out_x [rows, H] and scales to out_s [rows, H/32]; own rows are quantized
+    the same way and stored straight to out_x / out_s.
     `pipe`: send and pack overlap in phases (see the module docstring, "pipelined dispatch")."""
     @cute.kernel
     def kernel(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, out_x: cute.Tensor, out_s: cute.Tensor,
@@ -631,91 +765,115 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
                nlocal: Int32, maxt: Int32, cap: Int32, contiguous: Int32, off_rx: Int64, off_rid: Int64,
                off_rw: Int64, off_rslot: Int64, off_rstamp: Int64, off_rntok: Int64, off_recnt: Int64,
                off_dcnt: Int64, off_state: Int64, err_addr: Int64, timeout_ns: Int64, probe: Int64,
-               off_rnph: Int64, maxp: Int32, nphase: Int32, swarps: Int32):
+               off_rnph: Int64, maxp: Int32, nphase: Int32, swarps: Int32, overlap: Int32):
         _pdl_start()
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nb, _, _ = cute.arch.grid_dim()
         lane = tid % 32
-        gw = bid * WARPS + tid // 32
+        w = tid // 32
+        gw = bid * WARPS + w
         nw = nb * WARPS
-        _stamp(probe, tid, bid, 0)
+        _stamp(probe, tid, bid, PH_START)
         me = peers[rank]
         epoch = ptx.ld_relaxed_gpu(me + off_state) + 1
         oxa = out_x.iterator.toint()
         osa = out_s.iterator.toint()
         nrows = out_x.shape[0]
+        row0 = _i64(rank) * maxt
         ch = ntok  # own tokens per send phase (pipe: ceil(ntok / nphase))
+        early = Int32(0)  # overlap: tables exchanged before A2, own rows packed during the sends
         if cutlass.const_expr(pipe):
             ch = (ntok + nphase - 1) // nphase
-
-        # ---- A1. per-expert slot indices of this rank's tokens (the last warps: one global expert
-        # each, so they overlap the row copies of A2, which start at warp 0)
-        nexp = nlocal * world
-        g = nw - 1 - gw
-        while g < nexp:
-            d = g // nlocal
-            dbase = peers[d]
-            running = Int32(0)
-            t0 = Int32(0)
-            while t0 < ntok:  # SCAN_UNROLL x 32 tokens per step: every id load in flight at once
-                hits = []
-                for r in cutlass.range_constexpr(SCAN_UNROLL):
-                    t = t0 + 32 * r + lane
-                    tc = cutlass.min(t, ntok - 1)  # loads without a branch; lanes past ntok never hit
-                    hit = Int32(-1)
-                    for j in cutlass.range_constexpr(K):
-                        if (ids[tc, j] == g) & (t < ntok):
-                            hit = Int32(j)
-                    hits.append(hit)
-                for r in cutlass.range_constexpr(SCAN_UNROLL):
-                    m = cute.arch.vote_ballot_sync(hits[r] >= 0)
-                    if hits[r] >= 0:
-                        i = running + cute.arch.popc(m & lanemask_lt())
-                        row = _i64(rank) * maxt + t0 + 32 * r + lane
-                        st_b32(dbase + off_rslot + (row * K + hits[r]) * 4, i)
-                    running = running + cute.arch.popc(m)
-                t0 = t0 + 32 * SCAN_UNROLL
-            if lane == 0:
-                st_b32(dbase + off_recnt + (_i64(rank) * nlocal + (g - d * nlocal)) * 4, running)
-            g = g + nw
-
-        # ---- A2. token rows (pipe: the first send phase's), once per destination rank
-        _send_rows(x, ids, wts, peers, rank, maxt, nlocal, 0, cutlass.min(ch, ntok), nvec, epoch, lane, gw, nw,
-                   off_rx, off_rid, off_rw, off_rstamp, K, fp8)
-        cute.arch.sync_threads()
-        _stamp(probe, tid, bid, 1)
-        if cutlass.const_expr(pipe):  # phase counter 0, and every later one if this is the last phase
-            _arrive(peers, tid, bid, nb, world, off_dcnt, rank, off_rntok, ntok, True,
-                    Int32(cutlass.select_(nphase == 1, maxp, 1)), off_rnph, nphase)
         else:
-            _arrive(peers, tid, bid, nb, world, off_dcnt, rank, off_rntok, ntok, True)
-        _stamp(probe, tid, bid, 2)
-
-        # ---- B. wait for every block of every source (ARRIVAL_STEP per source and epoch)
-        _wait_all(me, tid, world, off_dcnt, wrap_mul(epoch, ARRIVAL_STEP), err_addr, timeout_ns,
-                  ERR_DISPATCH_TIMEOUT)
-        cute.arch.sync_threads()
-        _store_epoch(me, off_state, tid, bid, epoch)
-        _stamp(probe, tid, bid, 3)
-
-        # ---- C. pack into per-local-expert rows. Tables first: per local expert (one thread each)
-        # the exclusive prefix of recnt over sources and the total; the last warp scans the sources'
-        # row starts meanwhile. Masked: bases e * cap are known, one barrier; contiguous: warp 0 then
-        # scans the totals into bases (second barrier).
+            early = Int32(cutlass.select_(overlap != 0, 1, 0))
+        rows_cnt = off_dcnt + _i64(world) * 4  # dcnt[1]: the rows arrival (unpipelined)
         smem = SmemAllocator()
         pre = smem.allocate_tensor(Int32, cute.make_layout(MAX_PAIRS))
         base = smem.allocate_tensor(Int32, cute.make_layout(MAX_LOCAL + 1))
         rstart = smem.allocate_tensor(Int32, cute.make_layout(MAX_WORLD + 1))
+        segcnt = smem.allocate_tensor(Int32, cute.make_layout(WARPS))
         rstq = rstart  # pipe: per receive phase q, the row starts of phase q's rows
         chs = rstart  # pipe: per source, its tokens per send phase
         qmax = smem.allocate_tensor(Int32, cute.make_layout(1))
         if cutlass.const_expr(pipe):
             rstq = smem.allocate_tensor(Int32, cute.make_layout(PIPE_MAX * (MAX_WORLD + 1)))
             chs = smem.allocate_tensor(Int32, cute.make_layout(MAX_WORLD))
-        _row_starts(me, off_rntok, lane, tid // 32 == WARPS - 1, world, rstart)
+
+        # ---- A1. per-expert slot indices of this rank's tokens
+        nexp = nlocal * world
+        if early != 0:
+            # a block per global expert: warp w scans its share [tb, te) of the tokens twice (count,
+            # then write after the block's prefix of the counts), so a 4096-token scan takes 512
+            # tokens per warp instead of 4096 on one warp before the sends can start
+            seg = (ntok + 32 * WARPS - 1) // (32 * WARPS) * 32
+            tb = cutlass.min(w * seg, ntok)
+            te = cutlass.min(tb + seg, ntok)
+            g = bid
+            while g < nexp:  # uniform per block: the barriers below are reached by every thread
+                d = g // nlocal
+                dbase = peers[d]
+                n = _scan_expert(ids, g, tb, te, Int32(0), dbase, row0, lane, off_rslot, K, False)
+                if lane == 0:
+                    segcnt[w] = n
+                cute.arch.sync_threads()
+                before = Int32(0)
+                tot = Int32(0)
+                for i in cutlass.range_constexpr(WARPS):
+                    ci = segcnt[i]
+                    if w > i:
+                        before = before + ci
+                    tot = tot + ci
+                _scan_expert(ids, g, tb, te, before, dbase, row0, lane, off_rslot, K, True)
+                if tid == 0:
+                    st_b32(dbase + off_recnt + (_i64(rank) * nlocal + (g - d * nlocal)) * 4, tot)
+                cute.arch.sync_threads()  # segcnt is rewritten for the next expert
+                g = g + nb
+        else:
+            # the last warps, one global expert each, so they overlap the row copies of A2, which
+            # start at warp 0
+            g = nw - 1 - gw
+            while g < nexp:
+                d = g // nlocal
+                running = _scan_expert(ids, g, Int32(0), ntok, Int32(0), peers[d], row0, lane, off_rslot, K, True)
+                if lane == 0:
+                    st_b32(peers[d] + off_recnt + (_i64(rank) * nlocal + (g - d * nlocal)) * 4, running)
+                g = g + nw
+            # ---- A2. token rows (pipe: the first send phase's), once per destination rank
+            _send_rows(x, ids, wts, peers, me, rank, maxt, nlocal, 0, cutlass.min(ch, ntok), nvec, epoch, lane, gw, nw,
+                       Int32(1), Int32(0), pre, base, cap, nrows, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx,
+                       off_rid, off_rw, off_rslot, off_rstamp, K, fp8, pipe)
+        cute.arch.sync_threads()
+        if cutlass.const_expr(pipe):  # phase counter 0, and every later one if this is the last phase
+            _arrive(peers, tid, bid, nb, world, off_dcnt, rank, off_rntok, ntok, True,
+                    Int32(cutlass.select_(nphase == 1, maxp, 1)), off_rnph, nphase)
+        else:  # the tables counter; without overlap the rows counter too (A2 is done)
+            _arrive(peers, tid, bid, nb, world, off_dcnt, rank, off_rntok, ntok, True, Int32(2 - early))
+        _stamp(probe, tid, bid, PH_TABLES_SENT)
+        if early == 0:
+            _stamp(probe, tid, bid, PH_ROWS_SENT)
+
+        # ---- B. wait for every block of every source (ARRIVAL_STEP per source and epoch): the tables
+        # with overlap, else the rows (their arrival follows the tables', so it covers them)
+        wait_off = off_dcnt
+        if cutlass.const_expr(not pipe):
+            if early == 0:
+                wait_off = rows_cnt
+        _wait_all(me, tid, world, wait_off, wrap_mul(epoch, ARRIVAL_STEP), err_addr, timeout_ns,
+                  ERR_DISPATCH_TIMEOUT)
+        cute.arch.sync_threads()
+        if early == 0:
+            _store_epoch(me, off_state, tid, bid, epoch)
+            _stamp(probe, tid, bid, PH_ROWS_WAITED)
+        _stamp(probe, tid, bid, PH_TABLES_WAITED)
+
+        # ---- C. pack into per-local-expert rows. Tables first: per local expert (one thread each)
+        # the exclusive prefix of recnt over sources and the total; the last warp scans the sources'
+        # row starts meanwhile. Masked: bases e * cap are known, one barrier; contiguous: warp 0 then
+        # scans the totals into bases (second barrier).
+        _row_starts(me, off_rntok, lane, w == WARPS - 1, world, rstart)
         if cutlass.const_expr(pipe):
-            _phase_tables(me, off_rntok, off_rnph, lane, tid // 32 == WARPS - 1, world, rstq, chs, qmax)
+            _phase_tables(me, off_rntok, off_rnph, lane, w == WARPS - 1, world, rstq, chs, qmax)
         e = tid
         while e < nlocal:
             acc = Int32(0)
@@ -764,12 +922,26 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
                 if (tid == 0) & (bid == 0):
                     offsets[nlocal] = carry
             cute.arch.sync_threads()
-        _stamp(probe, tid, bid, 4)
+        _stamp(probe, tid, bid, PH_TABLES_BUILT)
 
         if cutlass.const_expr(not pipe):
+            if early != 0:
+                # ---- A2 with the own rows' pack: each unit goes to the peers and to its local slots
+                _send_rows(x, ids, wts, peers, me, rank, maxt, nlocal, 0, ntok, nvec, epoch, lane, gw, nw, Int32(1),
+                           Int32(1), pre, base, cap, nrows, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid,
+                           off_rw, off_rslot, off_rstamp, K, fp8, False)
+                cute.arch.sync_threads()
+                _arrive(peers, tid, bid, nb, world, rows_cnt, rank, off_rntok, ntok, False)
+                _stamp(probe, tid, bid, PH_ROWS_SENT)
+                _wait_all(me, tid, world, rows_cnt, wrap_mul(epoch, ARRIVAL_STEP), err_addr, timeout_ns,
+                          ERR_DISPATCH_TIMEOUT)
+                cute.arch.sync_threads()
+                _store_epoch(me, off_state, tid, bid, epoch)
+                _stamp(probe, tid, bid, PH_ROWS_WAITED)
+            # the peers' received rows; without overlap the own rows (from x) first, in the same loop
             _pack_rows(me, rstart, 0, chs, 0, world, pre, base, cap, nrows, rank, nlocal, maxt, nvec, epoch, lane, gw,
-                       nw, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp, K,
-                       fp8, False)
+                       nw, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp, x,
+                       ids, wts, peers, ntok * (1 - early), K, fp8, False)
         else:
             # phase q: send own phase q + 1 and pack every source's phase q -- with swarps > 0 the
             # first swarps warps of each block send while the others pack, so the NVLink stores and the
@@ -777,7 +949,6 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
             # counter q + 1 (its release waits for this block's stores) and wait for it. Arrival q + 1
             # follows wait q, so the protocol cannot deadlock.
             nq = qmax[0]
-            w = tid // 32
             q = Int32(0)
             while q < nq:
                 tb = (q + 1) * ch
@@ -785,19 +956,23 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
                 tq = q * (MAX_WORLD + 1)
                 if (q + 1 < nphase) & (swarps > 0):
                     if w < swarps:
-                        _send_rows(x, ids, wts, peers, rank, maxt, nlocal, tb, te, nvec, epoch, lane,
-                                   bid * swarps + w, nb * swarps, off_rx, off_rid, off_rw, off_rstamp, K, fp8)
+                        _send_rows(x, ids, wts, peers, me, rank, maxt, nlocal, tb, te, nvec, epoch, lane,
+                                   bid * swarps + w, nb * swarps, Int32(1), Int32(0), pre, base, cap, nrows, oxa, osa,
+                                   o_rank, o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp, K,
+                                   fp8, True)
                     else:
                         _pack_rows(me, rstq, tq, chs, q, world, pre, base, cap, nrows, rank, nlocal, maxt, nvec, epoch,
                                    lane, bid * (WARPS - swarps) + w - swarps, nb * (WARPS - swarps), oxa, osa, o_rank,
-                                   o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp, K, fp8, True)
+                                   o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp, x, ids, wts,
+                                   peers, Int32(0), K, fp8, True)
                 else:
                     if q + 1 < nphase:
-                        _send_rows(x, ids, wts, peers, rank, maxt, nlocal, tb, te, nvec, epoch, lane, gw, nw, off_rx,
-                                   off_rid, off_rw, off_rstamp, K, fp8)
+                        _send_rows(x, ids, wts, peers, me, rank, maxt, nlocal, tb, te, nvec, epoch, lane, gw, nw,
+                                   Int32(1), Int32(0), pre, base, cap, nrows, oxa, osa, o_rank, o_tok, o_w, row_pos,
+                                   off_rx, off_rid, off_rw, off_rslot, off_rstamp, K, fp8, True)
                     _pack_rows(me, rstq, tq, chs, q, world, pre, base, cap, nrows, rank, nlocal, maxt, nvec, epoch,
                                lane, gw, nw, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot,
-                               off_rstamp, K, fp8, True)
+                               off_rstamp, x, ids, wts, peers, Int32(0), K, fp8, True)
                 cute.arch.sync_threads()
                 if q + 1 < nphase:
                     _arrive(peers, tid, bid, nb, world, off_dcnt + _i64(q + 1) * world * 4, rank, off_rntok, ntok,
@@ -807,7 +982,7 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
                               err_addr, timeout_ns, ERR_DISPATCH_TIMEOUT)
                     cute.arch.sync_threads()
                 q = q + 1
-        _stamp(probe, tid, bid, 5)
+        _stamp(probe, tid, bid, PH_PACKED)
 
     @cute.jit
     def launch(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, out_x: cute.Tensor, out_s: cute.Tensor,
@@ -816,11 +991,12 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
                maxt: Int32, cap: Int32, contiguous: Int32, off_rx: Int64, off_rid: Int64, off_rw: Int64,
                off_rslot: Int64, off_rstamp: Int64, off_rntok: Int64, off_recnt: Int64, off_dcnt: Int64,
                off_state: Int64, err_addr: Int64, timeout_ns: Int64, probe: Int64, off_rnph: Int64, maxp: Int32,
-               nphase: Int32, swarps: Int32, nblocks: Int32, pdl: Int32, stream):
+               nphase: Int32, swarps: Int32, overlap: Int32, nblocks: Int32, pdl: Int32, stream):
         kernel(x, ids, wts, out_x, out_s, rstart, counts, offsets, o_rank, o_tok, o_w, row_pos, peers, rank, world,
                x.shape[0], x.shape[1] // 8, nlocal, maxt, cap, contiguous, off_rx, off_rid, off_rw, off_rslot,
                off_rstamp, off_rntok, off_recnt, off_dcnt, off_state, err_addr, timeout_ns, probe, off_rnph, maxp,
-               nphase, swarps).launch(grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=pdl)
+               nphase, swarps, overlap).launch(grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream,
+                                               use_pdl=pdl)
 
     return launch
 
@@ -1068,13 +1244,16 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
                   offsets [L+1] i32, o_rank [rows] i32, o_tok [rows] i32, o_w [rows] f32,
                   row_pos [R*M*K] i32, peers [R] i64, rank, world, nlocal, maxt, cap, contiguous,
                   off_rx, off_rid, off_rw, off_rslot, off_rstamp, off_rntok, off_recnt, off_dcnt,
-                  off_state, err_addr, timeout_ns, probe, off_rnph, maxp, nphase, swarps, nblocks, pdl)
+                  off_state, err_addr, timeout_ns, probe, off_rnph, maxp, nphase, swarps, overlap, nblocks, pdl)
       dispatch_mxfp8_kK: the same with out_x [rows,H] uint8 (E4M3 bits) and out_s [rows,H/32]
                   uint8 (E8M0); off_rx's region holds staged rows of H + H/32 bytes
       dispatch_pipe_kK, dispatch_mxfp8_pipe_kK: pipelined (maxp phase counters per source in
                   off_dcnt, [maxp, R]; nphase <= maxp send phases of this call; off_rnph [R];
                   swarps: warps per block that send while the others pack, 0..WARPS-1);
-                  the others ignore off_rnph / maxp / nphase / swarps
+                  the others ignore off_rnph / maxp / nphase / swarps, and the pipelined ones overlap
+      overlap:    1: exchange the tables first and pack own rows while sending (large batches), 0:
+                  one arrival and wait (latency); see the module docstring. Ranks may differ.
+      off_dcnt:   [2, R] counters (tables, rows) unpipelined, [maxp, R] pipelined
       combine_kK(y [rows,H] bf16, ids [T,K] i32, out [T,H] bf16, row_pos, rstart (the last dispatch's),
                  peers, rank, world, nlocal, maxt, off_rid, off_rw, off_rstamp, off_cx, off_ccnt, off_state,
                  err_addr, timeout_ns, probe, nblocks, pdl)
@@ -1102,7 +1281,7 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
         peers = ten(Int64, (cute.sym_int(),), 8)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         scalars = (i32, i32, i32, i32, i32, i32, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64,
-                   i64, i32, i32, i32, i32, i32)
+                   i64, i32, i32, i32, i32, i32, i32)
         meta = (counts, offsets, o_rank, o_tok, o_w, row_pos, peers)
         q_x = ten(cutlass.Uint8, (rows, hid), 16)
         q_s = ten(cutlass.Uint8, (rows, cute.sym_int()), 16)

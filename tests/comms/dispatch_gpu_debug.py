@@ -70,7 +70,7 @@ def _inspect(rank, world, fused, x, M, tag):
     rntok = heap.buffer(f.off["rntok"], world, torch.int32).cpu()
     recnt = heap.buffer(f.off["recnt"], (world, L), torch.int32).cpu()
     state = heap.buffer(f.off["state"], 4, torch.int32).cpu()
-    dcnt = heap.buffer(f.off["dcnt"], world, torch.int32).cpu()
+    dcnt = heap.buffer(f.off["dcnt"], (max(f.maxp, 2), world), torch.int32).cpu()  # tables, rows (or phases)
     ccnt = heap.buffer(f.off["ccnt"], world, torch.int32).cpu()
     toks = torch.tensor([x.shape[0]], device=x.device)
     allt = [torch.zeros_like(toks) for _ in range(world)]

@@ -132,7 +132,9 @@ def emulate(world, E, K, H, M, toks, layout, ids=None, cap=None, gen=None, paylo
         for d in range(world):
             t = torch.nonzero((ids_s // L == d).any(1)).flatten()
             row = s * M + t
-            if fp8:
+            if d == s:
+                pass  # own rows are not staged: packed from x (below); only ids, weights, stamp
+            elif fp8:
                 vals, scl = _mx_sends(heap["rx"].lo + row * rx_row, H)
                 heap["rx"].check(vals, 8, "A2 rx E4M3 write")
                 heap["rx"].check(scl, 1, "A2 rx scale write")
@@ -143,7 +145,7 @@ def emulate(world, E, K, H, M, toks, layout, ids=None, cap=None, gen=None, paylo
                 heap[name].check(heap[name].lo + ((row[:, None] * K + torch.arange(K)) * 4), 4, f"A2 {name}")
             heap["rstamp"].check(heap["rstamp"].lo + row * 4, 4, "A2 rstamp")
             heap["rntok"].check(heap["rntok"].lo + torch.tensor([s * 4]), 4, "A2 rntok")
-            heap["dcnt"].check(heap["dcnt"].lo + torch.tensor([s * 4]), 4, "signal dcnt")
+            heap["dcnt"].check(heap["dcnt"].lo + torch.tensor([s * 4, (world + s) * 4]), 4, "tables / rows dcnt")
             n += row.numel() * (nchunk * 128 + 2 * K + 1)
     # ---- dispatch C and combine, per receiving rank
     for r in range(world):
@@ -160,12 +162,13 @@ def emulate(world, E, K, H, M, toks, layout, ids=None, cap=None, gen=None, paylo
         heap["rstamp"].check(heap["rstamp"].lo + row * 4, 4, "C rstamp read")
         for name in ("rid", "rw", "rslot"):
             heap[name].check(heap[name].lo + (row[:, None] * K + torch.arange(K)) * 4, 4, f"C {name} read")
+        peer = s != r  # own rows are packed from x
         if fp8:  # loads clamp to the row's last vector; each row read within itself
-            ld = heap["rx"].lo + row[:, None] * rx_row + vecs.clamp(max=rvec - 1)[None, :] * 16
+            ld = heap["rx"].lo + row[peer][:, None] * rx_row + vecs.clamp(max=rvec - 1)[None, :] * 16
             heap["rx"].check(ld, 16, "C rx read")
             assert bool((((ld - heap["rx"].lo) % rx_row) + 16 <= rx_row).all()), "C read crosses a staged row"
         else:
-            heap["rx"].check(_unit_vectors(heap["rx"].lo + row * row_bytes, nchunk), 16, "C rx read")
+            heap["rx"].check(_unit_vectors(heap["rx"].lo + row[peer] * row_bytes, nchunk), 16, "C rx read")
         ids_rows = torch.stack([ids[int(a)][int(b)] for a, b in zip(s, t)]) if total else torch.empty(0, K,
                                                                                                       dtype=torch.long)
         sent = (ids_rows // L == r).any(1)  # stamp == epoch
@@ -181,6 +184,15 @@ def emulate(world, E, K, H, M, toks, layout, ids=None, cap=None, gen=None, paylo
         assert bool((rslot[r][row][local] >= 0).all()), "a local slot without its slot index"
         ok = posv >= 0
         assert int(ok.sum()) == int(local.sum()), "entries dropped although capacity suffices"
+        own = ok & (s == r)[:, None]  # own slots: (token, chunk) units of x stored to their packed rows
+        Region("x", 0, toks[r] * row_bytes).check(_unit_vectors(t[own.any(1)] * row_bytes, nchunk), 16, "C own x read")
+        if fp8:  # the sender's staged-row stores, at packed rows of H value bytes and H / 32 scale bytes
+            vals, _ = _mx_sends(posv[own] * H, H)
+            _, scl = _mx_sends(posv[own] * (H // 32) - H, H)
+            Region("out_x", 0, nrows * H).check(vals, 8, "C own out_x E4M3 write")
+            Region("out_s", 0, nrows * (H // 32)).check(scl, 1, "C own out_s write")
+            assert bool(((scl - posv[own].repeat_interleave(scl.numel() // max(int(own.sum()), 1)) * (H // 32))
+                         < H // 32).all()), "own scale bytes spill into the next packed row"
         if fp8:
             pos = posv[ok][:, None]
             vv, sv = vecs[vecs < hvec], vecs[(vecs >= hvec) & (vecs < rvec)]

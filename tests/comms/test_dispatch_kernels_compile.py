@@ -35,6 +35,8 @@ def test_host_mirrors_kernel_constants():
     assert (host.MAX_WORLD, host.MAX_LOCAL, host.MAX_PAIRS) == (k.MAX_WORLD, k.MAX_LOCAL, k.MAX_PAIRS)
     assert host.TOPK_VARIANTS == k.TOPK_VARIANTS
     assert (host.ARRIVAL_STEP, host.PIPE_MAX) == (k.ARRIVAL_STEP, k.PIPE_MAX)
+    assert (host.DISPATCH_PHASES, host.COMBINE_PHASES) == (k.DISPATCH_PHASES, k.COMBINE_PHASES)
+    assert len(k.DISPATCH_PHASES) <= k.PROBE_PHASES == host.PROBE_PHASES
     assert {1: k.ERR_DISPATCH_TIMEOUT, 2: k.ERR_COMBINE_TIMEOUT, 3: k.ERR_CAPACITY} == {
         kind: kind << 16 for kind in host._ERR_KINDS}
 

@@ -142,3 +142,78 @@ def test_pipelined_phases_never_pass_early_nor_deadlock(world, maxp, start):
         assert all(covered[p] == grids for p in range(maxp))
         for d in range(world):
             assert cnt[d] == [[target] * world for _ in range(maxp)], "a counter off ARRIVAL_STEP per epoch"
+
+
+def _overlap_program(overlap):
+    """Arrivals and waits of one block of the unpipelined dispatch: with overlap the tables arrival
+    (dcnt[0]), its wait, then the rows arrival (dcnt[1]) and its wait; without, one arrival on both
+    counters after the sends and one wait on the rows counter."""
+    if overlap:
+        return [("arrive", 0, 1), ("wait", 0), ("arrive", 1, 1), ("wait", 1)]
+    return [("arrive", 0, 2), ("wait", 1)]
+
+
+@pytest.mark.parametrize("world,start", [(1, 0), (2, 0), (3, 2**32 // STEP - 2), (5, 7)])
+def test_tables_and_rows_counters_in_mixed_modes(world, start):
+    """Overlap chosen per rank and per epoch, grids per rank, ranks running ahead into their next
+    launch as soon as their own blocks are done: a wait on the tables counter passes only once every
+    block of every source has arrived there (its rslot / recnt / rntok are out), one on the rows
+    counter only once every block has made its rows arrival (rows, ids, weights, stamps out; the
+    tables arrival precedes it in each block); no deadlock; each counter gets ARRIVAL_STEP per source
+    and epoch, and a counter a rank does not wait on in an epoch never drifts more than one step
+    from its target (wrap-safe when it is waited on later)."""
+    rng = random.Random(world * 131 + start)
+    epochs = 6
+    cnt = [[[_i32(start * STEP)] * world for _ in range(2)] for _ in range(world)]  # [dest][counter][src]
+    modes = [[rng.random() < 0.5 for _ in range(world)] for _ in range(epochs)]
+    grids = [[rng.randint(1, 40) for _ in range(world)] for _ in range(epochs)]
+    covered = [[[0] * world for _ in range(2)] for _ in range(epochs)]  # [epoch][counter][source]
+    epoch = [0] * world  # the launch each rank runs now (ranks drift apart)
+    progs, pc = {}, {}
+
+    def launch(r):
+        e = epoch[r]
+        for b in range(grids[e][r]):
+            progs[r, b] = _overlap_program(modes[e][r])
+            pc[r, b] = 0
+
+    for r in range(world):
+        launch(r)
+    while min(epoch) < epochs:
+        runnable = []
+        for (r, b), prog in progs.items():
+            if pc[r, b] == len(prog):
+                continue
+            op = prog[pc[r, b]]
+            target = _i32((start + epoch[r] + 1) * STEP)
+            if op[0] == "arrive" or all(_wrap_sub(cnt[r][op[1]][s], target) >= 0 for s in range(world)):
+                runnable.append((r, b))
+        assert runnable, f"deadlock: epochs {epoch}, modes {[modes[min(e, epochs - 1)] for e in epoch]}"
+        r, b = rng.choice(runnable)
+        e = epoch[r]
+        op = progs[r, b][pc[r, b]]
+        target = _i32((start + e + 1) * STEP)
+        if op[0] == "arrive":
+            _, first, n = op
+            inc = STEP + 1 - grids[e][r] if b == 0 else 1
+            for k in range(first, first + n):
+                for d in range(world):
+                    cnt[d][k][r] = _i32(cnt[d][k][r] + inc)
+                covered[e][k][r] += 1
+        else:
+            k = op[1]
+            assert all(covered[e][k][s] == grids[e][s] for s in range(world)), (e, r, k, covered[e][k], grids[e])
+            if k == 1:  # the rows wait also covers every source's tables
+                assert covered[e][0] == grids[e]
+        for k in range(2):
+            for s in range(world):
+                assert -STEP <= _wrap_sub(cnt[r][k][s], target) <= STEP, "a counter drifted past one step"
+        pc[r, b] += 1
+        if all(pc[rr, bb] == len(p) for (rr, bb), p in progs.items() if rr == r):  # r's launch is done
+            for key in [k for k in progs if k[0] == r]:
+                del progs[key], pc[key]
+            epoch[r] += 1
+            if epoch[r] < epochs:
+                launch(r)
+    for d in range(world):
+        assert cnt[d] == [[_i32((start + epochs) * STEP)] * world] * 2, "a counter off ARRIVAL_STEP per epoch"

@@ -45,3 +45,39 @@ def test_kernel_slot_arithmetic_equals_reference_packing(world, num_local, conti
         row, slot, index, counts, offsets = pack_entries(recv_ids, rank * num_local, num_local, cap, contiguous)
         want = {(rows[r][0], rows[r][1], j): i for r, j, i in zip(row.tolist(), slot.tolist(), index.tolist())}
         assert _kernel_positions(ids_per_rank, rank, world, num_local, cap, contiguous) == want
+
+
+def _segmented_slots(ids, g, warps=8, lanes=32):
+    """The overlap dispatch's A1 for expert g (comms/kernels/dispatch.py): warp w of the block scans
+    tokens [w * seg, (w + 1) * seg) with seg = ceil(T / (32 * warps)) * 32, counts its hits, then
+    writes running indices from the count of the warps before it. Returns ({(token, slot): index}, total)."""
+    T = ids.shape[0]
+    seg = -(-T // (lanes * warps)) * lanes
+    bounds = [(min(w * seg, T), min(min(w * seg, T) + seg, T)) for w in range(warps)]
+    counts = [int((ids[tb:te] == g).any(1).sum()) for tb, te in bounds]
+    out = {}
+    for w, (tb, te) in enumerate(bounds):
+        running = sum(counts[:w])
+        for t in range(tb, te):
+            hits = (ids[t] == g).nonzero().flatten().tolist()
+            if hits:
+                out[(t, hits[0])] = running
+                running += 1
+    return out, sum(counts)
+
+
+@pytest.mark.parametrize("T", [0, 1, 31, 255, 256, 257, 1000, 4096])
+def test_block_parallel_slot_scan_equals_the_single_warp_scan(T):
+    """Same indices and count as one warp scanning every token in order (the overlap=0 path), for
+    token counts that leave segments partial or empty."""
+    gen = torch.Generator().manual_seed(T)
+    E, K = 16, 4
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]) if T else torch.empty(0, K)
+    for g in range(E):
+        want, running = {}, 0
+        for t in range(T):
+            hits = (ids[t] == g).nonzero().flatten().tolist()
+            if hits:
+                want[(t, hits[0])] = running
+                running += 1
+        assert _segmented_slots(ids, g) == (want, running)
