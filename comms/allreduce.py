@@ -14,8 +14,9 @@ Algorithms (kernels in `comms.kernels.allreduce`, loaded from the `aot` bundle):
   twoshot_push  two-shot for x and out in the heap (`symmetric_empty`; in place allowed, as torch's
             two_shot_all_reduce_), writes only over NVLink: each rank pushes the chunks it does not
             own to their owners, each owner stores its sum straight into every rank's out; no
-            gather slot and no copy-out. Other inputs (not in the heap, or not whole 16-byte
-            vectors) run the staged twoshot. `auto` picks it in the two-shot range when x and
+            gather slot and no copy-out; a block's slice goes in PUSH_PARTS parts, each flagged
+            to its owner as soon as it is out, and the grid is one block per SM. Other inputs
+            (not in the heap, or not whole 16-byte vectors) run the staged twoshot. `auto` picks it in the two-shot range when x and
             out are both such heap buffers (measured best there, see below)
   twoshot_pipe  two-shot in 32 KiB tiles with per-tile flags: reduce-scatter of tile k+1, reduce
             of tile k (pushed straight to the peers) and the copy-out of tile k-1 overlap; chosen
@@ -78,6 +79,7 @@ THREADS = 512
 MAX_BLOCKS = 256
 MAX_WORLD = 8
 VEC_BYTES = 16
+PUSH_PARTS = 4                 # parts per block slice of twoshot_push (a phase-1 flag array each)
 PIPE_TILE = 4 * THREADS        # vectors per twoshot_pipe tile (UNROLL x THREADS)
 PIPE_STEP = 1 << 16            # twoshot_pipe flag value = (epoch + 1) * PIPE_STEP + tiles done
 ONESHOT_MAX_BYTES = 16 << 20   # flagged one-shot above the Lamport cap, up to here
@@ -141,13 +143,21 @@ def twoshot_blocks(nvec: int, world: int) -> int:
     return max(1, min(MAX_BLOCKS, -(-chunk // THREADS)))
 
 
-def twoshot_slices(nvec: int, world: int, nblocks: int) -> list[list[tuple[int, int]]]:
-    """The two-shot kernels' split: [block] -> the (start, end) vector span of that block's slice
-    of every owner's chunk, owner r at index r (block b pushes, reduces and waits on these only)."""
+def twoshot_slices(nvec: int, world: int, nblocks: int, parts: int = 1) -> list[list[list[tuple[int, int]]]]:
+    """The two-shot kernels' split: [block][part] -> the (start, end) vector span of that part of
+    the block's slice of every owner's chunk, owner r at index r (block b pushes, reduces and waits
+    on these only; twoshot_push flags them part by part, parts=PUSH_PARTS; the others: 1 part)."""
     chunk = -(-nvec // world)
     per = -(-chunk // nblocks)
-    return [[(min(c * chunk + b * per, (c + 1) * chunk, nvec), min(c * chunk + min((b + 1) * per, chunk), nvec))
-             for c in range(world)] for b in range(nblocks)]
+    out = []
+    for b in range(nblocks):
+        b0 = b * per
+        n = max(0, min(b0 + per, chunk) - b0)
+        pp = -(-n // parts)
+        spans = [(b0 + j * pp, min(b0 + (j + 1) * pp, b0 + n)) for j in range(parts)]
+        out.append([[(min(c * chunk + s0, (c + 1) * chunk, nvec), min(c * chunk + max(s0, s1), nvec))
+                     for c in range(world)] for s0, s1 in spans])
+    return out
 
 
 def pipe_blocks(nvec: int, world: int) -> int:
@@ -183,12 +193,17 @@ def pipe_schedule(nvec: int, world: int, nblocks: int) -> list[list[list[tuple[i
     return walk
 
 
-def twoshot_grid(kernel: str, nvec: int, world: int, blocks: int | None) -> int:
+def twoshot_grid(kernel: str, nvec: int, world: int, blocks: int | None, sms: int | None = None) -> int:
     """Blocks of a two-shot family launch (`kernel` as `heap_kernel` names it) for nvec vectors:
-    `blocks` (AllReduce's override, already clamped) or the kernel's default grid."""
+    `blocks` (AllReduce's override, already clamped) or the kernel's default grid; twoshot_push's
+    default is at most one block per SM (`sms`, the device's count): its blocks overlap their
+    phases part by part, and a second wave would only add a drain (measured best, 128 MiB)."""
     if blocks is not None:
         return blocks
-    return pipe_blocks(nvec, world) if kernel == "twoshot_pipe" else twoshot_blocks(nvec, world)
+    if kernel == "twoshot_pipe":
+        return pipe_blocks(nvec, world)
+    nb = twoshot_blocks(nvec, world)
+    return min(nb, sms) if kernel == "twoshot_push" and sms else nb
 
 
 def check_blocks(blocks) -> int | None:
@@ -227,15 +242,15 @@ class AllReduce:
             (CUDA-graph capture included): their blocks become resident while the previous kernel
             on the stream finishes and wait for it on the device. False: ordinary launches.
         blocks: grid of the two-shot family (twoshot, twoshot_symm, twoshot_push, twoshot_pipe,
-            multimem, also when `auto` picks them); None: `twoshot_blocks` (256 from 16 MiB up on
-            2 ranks) / `pipe_blocks`. An int is clamped to 1..MAX_BLOCKS; any count splits
-            correctly (`twoshot_slices`). Residency: block b of a launch waits on block b of
-            every peer, so blocks beyond those co-resident (512 threads each; ptxas 13.0 -v of
-            the sm_90a PTX, not of the bundle's own cubin: twoshot / twoshot_symm / twoshot_push
-            102-106 registers per thread in bf16, 82-90 in fp32 -> 1 block per SM, 132 on an
-            H100/H200; twoshot_pipe 64 -> 2 per SM; multimem 40 -> 3 per SM) run in later
-            waves and rely on both GPUs dispatching blocks in index order, as the default 256
-            already does; another kernel holding SMs at the same time shrinks the first wave.
+            multimem, also when `auto` picks them); None: `twoshot_grid` (256 from 16 MiB up on
+            2 ranks, twoshot_push at most one per SM). An int is clamped to 1..MAX_BLOCKS; any
+            count splits correctly (`twoshot_slices`). Residency: block b of a launch waits on
+            block b of every peer, so blocks beyond those co-resident (512 threads each; ptxas
+            13.0 -v of the sm_90a PTX, not of the bundle's own cubin: twoshot / twoshot_symm /
+            twoshot_push 102-106 registers per thread in bf16, 82-90 in fp32 -> 1 block per SM,
+            132 on an H100/H200; twoshot_pipe 64 -> 2 per SM; multimem 40 -> 3 per SM) run in
+            later waves and rely on both GPUs dispatching blocks in index order, as the default
+            256 already does; another kernel holding SMs at the same time shrinks the first wave.
             Oneshot and lamport keep their own grids.
     """
 
@@ -255,6 +270,8 @@ class AllReduce:
         self.pdl = bool(pdl)
         self.multicast = heap.capabilities.multicast_enabled
         self._chosen: dict = {}
+        self.sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                    if self.device.type == "cuda" else None)
         if self.device.type == "cpu":
             if algo not in ("auto", "reference"):
                 raise AllReduceError(f"algo={algo!r} needs a CUDA heap; a CPU heap runs 'reference'")
@@ -269,9 +286,10 @@ class AllReduce:
         if algo in KERNEL_ALGOS and self.world > MAX_WORLD:
             raise AllReduceError(f"algo={algo!r} supports at most {MAX_WORLD} ranks, group has {self.world}")
         self.algo = algo
-        # heap layout: data [2 parity][W][cap] + gather [2][cap]; flags [2][MAX_WORLD][MAX_BLOCKS]; state
+        # heap layout: data [2 parity][W][cap] + gather [2][cap]; flags [1 + PUSH_PARTS][MAX_WORLD][MAX_BLOCKS]
+        # (phase 1, phase 2, then phase 1 of twoshot_push's parts 1..); state
         self.ws_off = heap.alloc((2 * self.world + 2) * max_bytes)
-        self.flag_off = heap.alloc(2 * MAX_WORLD * MAX_BLOCKS * 4)
+        self.flag_off = heap.alloc((1 + PUSH_PARTS) * MAX_WORLD * MAX_BLOCKS * 4)
         self.state_off = heap.alloc(64)
         # twoshot_pipe's per-tile flags [2 phase][MAX_WORLD][MAX_BLOCKS] hold values of their own scale
         self.pipe_flag_off = heap.alloc(2 * MAX_WORLD * MAX_BLOCKS * 4)
@@ -432,7 +450,7 @@ class AllReduce:
         if algo in ("oneshot", "lamport"):
             nblocks = max(1, min(MAX_BLOCKS, -(-nvec // THREADS)))
         else:
-            nblocks = twoshot_grid(algo, nvec, self.world, self.blocks)
+            nblocks = twoshot_grid(algo, nvec, self.world, self.blocks, self.sms)
             if algo == "twoshot_pipe":
                 pipe_tiles(nvec, self.world, nblocks)
         if algo == "lamport":

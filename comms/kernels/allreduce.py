@@ -39,7 +39,8 @@ Algorithms (exported as allreduce_<algo>_<bf16|fp32>):
   twoshot_symm     two-shot for x/out in the heap: owners read x and write out over NVLink
   twoshot_push     two-shot for x/out in the heap (in place allowed, as torch's two_shot_all_reduce_),
                    writes only over NVLink: chunks pushed to their owner's scratch, the owner's
-                   sum stored straight into every rank's out; no gather slot, no copy-out
+                   sum stored straight into every rank's out; no gather slot, no copy-out; each
+                   block's slice goes in PUSH_PARTS parts flagged one by one (no drain between phases)
   twoshot_pipe     two-shot in 32 KiB tiles with per-tile flags: a block pushes reduce-scatter
                    tile k+1, reduces tile k (straight into the peers' gather slots) and copies
                    the peers' tile k-1 out, so the phases overlap (flags in their own region)
@@ -63,6 +64,7 @@ THREADS = 512
 MAX_BLOCKS = 256
 MAX_WORLD = 8
 VEC_BYTES = 16
+PUSH_PARTS = 4      # parts per block slice of the push two-shot (flag arrays: 1 + PUSH_PARTS)
 UNROLL = 4          # 16-byte vectors in flight per thread in the bandwidth loops
 LAMPORT_SENTINEL = -1  # 0xFFFFFFFF: an empty Lamport slot word
 LAMPORT_EPOCHS = 4     # Lamport state words: [3 dirty counts, -, MAX_BLOCKS per-block epoch copies]
@@ -153,6 +155,28 @@ def _reduce_to_all(acc, stage, xa, slots, cap, rank, world, v, vend, pr, gather,
                             ptx.st_v4(pr[r] + gather + off, res)
                 ptx.st_v4(oa + off, res)
         v += UNROLL * THREADS
+
+
+@cute.jit
+def _part_range(b0, b1, j, parts: cutlass.Constexpr):
+    """Part j of `parts` equal parts of the block slice [b0, b1) (the last ones shorter or empty;
+    an empty slice, b1 <= b0, gives empty parts)."""
+    n = b1 - b0
+    if n < 0:
+        n = 0
+    per = (n + parts - 1) // parts
+    s0 = b0 + j * per
+    s1 = s0 + per
+    if s1 > b0 + n:
+        s1 = b0 + n
+    return s0, s1
+
+
+def _part_flags(flag_off, j: int):
+    """The phase-1 flag array of part j of the push two-shot: part 0 uses the ordinary phase-1
+    array, part j >= 1 array 1 + j (after phase 2's), written by the push kernels only, so every
+    array keeps the one-value-per-epoch scale of the other kernels' flags."""
+    return flag_off if j == 0 else flag_off + _i64((1 + j) * MAX_WORLD * MAX_BLOCKS * 4)
 
 
 @cute.jit
@@ -500,11 +524,16 @@ def _make_twoshot(is_bf16: bool, variant: str):
                   heaps at out's offset), so NVLink carries writes only and there is no copy-out;
                   the last flag wait keeps a rank from returning before its out is complete.
     A block only ever touches its own slice of every chunk, and an owner writes a peer's slice
-    only after that peer's flag says it pushed (read) that slice, so in place is safe."""
+    only after that peer's flag says it pushed (read) that slice, so in place is safe.
+    push sends a block's slice in PUSH_PARTS parts, each flagged to its owner as soon as it is
+    pushed (phase-1 flag array j for part j), so the block reduces part j while its later parts
+    are still on the wire and NVLink does not drain at the phase boundary (measured: 128 MiB
+    384.5 -> 378.5 us on 132 blocks, perf/RESULTS.md)."""
     if variant not in ("unicast", "multimem", "push"):
         raise ValueError(f"variant={variant!r}: expected 'unicast', 'multimem' or 'push'")
     multimem = variant == "multimem"
     push = variant == "push"
+    parts = PUSH_PARTS if push else 1
     epv = 8 if is_bf16 else 4
 
     @cute.kernel
@@ -525,34 +554,48 @@ def _make_twoshot(is_bf16: bool, variant: str):
         flags1 = flag_off
         flags2 = flag_off + _i64(MAX_WORLD * MAX_BLOCKS * 4)
         pr = _load_peers(peers, world)
-        # phase 1: my slice of every owner's chunk -> that owner (multimem: -> my own heap)
-        for c in cutlass.range(world):
-            if cutlass.const_expr(multimem) or c != rank:
-                v, vend = _chunk_span(c, chunk, b0, b1, nvec, tid)
-                dst = pr[0] + scatter + _i64(rank) * cap
-                for r in cutlass.range_constexpr(1, MAX_WORLD):
-                    if r == c:
-                        dst = pr[r] + scatter + _i64(rank) * cap
-                if cutlass.const_expr(multimem):
-                    dst = my_base + scatter
-                _copy(xa, dst, v, vend, False)
-        cute.arch.sync_threads()
-        _handshake(peers, my_base, tid, bid, rank, world, flags1, target, err_addr, timeout_ns)
-        cute.arch.sync_threads()
-        # reduce my chunk's slice, keep it, and push it to every peer's gather slot
-        v, vend = _chunk_span(rank, chunk, b0, b1, nvec, tid)
-        if cutlass.const_expr(multimem):
-            while v < vend:
-                off = _i64(v) * VEC_BYTES
-                ptx.multimem_st_v4(mc_base + gather + off, ptx.multimem_ld_reduce_v4(mc_base + scatter + off, is_bf16))
-                v += THREADS
-        else:
-            acc = cute.make_rmem_tensor(cute.make_layout(UNROLL * epv), cutlass.Float32)
-            stage = cute.make_rmem_tensor(cute.make_layout(UNROLL * 4), cutlass.Int32)
-            ag = gather  # where the sums go in the peers' heaps
-            if cutlass.const_expr(push):
-                ag = oa - my_base  # out's heap offset, the same on every rank
-            _reduce_to_all(acc, stage, xa, my_base + scatter, cap, rank, world, v, vend, pr, ag, oa, is_bf16)
+        # phase 1: my slice of every owner's chunk -> that owner (multimem: -> my own heap), part by part
+        for j in cutlass.range_constexpr(parts):
+            s0, s1 = _part_range(b0, b1, j, parts)
+            for c in cutlass.range(world):
+                if cutlass.const_expr(multimem) or c != rank:
+                    v, vend = _chunk_span(c, chunk, s0, s1, nvec, tid)
+                    dst = pr[0] + scatter + _i64(rank) * cap
+                    for r in cutlass.range_constexpr(1, MAX_WORLD):
+                        if r == c:
+                            dst = pr[r] + scatter + _i64(rank) * cap
+                    if cutlass.const_expr(multimem):
+                        dst = my_base + scatter
+                    _copy(xa, dst, v, vend, False)
+            if cutlass.const_expr(parts > 1):
+                cute.arch.sync_threads()
+                _signal(peers, tid, rank, world, _part_flags(flag_off, j) + _i64(rank * MAX_BLOCKS + bid) * 4, target)
+        if cutlass.const_expr(parts == 1):
+            cute.arch.sync_threads()
+            _handshake(peers, my_base, tid, bid, rank, world, flags1, target, err_addr, timeout_ns)
+            cute.arch.sync_threads()
+        # reduce my chunk's slice, keep it, and push it to every peer's gather slot (push: their out)
+        acc = cute.make_rmem_tensor(cute.make_layout(UNROLL * epv), cutlass.Float32)
+        stage = cute.make_rmem_tensor(cute.make_layout(UNROLL * 4), cutlass.Int32)
+        ag = gather  # where the sums go in the peers' heaps
+        if cutlass.const_expr(push):
+            ag = oa - my_base  # out's heap offset, the same on every rank
+        t0 = ptx.globaltimer()
+        for j in cutlass.range_constexpr(parts):
+            if cutlass.const_expr(parts > 1):  # every owner pushed part j to me: reduce it
+                _wait(my_base, tid, rank, world, _part_flags(flag_off, j) + _i64(bid) * 4, target, err_addr,
+                      timeout_ns, t0)
+                cute.arch.sync_threads()
+            s0, s1 = _part_range(b0, b1, j, parts)
+            v, vend = _chunk_span(rank, chunk, s0, s1, nvec, tid)
+            if cutlass.const_expr(multimem):
+                while v < vend:
+                    off = _i64(v) * VEC_BYTES
+                    ptx.multimem_st_v4(mc_base + gather + off,
+                                       ptx.multimem_ld_reduce_v4(mc_base + scatter + off, is_bf16))
+                    v += THREADS
+            else:
+                _reduce_to_all(acc, stage, xa, my_base + scatter, cap, rank, world, v, vend, pr, ag, oa, is_bf16)
         cute.arch.sync_threads()
         if cutlass.const_expr(multimem):
             ptx.fence_acq_rel_sys()

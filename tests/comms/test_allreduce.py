@@ -4,9 +4,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from comms.allreduce import (LAMPORT_MAX_BYTES, MAX_BLOCKS, ONESHOT_MAX_BYTES, PIPE_TILE, THREADS, AllReduce,
-                             AllReduceError, buffers_in_heap, check_blocks, heap_kernel, pipe_blocks, pipe_schedule,
-                             pipe_tiles, rmsnorm_reference, select_algo, twoshot_blocks, twoshot_grid, twoshot_slices)
+from comms.allreduce import (LAMPORT_MAX_BYTES, MAX_BLOCKS, ONESHOT_MAX_BYTES, PIPE_TILE, PUSH_PARTS, THREADS,
+                             AllReduce, AllReduceError, buffers_in_heap, check_blocks, heap_kernel, pipe_blocks,
+                             pipe_schedule, pipe_tiles, rmsnorm_reference, select_algo, twoshot_blocks, twoshot_grid,
+                             twoshot_slices)
 from tests.comms.test_heap import run_ranks
 
 
@@ -57,6 +58,9 @@ def test_blocks_override_is_clamped_and_replaces_the_default_grid():
             check_blocks(bad)
     nvec = (128 << 20) // 16
     assert twoshot_grid("twoshot_push", nvec, 2, None) == twoshot_blocks(nvec, 2) == MAX_BLOCKS
+    assert twoshot_grid("twoshot_push", nvec, 2, None, sms=132) == 132  # one wave
+    assert twoshot_grid("twoshot_push", 4097, 2, None, sms=132) == twoshot_blocks(4097, 2) == 5
+    assert twoshot_grid("twoshot", nvec, 2, None, sms=132) == MAX_BLOCKS
     assert twoshot_grid("twoshot_pipe", 4097, 2, None) == pipe_blocks(4097, 2)
     assert twoshot_grid("twoshot_push", nvec, 2, 132) == 132 and twoshot_grid("twoshot_pipe", 1, 2, 7) == 7
     assert pipe_tiles(nvec, 2, 1) == nvec // 2 // PIPE_TILE
@@ -67,12 +71,19 @@ def test_blocks_override_is_clamped_and_replaces_the_default_grid():
 @pytest.mark.parametrize("nblocks", [1, 7, 132, 176, 220, MAX_BLOCKS])
 def test_twoshot_slices_cover_128MiB_once_for_any_block_count(nblocks):
     nvec, world = (128 << 20) // 16 + 3, 2  # a short last chunk
+    for parts in (1, PUSH_PARTS):
+        assert _coverage(twoshot_slices(nvec, world, nblocks, parts), nvec) == 1, f"{nblocks} blocks, {parts} parts"
+
+
+def _coverage(slices, nvec):
+    """How many times the [block][part][owner] spans cover each vector: 1 when all cover it once."""
     seen = torch.zeros(nvec, dtype=torch.int32)
-    for spans in twoshot_slices(nvec, world, nblocks):
-        for a, e in spans:
-            assert a <= e
-            seen[a:e] += 1
-    assert torch.equal(seen, torch.ones_like(seen)), f"{nblocks} blocks: every vector in one slice"
+    for block in slices:
+        for spans in block:
+            for a, e in spans:
+                assert a <= e
+                seen[a:e] += 1
+    return int(seen.min()) if int(seen.min()) == int(seen.max()) else -1
 
 
 def test_heap_kernel_runs_twoshot_push_only_for_aligned_heap_buffers():
@@ -86,21 +97,21 @@ def test_heap_kernel_runs_twoshot_push_only_for_aligned_heap_buffers():
 
 
 def _run_push_model(bufs, nblocks, order):
-    """Execute twoshot_push on CPU block by block in `order` (each block's whole protocol before
-    the next one's, the worst case for in place): every rank pushes its slice of the chunks it
-    does not own into the owner's scratch, then every owner sums its slice (fp32, rank order: its
-    own x, the peers' scratch) and stores the sum into every rank's buffer, its own included.
-    bufs: each rank's [nvec, epv] x, reduced in place."""
+    """Execute twoshot_push on CPU part by part of every block, (block, part) units in `order`
+    (each unit's whole protocol before the next one's, the worst case for in place): every rank
+    pushes its part of the chunks it does not own into the owner's scratch, then every owner sums
+    its part (fp32, rank order: its own x, the peers' scratch) and stores the sum into every rank's
+    buffer, its own included. bufs: each rank's [nvec, epv] x, reduced in place."""
     world, nvec = len(bufs), bufs[0].shape[0]
-    slices = twoshot_slices(nvec, world, nblocks)
+    slices = twoshot_slices(nvec, world, nblocks, PUSH_PARTS)
     scratch = [[torch.full_like(x, float("nan")) for _ in range(world)] for x in bufs]  # [owner][src]
-    for b in order:
+    for b, j in order:
         for r in range(world):
-            for c, (a, e) in enumerate(slices[b]):
+            for c, (a, e) in enumerate(slices[b][j]):
                 if c != r:
                     scratch[c][r][a:e] = bufs[r][a:e]
         for r in range(world):
-            a, e = slices[b][r]
+            a, e = slices[b][j][r]
             acc = torch.zeros_like(bufs[r][a:e], dtype=torch.float32)
             for s in range(world):
                 acc += (bufs[r] if s == r else scratch[r][s])[a:e].float()
@@ -113,18 +124,15 @@ def _run_push_model(bufs, nblocks, order):
 def test_twoshot_push_slices_cover_every_vector_once_and_sum_in_place(world, nvec):
     nb = twoshot_blocks(nvec, world)
     for nblocks in {nb, 1, 3}:
-        seen = torch.zeros(nvec, dtype=torch.int32)
-        for spans in twoshot_slices(nvec, world, nblocks):
-            for a, e in spans:
-                assert a <= e
-                seen[a:e] += 1
-        assert torch.equal(seen, torch.ones_like(seen)), f"every vector in one slice of one owner ({nblocks} blocks)"
+        for parts in (1, PUSH_PARTS):
+            assert _coverage(twoshot_slices(nvec, world, nblocks, parts), nvec) == 1, (nblocks, parts)
     g = torch.Generator().manual_seed(world * 1000 + nvec)
     for dtype in (torch.bfloat16, torch.float32):
         xs = [torch.randn(nvec, 4, generator=g).to(dtype) for _ in range(world)]
         ref = sum(x.float() for x in xs).to(dtype)
         for nblocks in {nb, 3}:
-            for order in (range(nblocks), range(nblocks - 1, -1, -1)):
+            units = [(b, j) for b in range(nblocks) for j in range(PUSH_PARTS)]
+            for order in (units, units[::-1], units[1::2] + units[::2]):
                 bufs = [x.clone() for x in xs]
                 _run_push_model(bufs, nblocks, order)
                 for r, y in enumerate(bufs):

@@ -57,7 +57,7 @@ def test_host_constants_match_the_allreduce_kernels():
     import comms.kernels.allreduce as kern
 
     for name in ("THREADS", "MAX_BLOCKS", "MAX_WORLD", "VEC_BYTES", "PIPE_TILE", "PIPE_STEP", "LAMPORT_SENTINEL",
-                 "LAMPORT_EPOCHS"):
+                 "LAMPORT_EPOCHS", "PUSH_PARTS"):
         assert getattr(host, name) == getattr(kern, name), name
 
 
