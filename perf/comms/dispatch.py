@@ -17,6 +17,9 @@ kernel, H + H/32 bytes per row on the wire; combine stays bf16; the NCCL columns
 phases from PIPE_MIN_TOKENS tokens on and packs each phase while the next is on the wire), and per
 `--send-warps` value (warps per block sending while the others pack); payload column
 "<payload>/p4w2";
+`--overlap auto,0,1` runs each unpipelined row per overlap setting (1: the tables go first and own
+rows are packed while the sends are on the wire; auto: from OVERLAP_MIN_TOKENS tokens); payload
+column "<payload>/ov0" or "/ov1" when forced;
 `--blocks` sweeps the fused kernels' grid per row ("auto": sized per call from the token count);
 `--phases` adds, per row, when the latest block passed each phase boundary of the last dispatch and
 combine of a probed pair replay (rank 0; us after the first block started; %globaltimer stamps).
@@ -61,6 +64,8 @@ def add_arguments(p):
     p.add_argument("--pipeline", default="1", help="pipeline_phases values, comma-separated (1: not pipelined)")
     p.add_argument("--send-warps", default="2", help="pipelined rows: warps per block sending while the others pack, "
                    "comma-separated (0: send, then pack)")
+    p.add_argument("--overlap", default="auto",
+                   help="unpipelined rows: overlap settings, comma-separated: auto, 0, 1 (see comms.dispatch_fused)")
     p.add_argument("--skip-nccl", action="store_true", help="leave out the NCCL reference path columns (0)")
     p.add_argument("--heap", default="auto", choices=("auto", "comms", "torch"),
                    help="symmetric memory: comms.SymmetricHeap, torch symmetric memory, or auto (comms if it works)")
@@ -143,6 +148,17 @@ def _blocks(s):
     return out
 
 
+def _overlaps(s):
+    """'auto,0,1' -> [None, False, True] (None: the fused path decides per call)."""
+    names = {"auto": None, "0": False, "1": True}
+    out = []
+    for v in [v for v in str(s).split(",") if v]:
+        if v not in names:
+            raise ValueError(f"--overlap value {v!r}: expected auto, 0 or 1")
+        out.append(names[v])
+    return out
+
+
 def _payloads(s):
     """'bf16,mxfp8' -> ['bf16', 'mxfp8'] (checked against comms.dispatch.PAYLOADS)."""
     from comms.dispatch import PAYLOADS
@@ -155,7 +171,7 @@ def _payloads(s):
 
 
 def _phase_line(T, blocks, times):
-    """'#   phases T=128 blocks=auto(128) dispatch: A sent 3.1 ... | combine: ...' (us)."""
+    """'#   phases T=128 blocks=auto(128) dispatch: tables sent 3.1 ... | combine: ...' (us)."""
     return f"#   phases T={T} blocks={blocks}: " + " | ".join(
         f"{k}: " + " ".join(f"{n} {t:.1f}" for n, t in times[k]) for k in ("dispatch", "combine"))
 
@@ -249,8 +265,11 @@ def _worker(rank, world, store, args, out_path):
             ref = DispatchCombine(group, E, K, H, M, mode="dp_ep", layout=args.layout)
             wire = staged_row_bytes(H, payload)  # bytes of one row in flight
             sends = _ints(args.send_warps) if pipe > 1 else [0]
-            for T, blocks, sw in [(T, b, sw) for T in tokens for b in _blocks(args.blocks) for sw in sends]:
-                label = payload + (f"/p{pipe}w{sw}" if pipe > 1 else "")
+            overlaps = [None] if pipe > 1 else _overlaps(args.overlap)
+            for T, blocks, sw, ov in [(T, b, sw, ov) for T in tokens for b in _blocks(args.blocks) for sw in sends
+                                      for ov in overlaps]:
+                label = payload + (f"/p{pipe}w{sw}" if pipe > 1 else "") + ("" if ov is None else f"/ov{int(ov)}")
+                fused._fused.set_overlap(ov)
                 if pipe > 1:
                     fused._fused.set_phases(None, sw)
                 fused._fused.set_blocks(blocks)
@@ -311,6 +330,7 @@ def _worker(rank, world, store, args, out_path):
                 floor = nbytes / bw
                 rows.append(dict(tokens=T, hidden=H, experts=E, topk=K, world=world, layout=args.layout,
                                  payload=payload, pipeline_phases=pipe, send_phases=fused._fused.phases_for(T), send_warps=sw,
+                                 overlap=pipe == 1 and fused._fused.overlap_for(T),
                                  graph=not eager,
                                  blocks=nb, blocks_auto=blocks is None, phases=phases,
                                  fused_dispatch_us=t_d * 1e6, fused_combine_us=t_c * 1e6,

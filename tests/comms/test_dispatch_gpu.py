@@ -4,8 +4,9 @@ Each rank runs the fused path (SymmetricHeap + CuTeDSL kernels) and the NCCL all
 on the same rank-tagged inputs and compares: per-expert counts and offsets, every packed row (data,
 source rank, source token, weight) and the combine output, all exactly; for the MXFP8 payload the
 packed E4M3 bytes and E8M0 scale bytes (quantized in the dispatch kernel) against the reference's
-torch quantization, and combine of the dequantized rows; the pipelined dispatch with send phases
-that differ across ranks and calls. Also: several epochs on one
+torch quantization, and combine of the dequantized rows; both dispatch modes (overlap on / off,
+differing across ranks within an epoch); the pipelined dispatch with send phases that differ across
+ranks and calls. Also: several epochs on one
 buffer, CUDA-graph capture and replay with fresh inputs, the capacity error, and the bounded wait
 (a peer that never arrives gives DispatchTimeoutError instead of a hung GPU).
 
@@ -37,7 +38,12 @@ CONFIGS = [
     (16, 4, 1024, 64, (0, 1), ("random",), ("masked",), ("bf16", "mxfp8")),
     (128, 8, 4096, 128, (128, 100), ("random", "same_rank_slots"), ("masked", "contiguous"), ("bf16", "mxfp8")),
     (256, 8, 7168, 32, (32, 17), ("random",), ("contiguous",), ("bf16", "mxfp8")),
+    (128, 8, 4096, 1024, (1024, 700), ("random",), ("contiguous",), ("bf16", "mxfp8")),
 ]
+# overlap per epoch (it0, it1) of the exact checks, per rank parity: each rank runs both modes, and
+# the ranks disagree in each epoch (the protocol allows any mix); the last config also runs the
+# default (None: by token count, so rank 0's 1024 tokens overlap and rank 1's 700 do not)
+OVERLAP = ((True, False), (False, True))
 
 
 def _expert_in(recv):
@@ -197,19 +203,26 @@ def _worker(rank, world, store_path, log):
                 for case in cases:
                     t0 = time.perf_counter()
                     n, errs = 0, []
-                    for it in range(2):  # two epochs on the same buffers
+                    modes = OVERLAP + (((None, None),) if M >= 1024 else ())
+                    for it, ov in enumerate(modes):  # epochs on the same buffers
+                        fused._fused.set_overlap(ov[rank % 2])
                         x, ids, w = _inputs(case, rank, world, T, E, K, H, gen, dev)
-                        m, e = _compare(rank, fused, ref, x, ids, w, f"E={E} K={K} H={H} T={T} {layout} {case} it{it}")
+                        m, e = _compare(rank, fused, ref, x, ids, w, f"E={E} K={K} H={H} T={T} {layout} {case} it{it} "
+                                        f"overlap={fused._fused.overlap_for(T)}")
                         n, errs = n + m, errs + e
+                    fused._fused.set_overlap(None)
                     report(errs, f"exact  E={E:3d} K={K} H={H} M={M} T={T:3d} {layout:10s} {pl:5s} "
                                  f"{case:15s} entries={n} ({time.perf_counter() - t0:.2f}s)")
-                if layout == layouts[0] and E == 128:
-                    try:
-                        errs = _graph_check(rank, world, fused, ref, E, K, H, T, gen)
-                    except Exception as e:  # noqa: BLE001  (capture itself failed: report, go on)
-                        errs = [f"rank {rank} graph capture: {type(e).__name__}: {e}"]
-                    report(errs, f"graph  E={E} K={K} H={H} T={T} {layout} {pl}: "
-                                 f"capture once, 3 replays on fresh inputs == reference")
+                if layout == layouts[0] and E == 128 and M < 1024:
+                    for ov in (None, True):  # by token count (here: no overlap), then overlap forced
+                        fused._fused.set_overlap(ov)
+                        try:
+                            errs = _graph_check(rank, world, fused, ref, E, K, H, T, gen)
+                        except Exception as e:  # noqa: BLE001  (capture itself failed: report, go on)
+                            errs = [f"rank {rank} graph capture: {type(e).__name__}: {e}"]
+                        report(errs, f"graph  E={E} K={K} H={H} T={T} {layout} {pl} overlap={ov}: "
+                                     f"capture once, 3 replays on fresh inputs == reference")
+                    fused._fused.set_overlap(None)
                 fused.destroy()
                 heap.destroy()
         # grids differ across ranks and calls (one arrival per source and epoch): rank 0 launches 1 block,
@@ -222,6 +235,7 @@ def _worker(rank, world, store_path, log):
         errs, grids = [], []
         for it, nb in enumerate((1, 5)):
             fused._fused.set_blocks(nb if rank == 0 else None)
+            fused._fused.set_overlap((it + rank) % 2 == 0)  # the block-per-expert scan on 1 and 5 blocks
             grids.append(fused._fused.blocks_for(T))
             x, ids, w = _inputs("random", rank, world, T, E, K, H, gen, dev)
             errs += _compare(rank, fused, ref, x, ids, w, f"grids E={E} T={T} it{it} blocks={grids[-1]}")[1]
@@ -251,6 +265,12 @@ def _worker(rank, world, store_path, log):
             fused.dispatch(x, ids, w)
             _expect_raise(fused.check, DispatchTimeoutError, "rank 1")
             note(f"PASS timeout -> DispatchTimeoutError after {time.perf_counter() - t0:.2f}s")
+            fused._fused.err.zero_()  # overlap: the tables wait times out first, then the rows wait
+            fused._fused.set_overlap(True)
+            t0 = time.perf_counter()
+            fused.dispatch(x, ids, w)
+            _expect_raise(fused.check, DispatchTimeoutError, "rank 1")
+            note(f"PASS timeout (overlap) -> DispatchTimeoutError after {time.perf_counter() - t0:.2f}s")
         dist.barrier()
         fused.destroy()
         heap.destroy()

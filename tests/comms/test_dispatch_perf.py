@@ -45,6 +45,9 @@ def test_blocks_and_phase_arguments():
     assert bench._ints(args.pipeline) == [1, 4] and bench._ints(args.send_warps) == [2]
     assert bench._blocks(args.blocks) == [None, 16, 132] and args.phases
     assert bench._payloads(args.payload) == ["bf16", "mxfp8"]
+    assert bench._overlaps(args.overlap) == [None] and bench._overlaps("auto,0,1") == [None, False, True]
+    with pytest.raises(ValueError, match="'2'"):
+        bench._overlaps("0,2")
     with pytest.raises(ValueError, match="'0'"):
         bench._blocks("0")
     with pytest.raises(ValueError, match="'fp4'"):
