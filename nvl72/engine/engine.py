@@ -224,7 +224,11 @@ class LLMEngine:
         self._rng = torch.Generator().manual_seed(config.seed)
         self.counters = dict(generation_tokens=0, spec_decode_num_drafts=0,
                              spec_decode_num_draft_tokens=0, spec_decode_num_accepted_tokens=0, num_steps=0,
-                             step_seconds=0.0)  # host time inside step(): a served run's mean step beside its TPOT
+                             step_seconds=0.0,  # host time inside step(): a served run's mean step beside its TPOT
+                             # steps whose forward ran outside the CUDA graphs (prefill chunks, mixed
+                             # steps, batches beyond the captured sizes) and their host time
+                             num_eager_steps=0, eager_step_seconds=0.0)
+        self._eager = False  # the current step's forward ran outside the CUDA graphs
         log.info("engine: %d KV pages of %d tokens (%.1f MiB), %d GDN slots, spec k=%d, prefix cache %s, "
                  "async scheduling %s, device %s",
                  num_pages, config.page_size, num_pages * spec.kv_bytes_per_page(config.page_size) / 2**20,
@@ -374,10 +378,15 @@ class LLMEngine:
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self._eager = False
         try:
             return self._step_async() if self.overlap else self._step_sync()
         finally:
-            self.counters["step_seconds"] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.counters["step_seconds"] += dt
+            if self._eager:
+                self.counters["num_eager_steps"] += 1
+                self.counters["eager_step_seconds"] += dt
 
     def _fail(self, scheduled: list[ScheduledSeq], e: Exception) -> list[RequestOutput]:
         """The model failed: fail this step's requests, keep the engine alive (not on a DP+EP
@@ -418,6 +427,7 @@ class LLMEngine:
         if prev is not None:
             outputs += self._resolve(prev)  # while this step runs on the device
         self.counters["num_steps"] += 1
+        self._eager = not result.graphed
         rows: dict[Sequence, int] = {}
         sync = False
         for r, (i, _) in enumerate(result.sample_rows):
@@ -469,6 +479,7 @@ class LLMEngine:
         except Exception as e:
             return self._fail(out.scheduled, e)
         self.counters["num_steps"] += 1
+        self._eager = not result.graphed
         tokens = result.sampled.token_ids if result.sampled else []
         by_seq: dict[int, list[int]] = {}
         for r, (i, _) in enumerate(result.sample_rows):
@@ -566,6 +577,8 @@ class LLMEngine:
             "spec_decode_num_accepted_tokens": float(c["spec_decode_num_accepted_tokens"]),
             "num_steps": float(c["num_steps"]),
             "step_seconds": float(c["step_seconds"]),
+            "num_eager_steps": float(c["num_eager_steps"]),
+            "eager_step_seconds": float(c["eager_step_seconds"]),
             "spec_decode_acceptance_rate": c["spec_decode_num_accepted_tokens"] / max(c["spec_decode_num_draft_tokens"], 1),
             "spec_decode_tokens_per_step": (c["spec_decode_num_accepted_tokens"] + drafts) / max(drafts, 1),
         }

@@ -26,6 +26,7 @@ class StepResult:
     sample_rows: list[tuple[int, int]]  # (index into scheduled, query offset) per sampled row
     sampled: SampleResult | None  # read back (None without sampled rows or when `readback=False`)
     pending: DeviceSample | None = None  # `readback=False`: the tokens, being copied to the host
+    graphed: bool = False  # the forward replayed a captured CUDA graph (False: ran eagerly)
 
 
 @dataclass
@@ -166,7 +167,8 @@ class ModelRunner:
         """One forward + sampling. `prior`: the step in flight whose tokens this one feeds (async
         scheduling); `readback=False`: the sampled tokens stay on the device (`StepResult.pending`)."""
         fill = placeholder_fill(scheduled, prior)
-        if self._graph_fits(scheduled):  # decode step: replay, inputs through pinned staging buffers
+        graphed = self._graph_fits(scheduled)
+        if graphed:  # decode step: replay, inputs through pinned staging buffers
             cpu_batch, rows, fill_t = build_batch(scheduled, self.page_size, self.hybrid, "cpu", fill)
             # The logits rows and placeholder indices go to the device in one copy of their own.
             li = cpu_batch.logits_indices
@@ -184,7 +186,7 @@ class ModelRunner:
                 self.sync.before(MAIN_PASS)
             hidden = self.model(batch, self.caches)
         if not rows:
-            return StepResult(hidden, batch, rows, None)
+            return StepResult(hidden, batch, rows, None, graphed=graphed)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sample_rows = []
         for i, off in rows:
@@ -195,6 +197,6 @@ class ModelRunner:
             sample_rows.append(SampleRow(seq.params, seq.all_ids, seq.num_prompt, seq.generator,
                                          s.drafts[:off - first]))
         if readback:
-            return StepResult(hidden, batch, rows, self.sampler(logits, sample_rows))
+            return StepResult(hidden, batch, rows, self.sampler(logits, sample_rows), graphed=graphed)
         sample = self.sampler.sample(logits, sample_rows)
-        return StepResult(hidden, batch, rows, None, sample)
+        return StepResult(hidden, batch, rows, None, sample, graphed=graphed)

@@ -126,6 +126,8 @@ def test_padded_replay_rows_match_eager_cpu(name, attention, overlap):
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
     assert replay.replays > 0 and out == ref
+    c = engine.counters  # the steps that did not replay ran eagerly (the prefills at least)
+    assert 0 < c["num_eager_steps"] == c["num_steps"] - replay.replays and c["eager_step_seconds"] > 0
 
 
 @INTERPRETED
