@@ -5,7 +5,9 @@ Each function has the signature of its reference in moe/reference.py. The power-
 exponent is computed from the bits of the block's amax exactly as moe.mxfp8.scale_exponent does,
 so quantized values match the reference bit for bit (up to the fp32 rounding of SiLU's exp).
 Size arguments that change from step to step are not specialised on (`do_not_specialize`), so
-serving does not compile a variant per divisibility class mid-run. Imported only where Triton and
+serving does not compile a variant per divisibility class mid-run. Every kernel takes `PDL`
+(programmatic dependent launch, `aot.pdl`): with it, it waits for the previous kernel first thing
+and then lets the next one launch (none of their inputs is a weight). Imported only where Triton and
 a CUDA device exist (the GPU backends in moe/backend.py), and by the tests under Triton's CPU
 interpreter.
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from aot.pdl import launch_args, wait_prior
 
 BLOCK_K = 128
 
@@ -48,8 +52,9 @@ def _quant_store(v, q_ptr, s_ptr, row, kb0, ncols, nkb, rows_per_batch, KBP: tl.
 
 @triton.jit(do_not_specialize=["rows_per_batch"])
 def _gather_quant_kernel(x_ptr, row_ptr, q_ptr, s_ptr, H, nkb, rows_per_batch, K: tl.constexpr, KBP: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (pair, j): K-blocks j * KBP .. of the pair's token row, into its grouped row."""
+    wait_prior(PDL)
     pair = tl.program_id(0)
     kb0 = tl.program_id(1) * KBP
     row = tl.load(row_ptr + pair)
@@ -62,9 +67,11 @@ def _gather_quant_kernel(x_ptr, row_ptr, q_ptr, s_ptr, H, nkb, rows_per_batch, K
 
 @triton.jit
 def _gather_quant_mx_kernel(
-    x_ptr, row_ptr, q_ptr, sf_ptr, H, rows_per_batch, rows_pad, cols_pad, K: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr, row_ptr, q_ptr, sf_ptr, H, rows_per_batch, rows_pad, cols_pad, K: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr
 ):
     """MXFP8 for Blackwell: 4 blocks of 32 per program, scales written in the 128 x 4 swizzle."""
+    wait_prior(PDL)
     pair = tl.program_id(0)
     chunk = tl.program_id(1)
     row = tl.load(row_ptr + pair)
@@ -98,10 +105,11 @@ def _gather_quant_mx_kernel(
 @triton.jit(do_not_specialize=["rows_per_batch"])
 def _silu_mul_quant_kernel(
     h_ptr, row_ptr, q_ptr, s_ptr, inter, nkb, rows_per_batch, BY_PAIR: tl.constexpr, KBP: tl.constexpr,
-    BLOCK: tl.constexpr
+    BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
     """Program (i, j): K-blocks j * KBP .. of row i, or with BY_PAIR of the row of routed pair i (-1:
     none here), so that a masked layout's work is the routed rows, not E x capacity."""
+    wait_prior(PDL)
     if BY_PAIR:
         row = tl.load(row_ptr + tl.program_id(0))
     else:
@@ -117,11 +125,13 @@ def _silu_mul_quant_kernel(
 
 
 @triton.jit(do_not_specialize=["n_pairs", "capacity"])
-def _permute_masked_kernel(ids_ptr, row_ptr, count_ptr, n_pairs, num_local, expert_offset, capacity, BLOCK: tl.constexpr):
+def _permute_masked_kernel(ids_ptr, row_ptr, count_ptr, n_pairs, num_local, expert_offset, capacity,
+                           BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program e < num_local: the pairs routed to local expert e get rows e * capacity + rank, rank
     in pair order (what the torch path's stable sort gives), and counts[e] their number. Program
     num_local writes -1 for the pairs of experts held elsewhere. One pass over the ids per
     program, no atomics: deterministic, and no zeroed buffer to launch first."""
+    wait_prior(PDL)
     e = tl.program_id(0)
     seen = 0
     for start in range(0, n_pairs, BLOCK):
@@ -141,12 +151,13 @@ def _permute_masked_kernel(ids_ptr, row_ptr, count_ptr, n_pairs, num_local, expe
 @triton.jit(do_not_specialize=["n_pairs", "num_tiles"])
 def _contig_rows_kernel(ids_ptr, row_ptr, count_ptr, pstart_ptr, tile_ptr, n_pairs, num_local, expert_offset,
                         num_tiles, ALIGN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
-                        BLOCK_T: tl.constexpr):
+                        BLOCK_T: tl.constexpr, PDL: tl.constexpr):
     """Program p, after _permute_masked_kernel with capacity 0 left each local pair's rank inside its
     expert in row_ptr (-1: another rank's expert): rows of pairs [p * BLOCK, +BLOCK) = the padded start
     of their expert + rank, and tile_expert of tiles [p * BLOCK_T, +BLOCK_T) (-1 past the last
     expert's padded end). Every program computes the same padded starts from the counts and stores
     them to pstart_ptr (identical values, so the overlapping stores agree) to gather them per pair."""
+    wait_prior(PDL)
     p = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     cnt = tl.load(count_ptr + e, mask=e < num_local, other=0)
@@ -169,10 +180,12 @@ def _contig_rows_kernel(ids_ptr, row_ptr, count_ptr, pstart_ptr, tile_ptr, n_pai
 
 @triton.jit
 def _unpermute_kernel(
-    y_ptr, row_ptr, w_ptr, out_ptr, sh_ptr, g_ptr, H, K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr
+    y_ptr, row_ptr, w_ptr, out_ptr, sh_ptr, g_ptr, H, K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr
 ):
     """Sums the k rows in pair order; a row of -1 (an expert of another EP rank) loads as 0, so the
     k loads carry no branch and are all in flight at once."""
+    wait_prior(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < H
@@ -192,10 +205,11 @@ def _unpermute_kernel(
 
 @triton.jit
 def _topk_softmax_kernel(logit_ptr, w_ptr, id_ptr, E, K: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr,
-                         BLOCK_E: tl.constexpr):
+                         BLOCK_E: tl.constexpr, PDL: tl.constexpr):
     """One token per program. Each top-k step is one int64 max over keys (bits of p << 32 | the
     reversed index: p >= 0, so its bits order as p does, and the lowest index wins ties, as
     torch.topk); the k picks stay in registers and are stored once."""
+    wait_prior(PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     x = tl.load(logit_ptr + t.to(tl.int64) * E + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
@@ -228,7 +242,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
         block_e = triton.next_power_of_2(e)
         _topk_softmax_kernel[(t,)](  # one warp: the reductions stay in shuffles (no shared memory)
             router_logits.contiguous(), w, ids, e, K=top_k, KP=triton.next_power_of_2(top_k), RENORM=renormalize,
-            BLOCK_E=block_e, num_warps=1 if block_e <= 1024 else 4
+            BLOCK_E=block_e, num_warps=1 if block_e <= 1024 else 4, **launch_args(router_logits.device)
         )
     return w, ids
 
@@ -255,7 +269,7 @@ def gather_quant(x: torch.Tensor, row_of: torch.Tensor, num_rows: int, rows_per_
         kbp, warps = _row_split(t * k, nkb)
         _gather_quant_kernel[(t * k, triton.cdiv(nkb, kbp))](
             x.contiguous(), row_of.contiguous(), q, s, h, nkb, rows_per_batch, K=k, KBP=kbp, BLOCK=BLOCK_K,
-            num_warps=warps
+            num_warps=warps, **launch_args(x.device)
         )
     return q, s
 
@@ -269,7 +283,8 @@ def gather_quant_mx(x: torch.Tensor, row_of: torch.Tensor, num_rows: int, rows_p
     sf = torch.zeros(num_rows // rows_per_batch * rows_pad * cols_pad, dtype=torch.uint8, device=x.device)
     if t:
         _gather_quant_mx_kernel[(t * k, triton.cdiv(h, BLOCK_K))](
-            x.contiguous(), row_of.contiguous(), q, sf, h, rows_per_batch, rows_pad, cols_pad, K=k, BLOCK=BLOCK_K
+            x.contiguous(), row_of.contiguous(), q, sf, h, rows_per_batch, rows_pad, cols_pad, K=k, BLOCK=BLOCK_K,
+            **launch_args(x.device)
         )
     return q, sf
 
@@ -285,7 +300,7 @@ def silu_mul_quant(h: torch.Tensor, rows_per_batch: int, row_of: torch.Tensor | 
         kbp, warps = _row_split(n, nkb)
         _silu_mul_quant_kernel[(n, triton.cdiv(nkb, kbp))](
             h.contiguous(), rows, q, s, inter, nkb, rows_per_batch, BY_PAIR=row_of is not None, KBP=kbp,
-            BLOCK=BLOCK_K, num_warps=warps,
+            BLOCK=BLOCK_K, num_warps=warps, **launch_args(h.device),
         )
     return q, s
 
@@ -313,7 +328,7 @@ def _expert_rows(topk_ids: torch.Tensor, num_local: int, expert_offset: int, cap
     block = min(1024, max(16, triton.next_power_of_2(max(n, 1))))
     _permute_masked_kernel[(num_local + 1,)](
         topk_ids.contiguous(), row, counts, n, num_local, expert_offset, capacity, BLOCK=block,
-        num_warps=1 if block <= 256 else 4,
+        num_warps=1 if block <= 256 else 4, **launch_args(topk_ids.device),
     )
     return row, counts
 
@@ -343,7 +358,8 @@ def permute_contiguous(topk_ids: torch.Tensor, num_local: int, expert_offset: in
         nt, bt = tiles.numel(), 16
         _contig_rows_kernel[(max(triton.cdiv(n, 256), triton.cdiv(nt, bt)),)](
             topk_ids.contiguous(), row, counts, pstart, tiles, n, num_local, expert_offset, nt, ALIGN=align,
-            BLOCK=256, BLOCK_E=triton.next_power_of_2(num_local), BLOCK_T=bt, num_warps=4)
+            BLOCK=256, BLOCK_E=triton.next_power_of_2(num_local), BLOCK_T=bt, num_warps=4,
+            **launch_args(topk_ids.device))
     return Permutation("contiguous", row, None, counts, num_rows, align, tile_expert=tiles)
 
 
@@ -366,5 +382,6 @@ def unpermute(y, row_of, topk_weights, shared=None, shared_gate=None):
             HAS_SHARED=has_shared,
             BLOCK=block,
             num_warps=2 if block == 256 else 4,
+            **launch_args(y.device),
         )
     return out

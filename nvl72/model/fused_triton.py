@@ -2,8 +2,9 @@
 
 - `slot_mapping` and `rope_cos_sin`: the per-forward indexing of the attention layers, one kernel
   each (their torch forms were some twenty small kernels per step);
-- `gemv`: x [1, K] @ W.T (+ bias) for single-token steps, row blocks of W per program (opt-in,
-  $NVL72_TRITON_GEMV=1, to compare with cuBLAS's GEMV on the GPU);
+- `gemv`: x [1, K] @ W.T (+ bias) for single-token steps, row blocks of W per program, the
+  weight tile of the next K step loaded one step ahead (opt-in, $NVL72_TRITON_GEMV=1, to compare
+  with cuBLAS's GEMV on the GPU: with PDL its first weight tile streams in before x is written);
 - `add_rms_norm`: the decoder's residual add and RMSNorm in one pass (x + delta rounded to the
   activation dtype, then normed as `ops.rms_norm` rounds); without delta a plain RMSNorm; with
   the MoE gate's weight also the router logits (the router GEMV folded into the same launch);
@@ -22,6 +23,11 @@ Size arguments that change from step to step (sequence count, page-table width) 
 specialised on (`do_not_specialize`): Triton would otherwise compile a variant per divisibility
 class while serving.
 
+Every kernel takes `PDL` (programmatic dependent launch, `aot.pdl`: on sm_90+ streams, so inside
+the decode graphs): launched while the previous kernel drains, it reads only weights before
+waiting for it (the GEMV's first weight tile, the norm and router weights) and lets the next
+kernel launch right after the wait.
+
 The shared-expert gate `sigmoid(x . w) * shared` is not here: `moe` adds it in its un-permute
 kernel already.
 
@@ -34,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from aot.pdl import launch_args, wait_prior
+
 
 @triton.jit
 def _round(x, DT: tl.constexpr):
@@ -43,7 +51,8 @@ def _round(x, DT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_seqs", "width", "stride_pt"])
 def _slot_mapping_kernel(positions, qsl, page_table, slots, num_seqs, width, stride_pt, PAGE_SIZE: tl.constexpr,
-                         BLOCK_B: tl.constexpr):
+                         BLOCK_B: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     t = tl.program_id(0)
     b = tl.arange(0, BLOCK_B)
     ends = tl.load(qsl + 1 + b, mask=b < num_seqs, other=2147483647)
@@ -64,12 +73,15 @@ def slot_mapping(positions: torch.Tensor, query_start_loc: torch.Tensor, page_ta
         if not b:
             raise ValueError(f"slot_mapping: {t} tokens but no sequence")
         _slot_mapping_kernel[(t,)](positions, query_start_loc, page_table, slots, b, width, page_table.stride(0),
-                                   PAGE_SIZE=page_size, BLOCK_B=triton.next_power_of_2(b))
+                                   PAGE_SIZE=page_size, BLOCK_B=triton.next_power_of_2(b),
+                                   **launch_args(positions.device))
     return slots
 
 
 @triton.jit
-def _rope_cos_sin_kernel(positions, inv_freq, cos, sin, HALF: tl.constexpr, BLOCK: tl.constexpr):
+def _rope_cos_sin_kernel(positions, inv_freq, cos, sin, HALF: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    wait_prior(PDL)  # (inv_freq.float() may be a copy made by the previous kernel)
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)
     ok = j < HALF
@@ -87,26 +99,34 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
     sin = torch.empty_like(cos)
     if t:
         _rope_cos_sin_kernel[(t,)](positions, inv_freq.float(), cos, sin, HALF=half,
-                                   BLOCK=triton.next_power_of_2(half))
+                                   BLOCK=triton.next_power_of_2(half), **launch_args(positions.device))
     return cos, sin
 
 
 @triton.jit
 def _gemv_kernel(x, w, bias, out, N, K, stride_w, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Program i: rows [i * BLOCK_N, +BLOCK_N). The weight tile of the next K step is loaded one
+    step ahead, and the first one (with the bias) before waiting for the previous kernel: weights
+    are constant, so with PDL their stream starts while the kernel that writes x drains."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    r_ok = rows < N
+    r_ok = rows[:, None] < N
+    w_rows = w + rows[:, None].to(tl.int64) * stride_w
+    k = tl.arange(0, BLOCK_K)
+    wv = tl.load(w_rows + k[None, :], mask=r_ok & (k[None, :] < K), other=0.0)  # [BLOCK_N, BLOCK_K]
+    if HAS_BIAS:
+        b = tl.load(bias + rows, mask=rows < N, other=0.0).to(tl.float32)
+    wait_prior(PDL)
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        xv = tl.load(x + k, mask=k_ok, other=0.0).to(tl.float32)
-        wv = tl.load(w + rows[:, None].to(tl.int64) * stride_w + k[None, :], mask=r_ok[:, None] & k_ok[None, :],
-                     other=0.0).to(tl.float32)
-        acc += tl.sum(wv * xv[None, :], 1)
+        xv = tl.load(x + k0 + k, mask=k0 + k < K, other=0.0).to(tl.float32)
+        nk = k0 + BLOCK_K + k  # the next step's columns (all masked after the last step)
+        w_next = tl.load(w_rows + nk[None, :], mask=r_ok & (nk[None, :] < K), other=0.0)
+        acc += tl.sum(wv.to(tl.float32) * xv[None, :], 1)
+        wv = w_next
     if HAS_BIAS:
-        acc += tl.load(bias + rows, mask=r_ok, other=0.0).to(tl.float32)
-    tl.store(out + rows, acc.to(out.dtype.element_ty), mask=r_ok)
+        acc += b
+    tl.store(out + rows, acc.to(out.dtype.element_ty), mask=rows < N)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,29 +141,35 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     block_k = min(triton.next_power_of_2(k), 8192 // block_n)
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, weight if bias is None else bias, out, n, k,
                                              weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
-                                             BLOCK_K=block_k)
+                                             BLOCK_K=block_k, **launch_args(x.device))
     return out
 
 
 @triton.jit
 def _add_rms_norm_kernel(x, delta, w, sum_out, norm_out, router, logits, rms_eps, stride_x, stride_d, E,
                          H: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, ZC: tl.constexpr,
-                         BLOCK_E: tl.constexpr):
+                         BLOCK_E: tl.constexpr, PDL: tl.constexpr):
     """Program (t, j): token t's sum and norm (stored by j == 0); with a router (BLOCK_E > 0) also
     logits rows [j * BLOCK_E, (j + 1) * BLOCK_E) of the normed row, so the norm is recomputed by
-    every program (a 2-row read) instead of a second launch for the router's GEMV."""
+    every program (a 2-row read) instead of a second launch for the router's GEMV. The weights
+    (norm, router rows) are read before waiting for the previous kernel (PDL)."""
     DT = norm_out.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     c = tl.arange(0, BLOCK)
     ok = c < H
+    wv = tl.load(w + c, mask=ok, other=0.0).to(tl.float32)
+    if BLOCK_E > 0:
+        e = j * BLOCK_E + tl.arange(0, BLOCK_E)
+        e_ok = e < E
+        r = tl.load(router + e[:, None].to(tl.int64) * H + c[None, :], mask=e_ok[:, None] & ok[None, :], other=0.0)
+    wait_prior(PDL)
     v = tl.load(x + t * stride_x + c, mask=ok, other=0.0).to(tl.float32)
     if HAS_DELTA:
         v = _round(v + tl.load(delta + t * stride_d + c, mask=ok, other=0.0).to(tl.float32), DT)
         if j == 0:
             tl.store(sum_out + t * H + c, v.to(DT), mask=ok)
     rstd = tl.rsqrt(tl.sum(v * v, 0) / H + rms_eps)
-    wv = tl.load(w + c, mask=ok, other=0.0).to(tl.float32)
     if ZC:
         y = _round(v * rstd * (1.0 + wv), DT)
     else:
@@ -151,11 +177,7 @@ def _add_rms_norm_kernel(x, delta, w, sum_out, norm_out, router, logits, rms_eps
     if j == 0:
         tl.store(norm_out + t * H + c, y.to(DT), mask=ok)
     if BLOCK_E > 0:  # logits = normed @ router.T, rounded to the activation dtype as nn.Linear's output
-        e = j * BLOCK_E + tl.arange(0, BLOCK_E)
-        e_ok = e < E
-        r = tl.load(router + e[:, None].to(tl.int64) * H + c[None, :], mask=e_ok[:, None] & ok[None, :],
-                    other=0.0).to(tl.float32)
-        tl.store(logits + t * E + e, tl.sum(r * y[None, :], 1).to(DT), mask=e_ok)
+        tl.store(logits + t * E + e, tl.sum(r.to(tl.float32) * y[None, :], 1).to(DT), mask=e_ok)
 
 
 ROUTER_BLOCK_E = 4  # router rows per program of the fused norm + router kernel
@@ -182,7 +204,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         _add_rms_norm_kernel[(t, triton.cdiv(e, ROUTER_BLOCK_E) if e else 1)](
             x, d, weight, s, out, out if router is None else router, logits, eps, x.stride(0), d.stride(0), e, H=h,
             BLOCK=triton.next_power_of_2(h), HAS_DELTA=delta is not None, ZC=zero_centered,
-            BLOCK_E=ROUTER_BLOCK_E if e else 0, num_warps=4 if h <= 4096 else 8)
+            BLOCK_E=ROUTER_BLOCK_E if e else 0, num_warps=4 if h <= 4096 else 8, **launch_args(x.device))
     return (s, out) if router is None else (s, out, logits)
 
 
@@ -218,7 +240,8 @@ def _qk_norm_rope_kernel(q_raw, k_raw, qw, kw, cos, sin, q_out, k_out, gate_out,
                          stride_q, stride_k, stride_cs, v, kv_cache, slots, stride_v, stride_page, stride_kind,
                          stride_head, stride_tok, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                          R: tl.constexpr, GATED: tl.constexpr, ZC: tl.constexpr, STORE: tl.constexpr,
-                         PAGE_SIZE: tl.constexpr):
+                         PAGE_SIZE: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     t, h = tl.program_id(0), tl.program_id(1)
     t64 = t.to(tl.int64)
     cs = cos + t64 * stride_cs
@@ -275,13 +298,14 @@ def qk_norm_rope(q_raw: torch.Tensor, k_raw: torch.Tensor, q_weight: torch.Tenso
         _qk_norm_rope_kernel[(t, num_heads + num_kv_heads)](
             q_raw, k_raw, q_weight, k_weight, cos, sin, q, k, gate, eps, q_raw.stride(0), k_raw.stride(0),
             cos.stride(0), *cache_args, HQ=num_heads, HKV=num_kv_heads, D=head_dim, R=rot, GATED=gated,
-            ZC=zero_centered, STORE=store, PAGE_SIZE=kv_cache.shape[3] if store else 1)
+            ZC=zero_centered, STORE=store, PAGE_SIZE=kv_cache.shape[3] if store else 1, **launch_args(q_raw.device))
     return q, k, (gate if gated else None)
 
 
 @triton.jit
 def _store_kv_kernel(k, v, kv_cache, slots, stride_kt, stride_vt, stride_page, stride_kind, stride_head, stride_tok,
-                     PAGE_SIZE: tl.constexpr, D: tl.constexpr):
+                     PAGE_SIZE: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     t, h = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slots + t).to(tl.int64)
     if slot >= 0:
@@ -306,7 +330,7 @@ def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     if t:
         _store_kv_kernel[(t, hkv)](k, v, kv_cache, slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
                                    kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-                                   PAGE_SIZE=kv_cache.shape[3], D=d)
+                                   PAGE_SIZE=kv_cache.shape[3], D=d, **launch_args(k.device))
 
 
 @triton.jit(do_not_specialize=["stride_pt"])
@@ -314,7 +338,9 @@ def _paged_attention_kernel(q, kv_cache, out, part_acc, part_ml, counters, qsl, 
                             stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_kind, stride_head,
                             stride_tok, stride_pt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                            PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr):
+                            PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
+                            PDL: tl.constexpr):
+    wait_prior(PDL)
     seq, kvh = tl.program_id(0), tl.program_id(1)
     mblk, split = tl.program_id(2) // NSPLIT, tl.program_id(2) % NSPLIT
     q_start = tl.load(qsl + seq)
@@ -475,5 +501,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             q, kv_cache, out, part_acc, part_ml, counters, query_start_loc, seq_lens, page_table, scale, q.stride(0),
             q.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
             kv_cache.stride(3), page_table.stride(0), GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m,
-            BLOCK_N=block_n, D=d, PAGE_SIZE=page_size, IEEE=q.dtype == torch.float32, NSPLIT=splits)
+            BLOCK_N=block_n, D=d, PAGE_SIZE=page_size, IEEE=q.dtype == torch.float32, NSPLIT=splits,
+            **launch_args(q.device))
     return out

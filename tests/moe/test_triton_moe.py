@@ -4,6 +4,7 @@ through Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1 with
 The interpreter's fp32 -> e4m3 cast does not round as the hardware does, so quantized values are
 compared exactly only kernel against kernel; scales (from the block amax) exactly against the
 reference; dequantized values against the reference within the interpreter's cast error."""
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from moe import backend, reference
 from moe.routing import permute_contiguous, permute_masked
+from tests.runner.ptx import compile_pdl
 
 triton_moe = pytest.importorskip("moe.kernels.triton_moe")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -195,3 +197,32 @@ def test_unpermute_kernel_matches_reference(t, h, shared):
     got = triton_moe.unpermute(y, row_of.to(DEV), w, sh, g)
     want = reference.unpermute(y, row_of.to(DEV), w, sh, g)
     assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreted kernels do not compile "
+                    "(tests/runner/test_pdl.py runs this test in a subprocess without the interpreter)")
+@pytest.mark.parametrize("pdl", [True, False])
+def test_kernels_compile_for_hopper(pdl):
+    """Every data-path kernel lowers to a cubin for sm_90 without a GPU (Qwen3-30B-A3B decode shapes),
+    with programmatic dependent launch (griddepcontrol in the PTX) and without."""
+    i32, i64 = "i32", "i64"
+    quant = {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "nkb": i32, "rows_per_batch": i32}
+    compile_pdl(triton_moe._gather_quant_kernel, {"x_ptr": "*bf16", "row_ptr": "*i64", "H": i32, **quant},
+                {"K": 8, "KBP": 1, "BLOCK": triton_moe.BLOCK_K}, pdl)
+    compile_pdl(triton_moe._silu_mul_quant_kernel, {"h_ptr": "*bf16", "row_ptr": "*i64", "inter": i32, **quant},
+                {"BY_PAIR": True, "KBP": 1, "BLOCK": triton_moe.BLOCK_K}, pdl)
+    compile_pdl(triton_moe._gather_quant_mx_kernel, {
+        "x_ptr": "*bf16", "row_ptr": "*i64", "q_ptr": "*fp8e4nv", "sf_ptr": "*u8", "H": i32, "rows_per_batch": i32,
+        "rows_pad": i32, "cols_pad": i32}, {"K": 8, "BLOCK": triton_moe.BLOCK_K}, pdl)
+    compile_pdl(triton_moe._permute_masked_kernel, {
+        "ids_ptr": "*i64", "row_ptr": "*i64", "count_ptr": "*i32", "n_pairs": i32, "num_local": i32,
+        "expert_offset": i32, "capacity": i32}, {"BLOCK": 16}, pdl)
+    compile_pdl(triton_moe._contig_rows_kernel, {
+        "ids_ptr": "*i64", "row_ptr": "*i64", "count_ptr": "*i32", "pstart_ptr": "*i32", "tile_ptr": "*i32",
+        "n_pairs": i32, "num_local": i32, "expert_offset": i32, "num_tiles": i32},
+        {"ALIGN": 128, "BLOCK": 256, "BLOCK_E": 128, "BLOCK_T": 16}, pdl)
+    compile_pdl(triton_moe._unpermute_kernel, {
+        "y_ptr": "*bf16", "row_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*bf16", "sh_ptr": "*bf16", "g_ptr": "*bf16",
+        "H": i32}, {"K": 8, "HAS_SHARED": True, "BLOCK": 256}, pdl)
+    compile_pdl(triton_moe._topk_softmax_kernel, {"logit_ptr": "*bf16", "w_ptr": "*fp32", "id_ptr": "*i64", "E": i32},
+                {"K": 8, "KP": 8, "RENORM": True, "BLOCK_E": 128}, pdl)

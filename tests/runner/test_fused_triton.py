@@ -9,6 +9,7 @@ import torch
 
 from nvl72.model import ops
 from tests.runner.paged import random_batch, rel_err
+from tests.runner.ptx import compile_pdl
 
 ft = pytest.importorskip("nvl72.model.fused_triton", exc_type=ImportError)
 
@@ -197,15 +198,12 @@ def test_bad_shapes_name_the_value():
                         torch.zeros(1, 12), 1, 1, 12, 1e-6, False, False)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreted kernels do not compile")
-@pytest.mark.parametrize("arch", [90])
-def test_kernels_compile_for_hopper(arch):
-    """The kernels lower to a cubin for sm_90a on a machine without a GPU (bf16, Qwen3-30B-A3B shape)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    target = GPUTarget("cuda", arch, 32)
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreted kernels do not compile "
+                    "(tests/runner/test_pdl.py runs this test in a subprocess without the interpreter)")
+@pytest.mark.parametrize("pdl", [True, False])
+def test_kernels_compile_for_hopper(pdl):
+    """The kernels lower to a cubin for sm_90 on a machine without a GPU (bf16, Qwen3-30B-A3B shape),
+    with programmatic dependent launch (griddepcontrol in the PTX) and without."""
     i32, i64 = "i32", "i64"
     attn_sig = {"q": "*bf16", "kv_cache": "*bf16", "out": "*bf16", "part_acc": "*fp32", "part_ml": "*fp32",
                 "counters": "*i32", "qsl": "*i32", "seq_lens": "*i32",
@@ -213,38 +211,31 @@ def test_kernels_compile_for_hopper(arch):
                     "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_page", "stride_kind", "stride_head",
                     "stride_tok", "stride_pt")}}
     for bm, nsplit in ((2, 1), (2, 32), (8, 1)):
-        attn_sig.update(GROUP="constexpr", GROUP_PAD="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr",
-                        D="constexpr", PAGE_SIZE="constexpr", IEEE="constexpr", NSPLIT="constexpr")
-        src = ASTSource(ft._paged_attention_kernel, attn_sig, constexprs={
+        compile_pdl(ft._paged_attention_kernel, attn_sig, {
             "GROUP": 8, "GROUP_PAD": 8, "BLOCK_M": bm, "BLOCK_N": 64, "D": 128, "PAGE_SIZE": 16, "IEEE": False,
-            "NSPLIT": nsplit})
-        assert triton.compile(src, target=target).asm["cubin"]
-    src = ASTSource(ft._gemv_kernel, {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "out": "*bf16", "N": i32, "K": i32,
-                                      "stride_w": i32, "HAS_BIAS": "constexpr", "BLOCK_N": "constexpr",
-                                      "BLOCK_K": "constexpr"}, constexprs={"HAS_BIAS": False, "BLOCK_N": 8,
-                                                                           "BLOCK_K": 1024})
-    assert triton.compile(src, target=target).asm["cubin"]
-    src = ASTSource(ft._slot_mapping_kernel, {"positions": "*i64", "qsl": "*i32", "page_table": "*i32",
-                                              "slots": "*i64", "num_seqs": i32, "width": i32, "stride_pt": i32,
-                                              "PAGE_SIZE": "constexpr", "BLOCK_B": "constexpr"},
-                    constexprs={"PAGE_SIZE": 16, "BLOCK_B": 64})
-    assert triton.compile(src, target=target).asm["cubin"]
-    src = ASTSource(ft._rope_cos_sin_kernel, {"positions": "*i64", "inv_freq": "*fp32", "cos": "*bf16",
-                                              "sin": "*bf16", "HALF": "constexpr", "BLOCK": "constexpr"},
-                    constexprs={"HALF": 64, "BLOCK": 64})
-    assert triton.compile(src, target=target).asm["cubin"]
+            "NSPLIT": nsplit}, pdl)
+    ptx = compile_pdl(ft._gemv_kernel, {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "out": "*bf16", "N": i32,
+                                        "K": i32, "stride_w": i32},
+                      {"HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 1024}, pdl)
+    if pdl:  # the first weight tile is requested before the wait (its load overlaps the previous kernel)
+        assert "ld.global" in ptx[:ptx.index("griddepcontrol.wait")]
+    compile_pdl(ft._slot_mapping_kernel, {"positions": "*i64", "qsl": "*i32", "page_table": "*i32", "slots": "*i64",
+                                          "num_seqs": i32, "width": i32, "stride_pt": i32},
+                {"PAGE_SIZE": 16, "BLOCK_B": 64}, pdl)
+    compile_pdl(ft._rope_cos_sin_kernel, {"positions": "*i64", "inv_freq": "*fp32", "cos": "*bf16", "sin": "*bf16"},
+                {"HALF": 64, "BLOCK": 64}, pdl)
     for block_e in (0, ft.ROUTER_BLOCK_E):
-        src = ASTSource(ft._add_rms_norm_kernel, {
+        compile_pdl(ft._add_rms_norm_kernel, {
             "x": "*bf16", "delta": "*bf16", "w": "*bf16", "sum_out": "*bf16", "norm_out": "*bf16", "router": "*bf16",
-            "logits": "*bf16", "rms_eps": "fp32", "stride_x": i32, "stride_d": i32, "E": i32,
-            **{n: "constexpr" for n in ("H", "BLOCK", "HAS_DELTA", "ZC", "BLOCK_E")}},
-            constexprs={"H": 2048, "BLOCK": 2048, "HAS_DELTA": True, "ZC": False, "BLOCK_E": block_e})
-        assert triton.compile(src, target=target).asm["cubin"]
+            "logits": "*bf16", "rms_eps": "fp32", "stride_x": i32, "stride_d": i32, "E": i32},
+            {"H": 2048, "BLOCK": 2048, "HAS_DELTA": True, "ZC": False, "BLOCK_E": block_e}, pdl)
     norm_sig = {"q_raw": "*bf16", "k_raw": "*bf16", "qw": "*bf16", "kw": "*bf16", "cos": "*bf16", "sin": "*bf16",
                 "q_out": "*bf16", "k_out": "*bf16", "gate_out": "*bf16", "rms_eps": "fp32", "stride_q": i32,
                 "stride_k": i32, "stride_cs": i32, "v": "*bf16", "kv_cache": "*bf16", "slots": "*i64",
-                **{n: i64 for n in ("stride_v", "stride_page", "stride_kind", "stride_head", "stride_tok")},
-                **{n: "constexpr" for n in ("HQ", "HKV", "D", "R", "GATED", "ZC", "STORE", "PAGE_SIZE")}}
-    src = ASTSource(ft._qk_norm_rope_kernel, norm_sig, constexprs={
-        "HQ": 32, "HKV": 4, "D": 128, "R": 128, "GATED": False, "ZC": False, "STORE": True, "PAGE_SIZE": 16})
-    assert triton.compile(src, target=target).asm["cubin"]
+                **{n: i64 for n in ("stride_v", "stride_page", "stride_kind", "stride_head", "stride_tok")}}
+    compile_pdl(ft._qk_norm_rope_kernel, norm_sig, {
+        "HQ": 32, "HKV": 4, "D": 128, "R": 128, "GATED": False, "ZC": False, "STORE": True, "PAGE_SIZE": 16}, pdl)
+    compile_pdl(ft._store_kv_kernel, {"k": "*bf16", "v": "*bf16", "kv_cache": "*bf16", "slots": "*i64",
+                                      **{n: i64 for n in ("stride_kt", "stride_vt", "stride_page", "stride_kind",
+                                                          "stride_head", "stride_tok")}},
+                {"PAGE_SIZE": 16, "D": 128}, pdl)
