@@ -176,8 +176,10 @@ def test_rope_cos_sin_matches_reference(device, dtype, rot):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", LOW)
-@pytest.mark.parametrize("n,k,bias", [(4100, 96, False), (40, 2048, True), (2048, 300, True)])
+@pytest.mark.parametrize("n,k,bias", [(4100, 96, False), (40, 2048, True), (2048, 300, True), (300, 5000, True)])
 def test_gemv_matches_linear(device, dtype, n, k, bias):
+    """One K step, and (300 x 5000) three steps of 2048 columns, the last partial: the kernel loads
+    each step's weight tile one step ahead."""
     skip_interpreted_bf16(device, dtype)
     g = torch.Generator().manual_seed(n + k)
     x, w = torch.randn(1, k, generator=g).to(dtype), (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
