@@ -9,6 +9,8 @@ Same signatures and semantics as the references in `gdn_ops.py` (which the tests
 A delta-rule program reads its state tile once before writing anything, so a sequence may write its
 own read slot; unlike the references, different sequences are not ordered: a slot one sequence writes
 must not be another's read slot in the same call (the engine never schedules that).
+Every kernel takes `PDL` (programmatic dependent launch, `aot.pdl`): with it, it waits for the
+previous kernel first thing and then lets the next one launch.
 
 Verified in Triton's interpreter (TRITON_INTERPRET=1) on CPU and compiled for sm_90 / sm_100 with
 Triton 3.9; not yet run or timed on a GPU.
@@ -19,12 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
+from aot.pdl import launch_args, wait_prior
 from nvl72.model.gdn_ops import check_heads, plan_chunks, prepare_chunks, unchunk
 
 
 @triton.jit(do_not_specialize=["T"])
 def _causal_conv1d_kernel(x, w, tails, conv_state, out, tok_seq, qsl, write_slots, T, D, stride_x, stride_o,
-                          K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+                          K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     i_d, i_t = tl.program_id(0), tl.program_id(1)
     od = i_d * BD + tl.arange(0, BD)  # [BD] channels
     ot = i_t * BT + tl.arange(0, BT)  # [BT] tokens
@@ -73,7 +77,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
         BT, BD = 16, 128
         _causal_conv1d_kernel[(triton.cdiv(D, BD), triton.cdiv(T, BT))](
             x, weight, tails, conv_state, out, tok_seq, query_start_loc, write_slots, T, D, x.stride(0),
-            out.stride(0), K=K, BT=BT, BD=BD)
+            out.stride(0), K=K, BT=BT, BD=BD, **launch_args(x.device))
     return out
 
 
@@ -86,7 +90,8 @@ def _check_state(state: torch.Tensor, HV: int, DK: int, DV: int) -> None:
 @triton.jit
 def _recurrent_gdn_kernel(q, k, v, g, beta, o, state, qsl, read_slots, write_slots, scale,
                           stride_q, stride_k, stride_v, HK, HV, DK, DV,
-                          BK: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr):
+                          BK: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // HK)
@@ -141,13 +146,14 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         _recurrent_gdn_kernel[(triton.cdiv(DV, BV), B * HV)](
             q, k, v, g, beta, o, state, query_start_loc, read_slots, write_slots, DK ** -0.5,
             q.stride(0), k.stride(0), v.stride(0), HK, HV, DK, DV,
-            BK=triton.next_power_of_2(DK), BV=BV, USE_QK_L2NORM=use_qk_l2norm)
+            BK=triton.next_power_of_2(DK), BV=BV, USE_QK_L2NORM=use_qk_l2norm, **launch_args(v.device))
     return o
 
 
 @triton.jit
 def _chunk_scan_kernel(u, w, q_dec, k, k_dec, attn, decay, gam, o, state, seq_chunks, read_slots, wslots,
-                       HV, DK, DV, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                       HV, DK, DV, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     oc = tl.arange(0, C)  # [C] chunk positions
@@ -207,5 +213,5 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         _chunk_scan_kernel[(triton.cdiv(DV, BV), B * HV)](
             ct.u, ct.w, ct.q_dec, ct.k, ct.k_dec, ct.attn, ct.decay, ct.gam, o, state, plan.seq_chunks,
             read_slots, plan.write_slots, HV, DK, DV,
-            C=chunk_size, BK=max(16, triton.next_power_of_2(DK)), BV=BV)
+            C=chunk_size, BK=max(16, triton.next_power_of_2(DK)), BV=BV, **launch_args(o.device))
     return unchunk(o, plan, v.shape[0]).to(v.dtype)

@@ -143,15 +143,14 @@ def test_layer_with_triton_ops_matches_reference(device, prefill, monkeypatch):
     assert rel_err(dev_rec.cpu(), rec) < 1e-4 and rel_err(dev_conv.cpu(), conv) < 1e-5
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreted kernels do not compile")
-@pytest.mark.parametrize("arch", [90, 100])
-def test_kernels_compile_for_hopper_and_blackwell(arch):
-    """Ahead-of-time compile to cubin (no GPU needed) with the bf16 / fp32 signatures the layer uses."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreted kernels do not compile "
+                    "(tests/runner/test_pdl.py runs this test in a subprocess without the interpreter)")
+@pytest.mark.parametrize("arch,pdl", [(90, True), (90, False), (100, True)])
+def test_kernels_compile_for_hopper_and_blackwell(arch, pdl):
+    """Ahead-of-time compile to cubin (no GPU needed) with the bf16 / fp32 signatures the layer uses,
+    with programmatic dependent launch (griddepcontrol in the PTX) and without."""
+    from tests.runner.ptx import compile_pdl
 
-    target = GPUTarget("cuda", arch, 32)
     ints = {"i32": ("T", "D", "stride_x", "stride_o", "stride_q", "stride_k", "stride_v", "HK", "HV", "DK", "DV")}
     kernels = [
         (triton_mod._causal_conv1d_kernel, {"x": "*bf16", "w": "*bf16", "tails": "*bf16", "conv_state": "*bf16",
@@ -167,6 +166,4 @@ def test_kernels_compile_for_hopper_and_blackwell(arch):
          {"C": 64, "BK": 128, "BV": 32}),
     ]
     for fn, sig, constexprs in kernels:
-        sig = {**sig, **{n: "i32" for n in ints["i32"] if n in fn.arg_names}, **{n: "constexpr" for n in constexprs}}
-        compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=target)
-        assert compiled.asm["cubin"], fn.__name__
+        compile_pdl(fn, {**sig, **{n: "i32" for n in ints["i32"] if n in fn.arg_names}}, constexprs, pdl, arch)
