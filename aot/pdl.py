@@ -14,8 +14,9 @@ The rules for a kernel with `PDL: tl.constexpr` (see `wait_prior`): no store and
 written by an earlier kernel before `wait_prior(PDL)`; only weights may be read before it (a
 weight made on first use, e.g. the packed q/k/v of `layers.Attention._qkv`, is written by the
 kernel just before on that first call, which may then read it early: in the engine that call is
-a CUDA-graph warm-up forward, whose output is dropped). `launch_args` sets the constexpr and the launch option together, so a kernel is never
-launched early without waiting. Shared by `nvl72` and `moe` (both may import `aot`).
+a CUDA-graph warm-up forward, whose output is dropped). `launch_args` sets the constexpr and the
+launch option together, so a kernel is never launched early without waiting. Shared by `nvl72`
+and `moe` (both may import `aot`).
 """
 from __future__ import annotations
 
