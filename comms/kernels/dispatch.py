@@ -147,6 +147,14 @@ def red_add_release_sys(addr, val, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def red_add_relaxed_sys(addr, val, *, loc=None, ip=None) -> None:
+    """Strong (relaxed, sys scope) add: after a release by the same thread it is itself a release
+    pattern (PTX memory model), without a second fence."""
+    ptx._asm(None, [ptx._i64(addr, loc, ip), ptx._i32(val, loc, ip)], "red.relaxed.sys.global.add.u32 [$0], $1;",
+             "l,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
 def lanemask_lt(*, loc=None, ip=None) -> Int32:
     """Bits of the lanes below this one (%lanemask_lt)."""
     return Int32(ptx._asm(T.i32(), [], "mov.u32 $0, %lanemask_lt;", "=r", loc, ip))
@@ -278,9 +286,13 @@ def _arrive(peers: cute.Tensor, tid, bid, nb, world, cnt_off, rank, ntok_off, nt
                         st_b32(db + ntok_off + _i64(rank) * 4, ntok)
                         if nph_off != 0:
                             st_b32(db + nph_off + _i64(rank) * 4, nph)
-                k = Int32(0)
+                # the first counter's add is a release; the others follow it in program order, which
+                # makes each of them a release pattern too (PTX: a release operation followed by a
+                # strong write) without another sys-scope fence, i.e. another NVLink round trip
+                red_add_release_sys(db + cnt_off + _i64(rank) * 4, inc)
+                k = Int32(1)
                 while k < ncnt:
-                    red_add_release_sys(db + cnt_off + (_i64(k) * world + rank) * 4, inc)
+                    red_add_relaxed_sys(db + cnt_off + (_i64(k) * world + rank) * 4, inc)
                     k += 1
             d0 += 32
 
