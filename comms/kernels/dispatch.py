@@ -75,8 +75,9 @@ an arrival that waits on it (no deadlock). The arrival's release covers the bloc
 too; each phase costs one more arrival and wait (a few us), hence one phase below
 `comms.dispatch_fused.PIPE_MIN_TOKENS`.
 combine (one launch):
-  A. per (received row, chunk; rows located through dispatch's `rstart`, no scan or barrier first):
-     sum over the row's local slots (ascending) of w * y in fp32
+  A. per (received row, chunk; rows located through dispatch's `rstart`, no scan or barrier first;
+     rows taken in a permuted order that mixes the sources, so NVLink carries partials both ways
+     throughout): sum over the row's local slots (ascending) of w * y in fp32
      (mul.rn then add.rn: no FMA, bitwise the reference's arithmetic), round to bf16, store into
      the owner's cx[me, t]; arrive on ccnt like dispatch; compute the first B unit's routing from
      local inputs; wait; block 0 stores the epoch.
@@ -110,6 +111,7 @@ TOPK_VARIANTS = (1, 2, 4, 6, 8, 10)
 SCAN_UNROLL = 4      # slot scan: 32-token groups whose id loads are issued together
 PIPE_MAX = 8         # pipelined dispatch: phase counters per source at most
 ARRIVAL_STEP = 1024  # counter units one source adds per epoch (>= any grid: see _arrive)
+PERMUTE_PRIME = 2147483647  # combine's row order (prime, above any row count: coprime with it)
 PROBE_PHASES = 8     # int64 stamps per block in the probe buffer
 DISPATCH_PHASES = ("start", "tables sent", "tables waited", "tables built", "rows sent", "rows waited", "packed")
 (PH_START, PH_TABLES_SENT, PH_TABLES_WAITED, PH_TABLES_BUILT, PH_ROWS_SENT, PH_ROWS_WAITED,
@@ -1080,10 +1082,18 @@ def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = Fals
         # starts per source come from dispatch (rstart, L1-cached loads: no scan, no barrier here)
         total = rstart[world]
         _stamp(probe, tid, bid, 1)
+        # rows in the order i -> i * mult mod total (mult = PERMUTE_PRIME mod total: coprime with total, a
+        # permutation), so every source's rows are spread over the whole phase: the partials of
+        # peer rows (NVLink stores) and of own rows (local) interleave from the start in both
+        # directions, instead of rank 0 storing locally while rank 1 sends and then the reverse
+        mult = Int64(1)
+        if total > 0:
+            mult = Int64(PERMUTE_PRIME) % _i64(total)
         u = gw
         while u < total * nchunk:
-            rr = u // nchunk
-            c = u - rr * nchunk
+            i = u // nchunk
+            c = u - i * nchunk
+            rr = Int32((_i64(i) * mult) % _i64(total))
             s = _find_source(rstart, 0, world, rr)
             t = rr - rstart[s]
             if cutlass.const_expr(check):
