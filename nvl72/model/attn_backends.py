@@ -146,11 +146,15 @@ class TritonBackend(AttentionBackend):
         from nvl72.model import fused_triton
 
         self.kernels = fused_triton
-        # $NVL72_TRITON_GEMV=1: single-token attention projections through fused_triton.gemv instead
-        # of cuBLAS (an experiment until timed on the GPU: tests/runner/gpu_decode_b1.sh runs both)
-        self.gemv = os.environ.get(GEMV_ENV, "0") == "1"
-        if self.gemv:
-            log.info("attention projections: Triton GEMV for single-token steps ($%s=1)", GEMV_ENV)
+        # Single-token attention projections through fused_triton.gemv instead of cuBLAS: with PDL it
+        # streams its weights while the previous kernel drains (H200, 8-layer 30B-A3B shape, batch 1:
+        # 0.688 -> 0.650 ms/step; `tests/runner/gpu_decode_b1.sh --pdl`). $NVL72_TRITON_GEMV=0: cuBLAS.
+        flag = os.environ.get(GEMV_ENV, "1")
+        if flag not in ("0", "1"):
+            raise ValueError(f"${GEMV_ENV}={flag!r}: expected 0 or 1")
+        self.gemv = flag == "1"
+        log.info("attention projections: %s for single-token steps ($%s=%s)",
+                 "Triton GEMV" if self.gemv else "cuBLAS", GEMV_ENV, flag)
 
     def linear(self, x, weight, bias=None):
         if self.gemv and x.shape[0] == 1:

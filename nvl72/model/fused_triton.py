@@ -3,8 +3,9 @@
 - `slot_mapping` and `rope_cos_sin`: the per-forward indexing of the attention layers, one kernel
   each (their torch forms were some twenty small kernels per step);
 - `gemv`: x [1, K] @ W.T (+ bias) for single-token steps, row blocks of W per program, the
-  weight tile of the next K step loaded one step ahead (opt-in, $NVL72_TRITON_GEMV=1, to compare
-  with cuBLAS's GEMV on the GPU: with PDL its first weight tile streams in before x is written);
+  weight tile of the next K step loaded one step ahead (the triton backend's default for
+  single-token projections, $NVL72_TRITON_GEMV=0 for cuBLAS: with PDL its first weight tile streams
+  in before x is written);
 - `add_rms_norm`: the decoder's residual add and RMSNorm in one pass (x + delta rounded to the
   activation dtype, then normed as `ops.rms_norm` rounds); without delta a plain RMSNorm; with
   the MoE gate's weight also the router logits (the router GEMV folded into the same launch);

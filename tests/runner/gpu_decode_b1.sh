@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Batch-1 decode kernels (issue #4), one call on the GPU host (repository root, $OUT set):
 #   bash tests/runner/gpu_decode_b1.sh           carry: [".gpucarry-all"] (the CuTeDSL bundle), <= 200 s
-#   bash tests/runner/gpu_decode_b1.sh --gemv    (no tests: perf.serve with cuBLAS, then Triton GEMV)
+#   bash tests/runner/gpu_decode_b1.sh --gemv    (no tests: perf.serve with cuBLAS, then Triton GEMV, the default)
 #   bash tests/runner/gpu_decode_b1.sh --pdl     (<= 300 s: tests, then perf.serve with PDL off / on / on +
 #                                                 Triton GEMV)
 # 1) the @gpu tests of tests/runner (fused residual add + RMSNorm [+ MoE router logits], RoPE
@@ -11,8 +11,9 @@
 #    dependent launch in a CUDA graph == launched plainly), of the async engine and the MoE Triton
 #    data-path kernels (route, quantize, un-permute) against their references (with --pdl: the
 #    tests of tests/runner and the MoE data-path test only);
-# 2) perf.serve (Qwen3-30B-A3B shape, 8 layers, triton + CUDA graphs, async) with --profile; with
-#    --gemv twice: as is (cuBLAS projections) and with NVL72_TRITON_GEMV=1 (Triton GEMV for the
+# 2) perf.serve (Qwen3-30B-A3B shape, 8 layers, triton + CUDA graphs, async, PDL and the Triton GEMV as
+#    by default) with --profile; with
+#    --gemv twice: with NVL72_TRITON_GEMV=0 (cuBLAS projections) and =1 (Triton GEMV for the
 #    q/k/v and o_proj projections of single-token steps); with --pdl three times: NVL72_PDL=0 (every
 #    Triton kernel launched plainly), NVL72_PDL=1 (the default: PDL on sm_90+ streams, so inside
 #    the graphs), NVL72_PDL=1 with the Triton GEMV; graphs for batch 1 and 64 only (the two measured:
@@ -35,7 +36,7 @@ case "$mode" in
     timeout -k 5 80 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/runner \
       "tests/moe/test_gpu_kernels.py::test_triton_route_and_quant_ops" 2>&1 | tee "$OUT/pytest.log" | tail -15
     echo "pytest rc=${PIPESTATUS[0]}" ;;
-  "") runs="cublas:1:0"; per_run=85; sizes=""
+  "") runs="default:1:1"; per_run=85; sizes=""
     timeout -k 5 100 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/runner \
       tests/engine/test_engine_async.py "tests/moe/test_gpu_kernels.py::test_triton_route_and_quant_ops" 2>&1 | tee "$OUT/pytest.log" | tail -15
     echo "pytest rc=${PIPESTATUS[0]}" ;;

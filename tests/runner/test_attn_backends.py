@@ -109,14 +109,17 @@ def test_backend_matches_reference(name, device, monkeypatch):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="needs a GPU or Triton's interpreter")
-def test_triton_gemv_is_opt_in_and_single_token_only(monkeypatch):
+def test_triton_gemv_is_default_switchable_and_single_token_only(monkeypatch):
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(24, 64, generator=g).to(device), torch.randn(24, generator=g).to(device)
-    monkeypatch.delenv(ab.GEMV_ENV, raising=False)
+    monkeypatch.setenv(ab.GEMV_ENV, "0")
     assert not ab.TritonBackend().gemv
-    monkeypatch.setenv(ab.GEMV_ENV, "1")
+    monkeypatch.setenv(ab.GEMV_ENV, "yes")
+    with pytest.raises(ValueError, match="NVL72_TRITON_GEMV='yes'"):
+        ab.TritonBackend()
+    monkeypatch.delenv(ab.GEMV_ENV, raising=False)
     backend = ab.TritonBackend()
     assert backend.gemv
     for t in (1, 3):
