@@ -23,6 +23,7 @@ import torch
 from nvl72.cache.pool import OutOfCapacity, RefPool
 from nvl72.cache.prefix import PrefixCache
 from nvl72.cache.tensors import num_pages_for_budget, zero_slots
+from nvl72.engine import jit_watch
 from nvl72.engine.protocol import AddRequest, RequestOutput, SamplingParams, TokenLogprob
 from nvl72.engine.runner import ModelRunner, PriorTokens
 from nvl72.engine.sampler import DeviceSample, has_penalty
@@ -227,7 +228,8 @@ class LLMEngine:
                              step_seconds=0.0,  # host time inside step(): a served run's mean step beside its TPOT
                              # steps whose forward ran outside the CUDA graphs (prefill chunks, mixed
                              # steps, batches beyond the captured sizes) and their host time
-                             num_eager_steps=0, eager_step_seconds=0.0)
+                             num_eager_steps=0, eager_step_seconds=0.0,
+                             triton_compiles=0)  # after the warm-up (jit_watch)
         self._eager = False  # the current step's forward ran outside the CUDA graphs
         log.info("engine: %d KV pages of %d tokens (%.1f MiB), %d GDN slots, spec k=%d, prefix cache %s, "
                  "async scheduling %s, device %s",
@@ -372,7 +374,9 @@ class LLMEngine:
             self.step()
         self.prefix.clear()
         self.scheduler.prefix_queries = self.scheduler.prefix_hits = 0
-        self.counters = dict.fromkeys(self.counters, 0)
+        for k in self.counters:
+            self.counters[k] = 0
+        jit_watch.watch(self.counters)
         return n
 
     # ---------------------------------------------------------------- the step
@@ -579,6 +583,7 @@ class LLMEngine:
             "step_seconds": float(c["step_seconds"]),
             "num_eager_steps": float(c["num_eager_steps"]),
             "eager_step_seconds": float(c["eager_step_seconds"]),
+            "triton_compiles": float(c["triton_compiles"]),
             "spec_decode_acceptance_rate": c["spec_decode_num_accepted_tokens"] / max(c["spec_decode_num_draft_tokens"], 1),
             "spec_decode_tokens_per_step": (c["spec_decode_num_accepted_tokens"] + drafts) / max(drafts, 1),
         }
