@@ -28,8 +28,10 @@ def watch(counters: dict) -> bool:
 
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
         counters["triton_compiles"] += 1
-        log.warning("Triton compiled %s after the engine warm-up: this step stalled for it (a batch shape the "
-                    "warm-up does not cover)", repr)
+        info = compile if isinstance(compile, dict) else {}
+        log.warning("Triton compiled %s after the engine warm-up (signature %.300s, constexprs %.300s, "
+                    "specialisation %.300s): this step stalled for it, a batch shape the warm-up does not cover",
+                    getattr(fn, "name", repr), info.get("signature"), info.get("constants"), info.get("configs"))
         if previous is not None:
             return previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
                             already_compiled=already_compiled)

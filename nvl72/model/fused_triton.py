@@ -43,6 +43,8 @@ import triton.language as tl
 
 from aot.pdl import launch_args, wait_prior
 
+SLOT_BLOCK = 64  # sequence ends per step of the slot-mapping kernel's search
+
 
 @triton.jit
 def _round(x, DT: tl.constexpr):
@@ -55,9 +57,14 @@ def _slot_mapping_kernel(positions, qsl, page_table, slots, num_seqs, width, str
                          BLOCK_B: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
     t = tl.program_id(0)
-    b = tl.arange(0, BLOCK_B)
-    ends = tl.load(qsl + 1 + b, mask=b < num_seqs, other=2147483647)
-    seq = tl.minimum(tl.sum((ends <= t).to(tl.int32), 0), num_seqs - 1)  # searchsorted(right), clamped
+    # searchsorted(right) over the sequence ends, BLOCK_B at a time (one compiled variant for any
+    # batch: a block sized by the batch compiled a new variant per power of two while serving)
+    before = 0
+    for b0 in range(0, num_seqs, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        ends = tl.load(qsl + 1 + b, mask=b < num_seqs, other=2147483647)
+        before += tl.sum((ends <= t).to(tl.int32), 0)
+    seq = tl.minimum(before, num_seqs - 1)
     pos = tl.load(positions + t).to(tl.int64)
     col = pos // PAGE_SIZE
     page = tl.load(page_table + seq.to(tl.int64) * stride_pt + col, mask=col < width, other=-1).to(tl.int64)
@@ -74,7 +81,7 @@ def slot_mapping(positions: torch.Tensor, query_start_loc: torch.Tensor, page_ta
         if not b:
             raise ValueError(f"slot_mapping: {t} tokens but no sequence")
         _slot_mapping_kernel[(t,)](positions, query_start_loc, page_table, slots, b, width, page_table.stride(0),
-                                   PAGE_SIZE=page_size, BLOCK_B=triton.next_power_of_2(b),
+                                   PAGE_SIZE=page_size, BLOCK_B=SLOT_BLOCK,
                                    **launch_args(positions.device))
     return slots
 

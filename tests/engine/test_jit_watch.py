@@ -1,6 +1,7 @@
 """jit_watch: Triton compilations after the warm-up are counted, logged and chained to a hook
 that was already installed."""
 import logging
+import types
 
 import pytest
 
@@ -19,7 +20,9 @@ def clean_hook():
 
 def _fire(name):
     # the keyword arguments Triton's JITFunction._call_hook passes (3.6 and 3.9)
-    return knobs.runtime.jit_post_compile_hook(key="k", repr=f"{name}[num_warps=4](n: i32)", fn=None, compile={},
+    fn = types.SimpleNamespace(module="m", name=name, jit_function=None)  # triton's JitFunctionInfo
+    info = {"constants": {(3,): 64}, "configs": [{(0,): [["tt.divisibility", 16]]}]}
+    return knobs.runtime.jit_post_compile_hook(key="k", repr=f"{name}[num_warps=4](n: i32)", fn=fn, compile=info,
                                                is_manual_warmup=False, already_compiled=False)
 
 
@@ -34,7 +37,8 @@ def test_compiles_are_counted_logged_and_chained(clean_hook, caplog):
         _fire("_gemv_kernel")
     assert counters["triton_compiles"] == 2
     assert seen == ["_paged_attention_kernel[num_warps=4](n: i32)", "_gemv_kernel[num_warps=4](n: i32)"]
-    assert "_gemv_kernel[num_warps=4]" in caplog.text and "warm-up" in caplog.text
+    assert "Triton compiled _gemv_kernel" in caplog.text and "constexprs {(3,): 64}" in caplog.text
+    assert "tt.divisibility" in caplog.text
 
 
 def test_engine_warmup_zeroes_counters_and_watches(clean_hook):

@@ -159,6 +159,14 @@ def test_slot_mapping_matches_torch_form(device):
     batch.page_table[1, :] = -1  # a padded row: no pages at all
     slots = ft.slot_mapping(batch.positions, batch.query_start_loc, batch.page_table, 4)
     assert torch.equal(slots, slot_mapping_on_device(batch, 4)) and int(slots[3]) == -1
+    # more sequences than one step of the kernel's search (ft.SLOT_BLOCK): the search loops
+    g = torch.Generator().manual_seed(2)
+    n = ft.SLOT_BLOCK + 7
+    qlens = torch.randint(1, 3, (n,), generator=g).tolist()
+    ctxs = torch.randint(0, 12, (n,), generator=g).tolist()
+    batch, *_ = random_batch(qlens, ctxs, 4, 4, 2, 16, torch.float32, device, seed=3)
+    assert torch.equal(ft.slot_mapping(batch.positions, batch.query_start_loc, batch.page_table, 4),
+                       slot_mapping_on_device(batch, 4))
 
 
 @pytest.mark.parametrize("device", DEVICES)
