@@ -347,7 +347,7 @@ class LLMEngine:
     def warmup(self, num_tokens: int | None = None) -> int:
         """Dummy requests before serving, so no real request pays for kernel JIT: one `num_tokens`
         prefill (default one full chunk) with two decode steps, then a few short prompts together and
-        one arriving while they decode. Triton specialises on shapes: the first long prompt on an H200
+        one arriving while they decode, then max_num_seqs short prompts and one arriving. Triton specialises on shapes: the first long prompt on an H200
         took 745 ms instead of 33 (its contiguous MoE path compiled then).
         Afterwards its pages leave the prefix cache and the counters it moved are zeroed. Every rank of
         a TP instance must call it (its forwards are collectives); not for DP+EP ranks (their passes
@@ -370,6 +370,14 @@ class LLMEngine:
             self.add_request(AddRequest(f"{WARMUP_REQUEST_ID}-{i}", [1] * min(length, cap), sp))
         self.step()
         self.add_request(AddRequest(f"{WARMUP_REQUEST_ID}-late", [1] * min(200, cap), sp))
+        while self.has_unfinished():
+            self.step()
+        # and the widest batches: max_num_seqs short prompts, then one arriving while they decode
+        # (kernels sized by the sequence count compiled 5 variants in a served concurrency-64 run)
+        for i in range(self.config.max_num_seqs):
+            self.add_request(AddRequest(f"{WARMUP_REQUEST_ID}-wide-{i}", [1] * min(1 + i % 7, cap), sp))
+        self.step()
+        self.add_request(AddRequest(f"{WARMUP_REQUEST_ID}-wide-late", [1] * min(33, cap), sp))
         while self.has_unfinished():
             self.step()
         self.prefix.clear()
