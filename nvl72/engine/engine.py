@@ -377,6 +377,11 @@ class LLMEngine:
         for i in range(self.config.max_num_seqs):
             self.add_request(AddRequest(f"{WARMUP_REQUEST_ID}-wide-{i}", [1] * min(1 + i % 7, cap), sp))
         self.step()
+        graphs, self.runner.graphs = self.runner.graphs, None
+        try:  # one decode step outside the graphs: what a batch that does not fit them runs
+            self.step()
+        finally:
+            self.runner.graphs = graphs
         self.add_request(AddRequest(f"{WARMUP_REQUEST_ID}-wide-late", [1] * min(33, cap), sp))
         while self.has_unfinished():
             self.step()

@@ -52,7 +52,8 @@ def _round(x, DT: tl.constexpr):
     return x.to(DT).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "width", "stride_pt"])
+@triton.jit(do_not_specialize=["num_seqs", "width", "stride_pt"],
+            do_not_specialize_on_alignment=["positions", "qsl", "page_table", "slots"])  # scalar accesses
 def _slot_mapping_kernel(positions, qsl, page_table, slots, num_seqs, width, stride_pt, PAGE_SIZE: tl.constexpr,
                          BLOCK_B: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
