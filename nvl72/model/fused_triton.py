@@ -21,8 +21,10 @@
   query-block count comes from `max_query_len`, known on the host), so it runs inside CUDA graphs.
 
 Size arguments that change from step to step (sequence count, page-table width) are not
-specialised on (`do_not_specialize`): Triton would otherwise compile a variant per divisibility
-class while serving.
+specialised on (`do_not_specialize`), nor is the alignment of the per-step index arrays (query
+starts, sequence lengths, page table, positions, slots: `do_not_specialize_on_alignment`; views
+into the staging buffers, read a word at a time): Triton would otherwise compile a variant per
+divisibility class while serving (`nvl72.engine.jit_watch` counts any that still do).
 
 Every kernel takes `PDL` (programmatic dependent launch, `aot.pdl`: on sm_90+ streams, so inside
 the decode graphs): launched while the previous kernel drains, it reads only weights before
@@ -87,7 +89,7 @@ def slot_mapping(positions: torch.Tensor, query_start_loc: torch.Tensor, page_ta
     return slots
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["positions"])
 def _rope_cos_sin_kernel(positions, inv_freq, cos, sin, HALF: tl.constexpr, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):
     wait_prior(PDL)  # (inv_freq.float() may be a copy made by the previous kernel)
@@ -311,7 +313,7 @@ def qk_norm_rope(q_raw: torch.Tensor, k_raw: torch.Tensor, q_weight: torch.Tenso
     return q, k, (gate if gated else None)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slots"])
 def _store_kv_kernel(k, v, kv_cache, slots, stride_kt, stride_vt, stride_page, stride_kind, stride_head, stride_tok,
                      PAGE_SIZE: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
@@ -342,7 +344,7 @@ def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
                                    PAGE_SIZE=kv_cache.shape[3], D=d, **launch_args(k.device))
 
 
-@triton.jit(do_not_specialize=["stride_pt"])
+@triton.jit(do_not_specialize=["stride_pt"], do_not_specialize_on_alignment=["qsl", "seq_lens", "page_table"])
 def _paged_attention_kernel(q, kv_cache, out, part_acc, part_ml, counters, qsl, seq_lens, page_table, scale,
                             stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_kind, stride_head,
                             stride_tok, stride_pt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,

@@ -25,7 +25,7 @@ from aot.pdl import launch_args, wait_prior
 from nvl72.model.gdn_ops import check_heads, plan_chunks, prepare_chunks, unchunk
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T"], do_not_specialize_on_alignment=["tok_seq", "qsl", "write_slots"])
 def _causal_conv1d_kernel(x, w, tails, conv_state, out, tok_seq, qsl, write_slots, T, D, stride_x, stride_o,
                           K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
@@ -87,7 +87,7 @@ def _check_state(state: torch.Tensor, HV: int, DK: int, DV: int) -> None:
                          f"{state.dtype} {tuple(state.shape)} strides {state.stride()}")
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["qsl", "read_slots", "write_slots"])
 def _recurrent_gdn_kernel(q, k, v, g, beta, o, state, qsl, read_slots, write_slots, scale,
                           stride_q, stride_k, stride_v, HK, HV, DK, DV,
                           BK: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PDL: tl.constexpr):
@@ -150,7 +150,7 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return o
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["seq_chunks", "read_slots", "wslots"])
 def _chunk_scan_kernel(u, w, q_dec, k, k_dec, attn, decay, gam, o, state, seq_chunks, read_slots, wslots,
                        HV, DK, DV, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
