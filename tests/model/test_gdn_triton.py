@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nvl72.model import gdn_ops
+from tests.runner.ptx import COMPILES, compile_pdl
 
 triton_mod = pytest.importorskip("nvl72.model.gdn_triton", exc_type=ImportError)
 
@@ -143,13 +144,11 @@ def test_layer_with_triton_ops_matches_reference(device, prefill, monkeypatch):
     assert rel_err(dev_rec.cpu(), rec) < 1e-4 and rel_err(dev_conv.cpu(), conv) < 1e-5
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreted kernels do not compile "
-                    "(tests/runner/test_pdl.py runs this test in a subprocess without the interpreter)")
+@COMPILES
 @pytest.mark.parametrize("arch,pdl", [(90, True), (90, False), (100, True)])
 def test_kernels_compile_for_hopper_and_blackwell(arch, pdl):
     """Ahead-of-time compile to cubin (no GPU needed) with the bf16 / fp32 signatures the layer uses,
     with programmatic dependent launch (griddepcontrol in the PTX) and without."""
-    from tests.runner.ptx import compile_pdl
 
     ints = {"i32": ("T", "D", "stride_x", "stride_o", "stride_q", "stride_k", "stride_v", "HK", "HV", "DK", "DV")}
     kernels = [

@@ -4,7 +4,6 @@ through Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1 with
 The interpreter's fp32 -> e4m3 cast does not round as the hardware does, so quantized values are
 compared exactly only kernel against kernel; scales (from the block amax) exactly against the
 reference; dequantized values against the reference within the interpreter's cast error."""
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 
 from moe import backend, reference
 from moe.routing import permute_contiguous, permute_masked
-from tests.runner.ptx import compile_pdl
+from tests.runner.ptx import COMPILES, compile_pdl
 
 triton_moe = pytest.importorskip("moe.kernels.triton_moe")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -199,13 +198,12 @@ def test_unpermute_kernel_matches_reference(t, h, shared):
     assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreted kernels do not compile "
-                    "(tests/runner/test_pdl.py runs this test in a subprocess without the interpreter)")
+@COMPILES
 @pytest.mark.parametrize("pdl", [True, False])
 def test_kernels_compile_for_hopper(pdl):
     """Every data-path kernel lowers to a cubin for sm_90 without a GPU (Qwen3-30B-A3B decode shapes),
     with programmatic dependent launch (griddepcontrol in the PTX) and without."""
-    i32, i64 = "i32", "i64"
+    i32 = "i32"
     quant = {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "nkb": i32, "rows_per_batch": i32}
     compile_pdl(triton_moe._gather_quant_kernel, {"x_ptr": "*bf16", "row_ptr": "*i64", "H": i32, **quant},
                 {"K": 8, "KBP": 1, "BLOCK": triton_moe.BLOCK_K}, pdl)

@@ -1,4 +1,12 @@
 """Compile a Triton kernel for a GPU target on a machine without one, checking its PDL form."""
+import os
+
+import pytest
+
+# Triton's interpreter (the CPU suite's TRITON_INTERPRET=1) cannot compile: tests/runner/test_pdl.py
+# runs the tests marked with this in a subprocess without it.
+COMPILES = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreted kernels do not "
+                              "compile (tests/runner/test_pdl.py runs this test in a subprocess without the interpreter)")
 
 
 def compile_pdl(fn, sig: dict, constexprs: dict, pdl: bool, arch: int = 90) -> str:

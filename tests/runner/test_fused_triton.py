@@ -9,7 +9,7 @@ import torch
 
 from nvl72.model import ops
 from tests.runner.paged import random_batch, rel_err
-from tests.runner.ptx import compile_pdl
+from tests.runner.ptx import COMPILES, compile_pdl
 
 ft = pytest.importorskip("nvl72.model.fused_triton", exc_type=ImportError)
 
@@ -208,8 +208,7 @@ def test_bad_shapes_name_the_value():
                         torch.zeros(1, 12), 1, 1, 12, 1e-6, False, False)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreted kernels do not compile "
-                    "(tests/runner/test_pdl.py runs this test in a subprocess without the interpreter)")
+@COMPILES
 @pytest.mark.parametrize("pdl", [True, False])
 def test_kernels_compile_for_hopper(pdl):
     """The kernels lower to a cubin for sm_90 on a machine without a GPU (bf16, Qwen3-30B-A3B shape),
