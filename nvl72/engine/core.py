@@ -162,6 +162,7 @@ def serve_zmq(core: EngineCore, input_addr: str, output_addr: str, report_interv
     push.setsockopt(zmq.SNDTIMEO, 10_000)
     parent = os.getppid()
     last_report = 0.0
+    was_busy = False
     try:
         while not core.stopped:
             if pull.poll(0 if core.busy else 50):
@@ -178,15 +179,20 @@ def serve_zmq(core: EngineCore, input_addr: str, output_addr: str, report_interv
                 if outs:
                     push.send(encode(OutputBatch(outs)))
             outs = core.step()
-            if outs:  # one message per step, however many requests it advanced
-                push.send(encode(OutputBatch(outs)))
             now = time.monotonic()
-            if now - last_report >= report_interval:
+            busy = core.busy
+            # a report when the engine goes idle too, and before that step's outputs: a client that
+            # saw its last token then reads counters (a benchmark's /metrics delta) that include
+            # the run's last steps, not a heartbeat's older ones
+            if now - last_report >= report_interval or (was_busy and not busy):
                 push.send(encode(core.load_report()))
                 last_report = now
                 if os.getppid() != parent:
                     log.error("parent process %d went away; exiting", parent)
                     break
+            was_busy = busy
+            if outs:  # one message per step, however many requests it advanced
+                push.send(encode(OutputBatch(outs)))
         outs = core.close()
         if outs:
             push.send(encode(OutputBatch(outs)))
