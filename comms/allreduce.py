@@ -51,6 +51,9 @@ write-only two-shot"):
   32 MiB       186.36          123.65        114.62        116.36         119.84          twoshot_push
   64 MiB       210.55          221.40        201.24        213.18         222.89          twoshot_push
   128 MiB      401.80          416.12        382.07        399.01         423.95          twoshot_push
+twoshot_push in 4 parts per block on one block per SM (2026-11-22T07:55Z, "Push two-shot in parts"):
+16 MiB 58.18, 32 MiB 102.64, 64 MiB 196.73, 128 MiB 379.48 us against torch two_shot 59.16 / 110.45 /
+214.61 / 422.67 in the same run (0.898x at 128 MiB).
 
 Semantics: sums in fp32 in rank order, rounded once to the input dtype; every rank gets bitwise
 the same result. add_rmsnorm: `res = (sum_r x_r + residual)` rounded to the dtype, then
