@@ -82,7 +82,12 @@ combine (one launch):
      the owner's cx[me, t]; arrive on ccnt like dispatch; compute the first B unit's routing from
      local inputs; wait; block 0 stores the epoch.
   B. per (own token, chunk): sum the partials of the token's distinct ranks in ascending rank
-     order in fp32, round to bf16.
+     order in fp32, round to bf16. The ranks are taken two at a time (redux.sync min over the slots'
+     ranks above the last one taken: a few instructions per unit, no K^2 shuffle dedup) and both
+     partials' loads are in flight before the first add, so only distinct partials are read and a
+     token on <= 2 ranks costs one load round trip. A warp still takes one (token, chunk) unit, not
+     all chunks of a token: at 128 tokens there are fewer units than warps already, and serialising
+     a token's chunks on one warp would lengthen the latency path to save ~3 redux per unit.
 Phase probe: a non-zero `probe` address makes thread 0 of every block store %globaltimer (int64) at
 each phase boundary into probe[block, phase] (PROBE_PHASES per block; DISPATCH_PHASES /
 COMBINE_PHASES name them), for `perf.comms dispatch --phases`; off (0) it costs one uniform branch.
@@ -170,6 +175,14 @@ def lowest_lane(m, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def warp_min(v, *, loc=None, ip=None) -> Int32:
+    """Minimum of v over the 32 lanes, as unsigned (redux.sync, sm_80+: one instruction; -1 is the
+    largest value, so lanes holding -1 never win unless every lane does)."""
+    return Int32(ptx._asm(T.i32(), [ptx._i32(v, loc, ip)], "redux.sync.min.u32 $0, $1, 0xffffffff;", "=r,r",
+                          loc, ip))
+
+
+@dsl_user_op
 def wrap_sub(a, b, *, loc=None, ip=None) -> Int32:
     """a - b modulo 2**32 (counters wrap; plain Int32 arithmetic may assume no signed overflow)."""
     return Int32(ptx._asm(T.i32(), [ptx._i32(a, loc, ip), ptx._i32(b, loc, ip)], "sub.s32 $0, $1, $2;",
@@ -236,14 +249,12 @@ def fma_bf16x2_sel(lo, hi, v, w, ok, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def add_bf16x2_sel(lo, hi, v, ok, *, loc=None, ip=None):
-    """(lo, hi) + bf16x2(v) in fp32 (add.rn) where ok != 0, else (lo, hi)."""
-    r = ptx._asm(ptx._struct(2, "f32"),
-                 [ptx._f32(lo, loc, ip), ptx._f32(hi, loc, ip), ptx._i32(v, loc, ip), ptx._i32(ok, loc, ip)],
-                 "{ .reg .b32 t; .reg .f32 l, h; .reg .pred q; shl.b32 t, $4, 16; mov.b32 l, t; "
-                 "and.b32 t, $4, 0xffff0000; mov.b32 h, t; add.rn.f32 l, $2, l; add.rn.f32 h, $3, h; "
-                 "setp.ne.s32 q, $5, 0; selp.f32 $0, l, $2, q; selp.f32 $1, h, $3, q; }",
-                 "=f,=f,f,f,r,r", loc, ip)
+def add_bf16x2(lo, hi, v, *, loc=None, ip=None):
+    """(lo, hi) + bf16x2(v) in fp32 (add.rn)."""
+    r = ptx._asm(ptx._struct(2, "f32"), [ptx._f32(lo, loc, ip), ptx._f32(hi, loc, ip), ptx._i32(v, loc, ip)],
+                 "{ .reg .b32 t; .reg .f32 l, h; shl.b32 t, $4, 16; mov.b32 l, t; and.b32 t, $4, 0xffff0000; "
+                 "mov.b32 h, t; add.rn.f32 $0, $2, l; add.rn.f32 $1, $3, h; }",
+                 "=f,=f,f,f,r", loc, ip)
     return [cutlass.Float32(x) for x in ptx._unpack(r, 2, T.f32())]
 
 
@@ -430,30 +441,19 @@ def _phase_tables(my_base, rntok_off, rnph_off, lane, active, world, rstq: cute.
 
 
 @cute.jit
-def _token_ranks(ids: cute.Tensor, t, lane, nlocal, K: cutlass.Constexpr):
-    """Routing of own token t for combine's B: lane j < K holds dv = the rank of slot j's expert,
-    uniq = 1 where slot j is the first slot on that rank, order = dv's index among the token's
-    distinct ranks (ascending), so partials are summed in rank order."""
+def _token_dest(ids: cute.Tensor, t, lane, nlocal, K: cutlass.Constexpr):
+    """Combine's B: lane j < K holds the rank of own token t's slot j, the others -1 (so warp_min
+    over `dv` > the last rank taken walks the token's distinct ranks in ascending order)."""
     dv = Int32(-1)
     if lane < K:
         dv = ids[t, lane] // nlocal
-    uniq = Int32(0)
-    if lane < K:
-        uniq = Int32(1)
-    order = Int32(0)
-    for j in cutlass.range_constexpr(K):
-        o = cute.arch.shuffle_sync(dv, j)
-        if (j < lane) & (o == dv):
-            uniq = Int32(0)
-    for j in cutlass.range_constexpr(K):  # rank of dv among the distinct ranks
-        o = cute.arch.shuffle_sync(dv, j)
-        oj_first = Int32(1)
-        for i in cutlass.range_constexpr(j):
-            if cute.arch.shuffle_sync(dv, i) == o:
-                oj_first = Int32(0)
-        if (oj_first != 0) & (o < dv):
-            order = order + 1
-    return dv, uniq, order
+    return dv
+
+
+@cute.jit
+def _next_rank(dv, after):
+    """The smallest rank in dv above `after` (-1: none left; after = -1 gives the smallest)."""
+    return warp_min(cutlass.select_(dv > after, dv, Int32(-1)))
 
 
 @cute.jit
@@ -1048,6 +1048,16 @@ def _record(err_addr, kind, value):
     ptx.st_release_sys(err_addr, (kind << 16) | (value & 0xFFFF))
 
 
+@cute.jit
+def _add_partial(acc: cute.Tensor, part):
+    """acc[8 q + 2 h (+1)] += the bf16 pair of word h of vector q of `part` (4 x 4 words), fp32 add.rn."""
+    for q in cutlass.range_constexpr(4):
+        for h in cutlass.range_constexpr(4):
+            lo, hi = add_bf16x2(acc[8 * q + 2 * h], acc[8 * q + 2 * h + 1], part[q][h])
+            acc[8 * q + 2 * h] = lo
+            acc[8 * q + 2 * h + 1] = hi
+
+
 def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = False):
     """`check`: every computed index is tested against its buffer; a violation is recorded in the
     error word as (CHECK_* kind << 16 | index) and the access skipped (fault localisation only).
@@ -1163,10 +1173,8 @@ def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = Fals
             _stamp(probe, tid, bid, 3)
         # the first B unit's routing (local inputs) while the peers' partials are still on the way
         dv_p = Int32(-1)
-        uniq_p = Int32(0)
-        order_p = Int32(0)
         if gw < ntok * nchunk:
-            dv_p, uniq_p, order_p = _token_ranks(ids, gw // nchunk, lane, nlocal, K)
+            dv_p = _token_dest(ids, gw // nchunk, lane, nlocal, K)
         if cutlass.const_expr(not skip & SKIP_FLAGS):
             _wait_all(me, tid, world, off_ccnt, wrap_mul(epoch, ARRIVAL_STEP), err_addr, timeout_ns,
                       ERR_COMBINE_TIMEOUT)
@@ -1177,40 +1185,46 @@ def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = Fals
         if cutlass.const_expr(trace):
             _trace(err_addr, gw, lane, TR_WAITED, 0, oa)
 
-        # ---- B. sum the partials of each own token in ascending rank order
+        # ---- B. sum the partials of each own token's distinct ranks in ascending rank order (fp32 from
+        # 0.0, add.rn: the reference's order). The ranks come two at a time (warp_min over the slots'
+        # ranks above the last one taken), and both partials' loads are issued before the first add,
+        # so a token on two ranks costs one load round trip; an odd last rank is loaded alone.
         u = gw
         while u < ntok * nchunk:
             t = u // nchunk
             c = u - t * nchunk
             dv = dv_p
-            uniq = uniq_p
-            order = order_p
             if u != gw:
-                dv, uniq, order = _token_ranks(ids, t, lane, nlocal, K)
+                dv = _token_dest(ids, t, lane, nlocal, K)
             for q in cutlass.range_constexpr(32):
                 acc[q] = cutlass.Float32(0.0)
-            d0 = cute.arch.shuffle_sync(dv, 0)
-            for i in cutlass.range_constexpr(K):
-                mi = cute.arch.vote_ballot_sync((uniq != 0) & (order == i))
-                oki = Int32(0)
-                di = d0
-                if mi != 0:
-                    oki = Int32(1)
-                    di = cute.arch.shuffle_sync(dv, lowest_lane(mi))
+            tc = _i64(t) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
+            da = _next_rank(dv, Int32(-1))  # K >= 1: every token has a rank
+            while da >= 0:
+                db = _next_rank(dv, da)
                 if cutlass.const_expr(check):
-                    if (di < 0) | (di >= world):
-                        _record(err_addr, CHECK_B_RANK, di)
-                        di = Int32(0)
-                a = me + off_cx + (_i64(di) * maxt + t) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
+                    if (da >= world) | (db >= world):
+                        _record(err_addr, CHECK_B_RANK, cutlass.max(da, db))
+                        da = Int32(0)
+                        db = Int32(-1)
+                aa = me + off_cx + _i64(da) * maxt * row_bytes + tc
                 if cutlass.const_expr(trace):
-                    _trace(err_addr, gw, lane, TR_B_LOAD, u, a)
-                if cutlass.const_expr(not skip & SKIP_B_LOADS):
-                    for q in cutlass.range_constexpr(4):
-                        dq = ptx.ld_v4_cg(a + q * 512)
-                        for h in cutlass.range_constexpr(4):
-                            lo, hi = add_bf16x2_sel(acc[8 * q + 2 * h], acc[8 * q + 2 * h + 1], dq[h], oki)
-                            acc[8 * q + 2 * h] = lo
-                            acc[8 * q + 2 * h + 1] = hi
+                    _trace(err_addr, gw, lane, TR_B_LOAD, u, aa)
+                if db >= 0:
+                    ab = me + off_cx + _i64(db) * maxt * row_bytes + tc
+                    if cutlass.const_expr(trace):
+                        _trace(err_addr, gw, lane, TR_B_LOAD, u, ab)
+                    if cutlass.const_expr(not skip & SKIP_B_LOADS):
+                        pa = [ptx.ld_v4_cg(aa + q * 512) for q in range(4)]
+                        pb = [ptx.ld_v4_cg(ab + q * 512) for q in range(4)]
+                    da = _next_rank(dv, db)  # while the loads are in flight
+                    if cutlass.const_expr(not skip & SKIP_B_LOADS):
+                        _add_partial(acc, pa)
+                        _add_partial(acc, pb)
+                else:
+                    if cutlass.const_expr(not skip & SKIP_B_LOADS):
+                        _add_partial(acc, [ptx.ld_v4_cg(aa + q * 512) for q in range(4)])
+                    da = Int32(-1)
             dst = oa + _i64(t) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
             if cutlass.const_expr(check):
                 if (t >= ntok) | (c >= nchunk):
