@@ -61,12 +61,12 @@ def staged_row_bytes(hidden: int, payload: str) -> int:
 def heap_regions(world: int, num_experts: int, top_k: int, hidden: int, max_tokens: int,
                  payload: str = "bf16", phases: int = 1) -> list[tuple[str, int]]:
     """(name, bytes) of the kernels' heap regions in allocation order (see comms.kernels.dispatch);
-    `phases`: the pipelined dispatch's phase counters per source (1: not pipelined, whose dcnt holds
-    two counters per source: the tables arrival and the rows arrival)."""
+    `phases`: the pipelined dispatch's send phases at most (1: not pipelined). dcnt holds 1 + phases
+    counters per source: the tables arrival, then the rows arrival of each send phase."""
     rows, L = world * max_tokens, num_experts // world
     return [("rx", rows * staged_row_bytes(hidden, payload)), ("rid", rows * top_k * 4), ("rw", rows * top_k * 4),
             ("rslot", rows * top_k * 4), ("rstamp", rows * 4), ("rntok", world * 4), ("recnt", world * L * 4),
-            ("dcnt", max(phases, 2) * world * 4), ("cx", rows * hidden * 2), ("ccnt", world * 4), ("state", 16),
+            ("dcnt", (1 + phases) * world * 4), ("cx", rows * hidden * 2), ("ccnt", world * 4), ("state", 16),
             ("rnph", world * 4)]
 
 
@@ -136,7 +136,7 @@ class FusedDispatch:
         # From the ahead-of-time bundle (NVL72_KERNEL_BUNDLE); JIT only as aot's logged development path.
         self.maxp = cfg.pipeline_phases
         self.phases = None  # send phases of later calls: None = phases_for(tokens); see set_phases
-        self.overlap = None  # unpipelined: tables first, own rows packed while sending; see set_overlap
+        self.overlap = None  # tables first, own rows packed while sending; see set_overlap
         self.send_warps = PIPE_SEND_WARPS
         name = "dispatch_" + ("mxfp8_" if fp8 else "") + ("pipe_" if self.maxp > 1 else "") + f"k{K}"
         self._dispatch = aot.function("comms.kernels.dispatch", name)
@@ -179,10 +179,10 @@ class FusedDispatch:
         return self.maxp if tokens >= PIPE_MIN_TOKENS else 1
 
     def set_overlap(self, overlap: bool | None) -> None:
-        """Unpipelined dispatch of later calls: True exchanges the tables first and packs own rows
-        while the sends are on the wire, False makes one arrival and one wait, None picks by
-        `overlap_for`. Ranks may differ (the kernels' protocol allows any mix); the pipelined
-        dispatch ignores it."""
+        """Dispatch of later calls: True exchanges the tables first and packs own rows while the sends
+        are on the wire (pipelined: each send phase packs its own rows), False sends before the first
+        wait (unpipelined: one arrival and one wait), None picks by `overlap_for`. Ranks may differ
+        (the kernels' protocol allows any mix, with any send phase counts)."""
         if overlap not in (None, True, False):
             raise ValueError(f"overlap={overlap!r} must be True, False or None")
         self.overlap = overlap

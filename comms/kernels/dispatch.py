@@ -19,12 +19,12 @@ M = max tokens per rank, K = top-k, L = local experts):
                          that expert (so packing needs no cross-block scan on the receiver)
   rstamp int32 [R, M]    dispatch epoch at which row (s, t) was written (stale rows: older epochs)
   rntok int32 [R]        tokens of source s this epoch;  recnt int32 [R, L] entries per (s, expert)
-  dcnt  int32 [P, R]     dispatch arrival counters (source s adds ARRIVAL_STEP per epoch to each; a
-                         rank at epoch e waits for cnt - e * ARRIVAL_STEP >= 0 modulo 2**32:
-                         wrap-safe). Unpipelined P = 2: dcnt[0] the tables arrival (rslot, recnt,
-                         rntok written), dcnt[1] the rows arrival (rx, rid, rw, rstamp written; it
-                         follows the tables arrival in program order, so it covers the tables too).
-                         Pipelined P = maxp: one counter per send phase
+  dcnt  int32 [1 + P, R] dispatch arrival counters (source s adds ARRIVAL_STEP per epoch to each;
+                         a rank at epoch e waits for cnt - e * ARRIVAL_STEP >= 0 modulo 2**32:
+                         wrap-safe). dcnt[0] the tables arrival (rslot, recnt, rntok, rnph
+                         written), dcnt[1 + q] the rows arrival of send phase q (rx, rid, rw, rstamp
+                         written; it follows the tables arrival in program order, so it covers the
+                         tables too). Unpipelined P = 1; pipelined P = maxp
   cx    bf16  [R, M, H]  combine partials: row (s, t) = rank s's partial for my token t
   ccnt  int32 [R]        combine arrival counters
   state int32 [4]        dispatch epoch, -, combine epoch, combine ticket (the SKIP_FLAGS debug
@@ -58,21 +58,30 @@ dispatch (one launch; `overlap` chosen per call and per rank, ranks may differ):
      own rows' copy into rx. No deadlock in mixed calls: every wait on dcnt[0] needs only tables
      arrivals, which no rank makes after a wait; a wait on dcnt[1] needs rows arrivals, made after
      at most a dcnt[0] wait.
-pipelined dispatch (dispatch_pipe_kK; host: pipeline_phases > 1; ignores `overlap`, own rows go
-through rx as the peers' do): at large token counts C runs
-after A, so the wire and the pack take turns. Here a source sends its tokens in nphase <= maxp
-phases of ch = ceil(ntok / nphase) tokens (A1 and rntok / rnph go with phase 0). A block sends
-phase 0, arrives on counter 0, waits for counter 0 of every source (then the tables, with each
-source's phase sizes: `_phase_tables`), and for q = 0, 1, ... < max over sources of nphase: sends
-its phase q + 1 and packs every source's phase-q rows (with swarps > 0, swarps warps per block
-send while the rest pack, so the NVLink stores and the local copy run at once), then
-arrives on counter q + 1 and waits for it. A source's last phase also arrives on every later
-counter, so each counter gets ARRIVAL_STEP per source and epoch whatever the phase counts (ranks
-may differ). Separate counters per phase are needed: with one counter a block's phase q + 1 add
-could overtake another block's phase q add to a third rank. A block arrives on counter q + 1 only
-after its wait on counter q, and every arrival q precedes every wait q, so no rank can wait on
-an arrival that waits on it (no deadlock). The arrival's release covers the block's pack stores
-too; each phase costs one more arrival and wait (a few us), hence one phase below
+pipelined dispatch (dispatch_pipe_kK; host: pipeline_phases > 1): unpipelined, C runs after A
+at large token counts, so the wire and the peers' pack take turns. Here a source sends its tokens
+in nphase <= maxp phases of ch = ceil(ntok / nphase) tokens (A1 and rntok / rnph go with the
+tables arrival); "phase counter q" is dcnt[1 + q].
+  overlap = 0: own rows go through rx as the peers' do. A block sends phase 0, arrives on the
+     tables counter and phase counter 0 (one release, `_arrive`'s consecutive counters), waits for
+     phase counter 0 of every source, builds the tables (with each source's phase sizes:
+     `_phase_tables`), then the loop below.
+  overlap = 1: A1 a block per expert, arrive on the tables counter, wait for it, build the tables,
+     send phase 0 with its own rows packed from x in the same loop (as unpipelined overlap: no own
+     rows in rx, the pack skips them), arrive on phase counter 0, wait for it, then the loop.
+  loop, for q = 0, 1, ... < max over sources of nphase: send own phase q + 1 (with overlap its own
+     rows packed in the same units) and pack every source's phase-q rows (with swarps > 0, swarps
+     warps per block send while the rest pack, so the NVLink stores and the local copy run at once),
+     then arrive on phase counter q + 1 and wait for it.
+A source's last phase also arrives on every later phase counter, so each counter gets ARRIVAL_STEP
+per source and epoch whatever the phase counts and modes (ranks may differ: every mode's first
+arrival covers the tables counter). Separate counters per phase are needed: with one counter a
+block's phase q + 1 add could overtake another block's phase q add to a third rank. No deadlock in
+any mix: the tables counter's arrivals come before any wait; a block arrives on phase counter
+q + 1 only after its wait on phase counter q (and on phase counter 0 after at most the tables
+wait), so every wait depends only on arrivals that come before an equal-or-lower wait
+(tests/comms/test_dispatch_protocol.py models it). The arrival's release covers the block's pack
+stores too; each phase costs one more arrival and wait (a few us), hence one phase below
 `comms.dispatch_fused.PIPE_MIN_TOKENS`.
 combine (one launch):
   A. per (received row, chunk; rows located through dispatch's `rstart`, no scan or barrier first;
@@ -529,12 +538,11 @@ def _scan_expert(ids: cute.Tensor, g, tb, te, running, dbase, row0, lane, off_rs
 def _token_unit(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.Tensor, me, rank, maxt, nlocal, t,
                 c, nvec, epoch, lane, send, pack, pre: cute.Tensor, base: cute.Tensor, cap, nrows, oxa, osa,
                 o_rank: cute.Tensor, o_tok: cute.Tensor, o_w: cute.Tensor, row_pos: cute.Tensor, off_rx, off_rid,
-                off_rw, off_rslot, off_rstamp, K: cutlass.Constexpr, fp8: cutlass.Constexpr,
-                self_copy: cutlass.Constexpr):
+                off_rw, off_rslot, off_rstamp, K: cutlass.Constexpr, fp8: cutlass.Constexpr, self_copy):
     """One (own token t, 2 KiB of its bf16 row: chunk c) unit, loaded once (fp8: quantized once,
     1 KiB of E4M3 + 32 scale bytes). `send` != 0: sent once per distinct destination rank of the
     token, with ids, weights and the epoch stamp on chunk 0; the payload to this rank itself only
-    with `self_copy` (the pipelined kernel packs own rows from rx). `pack` != 0: stored to every
+    with `self_copy` != 0 (the pipelined kernel without overlap packs own rows from rx). `pack` != 0: stored to every
     local expert slot of the token, exactly the bytes C would copy from the staged row (needs the
     tables and this rank's rslot rows), plus the packed rows' metadata on chunk 0."""
     xa = x.iterator.toint()
@@ -576,7 +584,7 @@ def _token_unit(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.
             if ((m >> j) & 1) != 0:
                 d = cute.arch.shuffle_sync(dv, j)
                 db = peers[d]
-                if (d != rank) | (Int32(1 if self_copy else 0) != 0):
+                if (d != rank) | (self_copy != 0):
                     if cutlass.const_expr(fp8):
                         dst = db + off_rx + row * rx_row + _i64(c) * 1024 + _i64(lane) * 8
                         st_v2(dst, [q0, q1])
@@ -644,8 +652,7 @@ def _token_unit(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.
 def _send_rows(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.Tensor, me, rank, maxt, nlocal, tb,
                te, nvec, epoch, lane, gw, nw, send, pack, pre: cute.Tensor, base: cute.Tensor, cap, nrows, oxa, osa,
                o_rank: cute.Tensor, o_tok: cute.Tensor, o_w: cute.Tensor, row_pos: cute.Tensor, off_rx, off_rid,
-               off_rw, off_rslot, off_rstamp, K: cutlass.Constexpr, fp8: cutlass.Constexpr,
-               self_copy: cutlass.Constexpr):
+               off_rw, off_rslot, off_rstamp, K: cutlass.Constexpr, fp8: cutlass.Constexpr, self_copy):
     """Dispatch A2 (and with `pack` the own rows' C) for own tokens [tb, te): warp gw takes units
     gw, gw + nw, ... of (token, 2 KiB chunk); see _token_unit."""
     nchunk = nvec // CHUNK_VEC
@@ -664,13 +671,14 @@ def _pack_rows(me, tab: cute.Tensor, tab_off, chs: cute.Tensor, q, world, pre: c
                nrows, rank, nlocal, maxt, nvec, epoch, lane, gw, nw, oxa, osa, o_rank: cute.Tensor,
                o_tok: cute.Tensor, o_w: cute.Tensor, row_pos: cute.Tensor, off_rx, off_rid, off_rw, off_rslot,
                off_rstamp, x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.Tensor, own_tokens,
-               K: cutlass.Constexpr, fp8: cutlass.Constexpr, pipe: cutlass.Constexpr):
+               skip_own, K: cutlass.Constexpr, fp8: cutlass.Constexpr, pipe: cutlass.Constexpr):
     """Dispatch C over received rows: tab[tab_off + s] = first row of source s among them,
     tab[tab_off + world] = their count (pipe: phase q's rows, token t = q * chs[s] + index; else
     every row, t = index). Each (row, 2 KiB of the staged row) unit is loaded once and stored to
-    every local expert slot of the row. Unpipelined: this rank's own rows are not in rx; they are
-    skipped here, and the first own_tokens * (H / 1024) units of the loop are instead the own rows'
-    (token, chunk) units packed from x (_token_unit; own_tokens = 0 when A2 packed them already)."""
+    every local expert slot of the row. `skip_own` != 0 (unpipelined, and pipelined with overlap):
+    this rank's own rows are not in rx; they are skipped here. Unpipelined, the first
+    own_tokens * (H / 1024) units of the loop are instead the own rows' (token, chunk) units packed
+    from x (_token_unit; own_tokens = 0 when A2 packed them already)."""
     row_bytes = _i64(nvec) * 16
     rx_row = row_bytes
     hvec = nvec
@@ -686,6 +694,7 @@ def _pack_rows(me, tab: cute.Tensor, tab_off, chs: cute.Tensor, q, world, pre: c
     nskip = Int32(0)
     if cutlass.const_expr(not pipe):
         nown = own_tokens * nchunk
+    if skip_own != 0:
         sk0 = tab[tab_off + rank]
         nskip = tab[tab_off + rank + 1] - sk0
     u = gw
@@ -699,7 +708,7 @@ def _pack_rows(me, tab: cute.Tensor, tab_off, chs: cute.Tensor, q, world, pre: c
         else:
             rr = (u - nown) // rchunk
             c = (u - nown) - rr * rchunk
-            if rr >= sk0:  # past this rank's own rows (none skipped when pipelined)
+            if rr >= sk0:  # past this rank's own rows (none skipped without skip_own)
                 rr = rr + nskip
             s = _find_source(tab, tab_off, world, rr)
             t = rr - tab[tab_off + s]
@@ -796,12 +805,11 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
         nrows = out_x.shape[0]
         row0 = _i64(rank) * maxt
         ch = ntok  # own tokens per send phase (pipe: ceil(ntok / nphase))
-        early = Int32(0)  # overlap: tables exchanged before A2, own rows packed during the sends
+        # overlap: tables exchanged before A2, own rows packed during the sends
+        early = Int32(cutlass.select_(overlap != 0, 1, 0))
         if cutlass.const_expr(pipe):
             ch = (ntok + nphase - 1) // nphase
-        else:
-            early = Int32(cutlass.select_(overlap != 0, 1, 0))
-        rows_cnt = off_dcnt + _i64(world) * 4  # dcnt[1]: the rows arrival (unpipelined)
+        rows_cnt = off_dcnt + _i64(world) * 4  # dcnt[1]: the rows arrival (pipe: send phase 0's)
         smem = SmemAllocator()
         pre = smem.allocate_tensor(Int32, cute.make_layout(MAX_PAIRS))
         base = smem.allocate_tensor(Int32, cute.make_layout(MAX_LOCAL + 1))
@@ -856,11 +864,14 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
             # ---- A2. token rows (pipe: the first send phase's), once per destination rank
             _send_rows(x, ids, wts, peers, me, rank, maxt, nlocal, 0, cutlass.min(ch, ntok), nvec, epoch, lane, gw, nw,
                        Int32(1), Int32(0), pre, base, cap, nrows, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx,
-                       off_rid, off_rw, off_rslot, off_rstamp, K, fp8, pipe)
+                       off_rid, off_rw, off_rslot, off_rstamp, K, fp8, Int32(1 if pipe else 0))
         cute.arch.sync_threads()
-        if cutlass.const_expr(pipe):  # phase counter 0, and every later one if this is the last phase
-            _arrive(peers, tid, bid, nb, world, off_dcnt, rank, off_rntok, ntok, True,
-                    Int32(cutlass.select_(nphase == 1, maxp, 1)), off_rnph, nphase)
+        if cutlass.const_expr(pipe):
+            # the tables counter; without overlap phase 0's too, and every later one if that is the last
+            ncnt0 = Int32(1)
+            if early == 0:
+                ncnt0 = cutlass.select_(nphase == 1, maxp + 1, Int32(2))
+            _arrive(peers, tid, bid, nb, world, off_dcnt, rank, off_rntok, ntok, True, ncnt0, off_rnph, nphase)
         else:  # the tables counter; without overlap the rows counter too (A2 is done)
             _arrive(peers, tid, bid, nb, world, off_dcnt, rank, off_rntok, ntok, True, Int32(2 - early))
         _stamp(probe, tid, bid, PH_TABLES_SENT)
@@ -870,9 +881,8 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
         # ---- B. wait for every block of every source (ARRIVAL_STEP per source and epoch): the tables
         # with overlap, else the rows (their arrival follows the tables', so it covers them)
         wait_off = off_dcnt
-        if cutlass.const_expr(not pipe):
-            if early == 0:
-                wait_off = rows_cnt
+        if early == 0:
+            wait_off = rows_cnt
         _wait_all(me, tid, world, wait_off, wrap_mul(epoch, ARRIVAL_STEP), err_addr, timeout_ns,
                   ERR_DISPATCH_TIMEOUT)
         cute.arch.sync_threads()
@@ -943,7 +953,7 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
                 # ---- A2 with the own rows' pack: each unit goes to the peers and to its local slots
                 _send_rows(x, ids, wts, peers, me, rank, maxt, nlocal, 0, ntok, nvec, epoch, lane, gw, nw, Int32(1),
                            Int32(1), pre, base, cap, nrows, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid,
-                           off_rw, off_rslot, off_rstamp, K, fp8, False)
+                           off_rw, off_rslot, off_rstamp, K, fp8, Int32(0))
                 cute.arch.sync_threads()
                 _arrive(peers, tid, bid, nb, world, rows_cnt, rank, off_rntok, ntok, False)
                 _stamp(probe, tid, bid, PH_ROWS_SENT)
@@ -955,14 +965,31 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
             # the peers' received rows; without overlap the own rows (from x) first, in the same loop
             _pack_rows(me, rstart, 0, chs, 0, world, pre, base, cap, nrows, rank, nlocal, maxt, nvec, epoch, lane, gw,
                        nw, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp, x,
-                       ids, wts, peers, ntok * (1 - early), K, fp8, False)
+                       ids, wts, peers, ntok * (1 - early), Int32(1), K, fp8, False)
         else:
+            if early != 0:
+                # ---- send phase 0 with the own rows' pack fused (as unpipelined A2 with overlap), arrive
+                # on its counter (every later one too if it is the last phase) and wait for it
+                _send_rows(x, ids, wts, peers, me, rank, maxt, nlocal, 0, cutlass.min(ch, ntok), nvec, epoch, lane,
+                           gw, nw, Int32(1), Int32(1), pre, base, cap, nrows, oxa, osa, o_rank, o_tok, o_w, row_pos,
+                           off_rx, off_rid, off_rw, off_rslot, off_rstamp, K, fp8, Int32(0))
+                cute.arch.sync_threads()
+                _arrive(peers, tid, bid, nb, world, rows_cnt, rank, off_rntok, ntok, False,
+                        Int32(cutlass.select_(nphase == 1, maxp, 1)))
+                _stamp(probe, tid, bid, PH_ROWS_SENT)
+                _wait_all(me, tid, world, rows_cnt, wrap_mul(epoch, ARRIVAL_STEP), err_addr, timeout_ns,
+                          ERR_DISPATCH_TIMEOUT)
+                cute.arch.sync_threads()
+                _store_epoch(me, off_state, tid, bid, epoch)
+                _stamp(probe, tid, bid, PH_ROWS_WAITED)
             # phase q: send own phase q + 1 and pack every source's phase q -- with swarps > 0 the
             # first swarps warps of each block send while the others pack, so the NVLink stores and the
             # local copy run at once; swarps == 0: every warp sends, then packs -- then arrive on
-            # counter q + 1 (its release waits for this block's stores) and wait for it. Arrival q + 1
-            # follows wait q, so the protocol cannot deadlock.
+            # phase counter q + 1 (dcnt[q + 2]; its release waits for this block's stores) and wait for
+            # it. Arrival q + 1 follows wait q, so the protocol cannot deadlock. With overlap the sends
+            # also pack the own rows (from x, during the NVLink stores) and the pack skips them in rx.
             nq = qmax[0]
+            own_copy = 1 - early
             q = Int32(0)
             while q < nq:
                 tb = (q + 1) * ch
@@ -971,28 +998,28 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
                 if (q + 1 < nphase) & (swarps > 0):
                     if w < swarps:
                         _send_rows(x, ids, wts, peers, me, rank, maxt, nlocal, tb, te, nvec, epoch, lane,
-                                   bid * swarps + w, nb * swarps, Int32(1), Int32(0), pre, base, cap, nrows, oxa, osa,
+                                   bid * swarps + w, nb * swarps, Int32(1), early, pre, base, cap, nrows, oxa, osa,
                                    o_rank, o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp, K,
-                                   fp8, True)
+                                   fp8, own_copy)
                     else:
                         _pack_rows(me, rstq, tq, chs, q, world, pre, base, cap, nrows, rank, nlocal, maxt, nvec, epoch,
                                    lane, bid * (WARPS - swarps) + w - swarps, nb * (WARPS - swarps), oxa, osa, o_rank,
                                    o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp, x, ids, wts,
-                                   peers, Int32(0), K, fp8, True)
+                                   peers, Int32(0), early, K, fp8, True)
                 else:
                     if q + 1 < nphase:
                         _send_rows(x, ids, wts, peers, me, rank, maxt, nlocal, tb, te, nvec, epoch, lane, gw, nw,
-                                   Int32(1), Int32(0), pre, base, cap, nrows, oxa, osa, o_rank, o_tok, o_w, row_pos,
-                                   off_rx, off_rid, off_rw, off_rslot, off_rstamp, K, fp8, True)
+                                   Int32(1), early, pre, base, cap, nrows, oxa, osa, o_rank, o_tok, o_w, row_pos,
+                                   off_rx, off_rid, off_rw, off_rslot, off_rstamp, K, fp8, own_copy)
                     _pack_rows(me, rstq, tq, chs, q, world, pre, base, cap, nrows, rank, nlocal, maxt, nvec, epoch,
                                lane, gw, nw, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot,
-                               off_rstamp, x, ids, wts, peers, Int32(0), K, fp8, True)
+                               off_rstamp, x, ids, wts, peers, Int32(0), early, K, fp8, True)
                 cute.arch.sync_threads()
                 if q + 1 < nphase:
-                    _arrive(peers, tid, bid, nb, world, off_dcnt + _i64(q + 1) * world * 4, rank, off_rntok, ntok,
+                    _arrive(peers, tid, bid, nb, world, off_dcnt + _i64(q + 2) * world * 4, rank, off_rntok, ntok,
                             False, Int32(cutlass.select_(q + 2 == nphase, maxp - q - 1, 1)), off_rnph, nphase)
                 if q + 1 < nq:
-                    _wait_all(me, tid, world, off_dcnt + _i64(q + 1) * world * 4, wrap_mul(epoch, ARRIVAL_STEP),
+                    _wait_all(me, tid, world, off_dcnt + _i64(q + 2) * world * 4, wrap_mul(epoch, ARRIVAL_STEP),
                               err_addr, timeout_ns, ERR_DISPATCH_TIMEOUT)
                     cute.arch.sync_threads()
                 q = q + 1
@@ -1283,13 +1310,14 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
                   off_state, err_addr, timeout_ns, probe, off_rnph, maxp, nphase, swarps, overlap, nblocks, pdl)
       dispatch_mxfp8_kK: the same with out_x [rows,H] uint8 (E4M3 bits) and out_s [rows,H/32]
                   uint8 (E8M0); off_rx's region holds staged rows of H + H/32 bytes
-      dispatch_pipe_kK, dispatch_mxfp8_pipe_kK: pipelined (maxp phase counters per source in
-                  off_dcnt, [maxp, R]; nphase <= maxp send phases of this call; off_rnph [R];
+      dispatch_pipe_kK, dispatch_mxfp8_pipe_kK: pipelined (maxp phase counters per source after the
+                  tables counter in off_dcnt; nphase <= maxp send phases of this call; off_rnph [R];
                   swarps: warps per block that send while the others pack, 0..WARPS-1);
-                  the others ignore off_rnph / maxp / nphase / swarps, and the pipelined ones overlap
+                  the others ignore off_rnph / maxp / nphase / swarps
       overlap:    1: exchange the tables first and pack own rows while sending (large batches), 0:
-                  one arrival and wait (latency); see the module docstring. Ranks may differ.
-      off_dcnt:   [2, R] counters (tables, rows) unpipelined, [maxp, R] pipelined
+                  send before the first wait (latency); see the module docstring. Ranks may differ.
+      off_dcnt:   [1 + P, R] counters (tables, then the rows of each send phase; P = 1 unpipelined,
+                  maxp pipelined)
       combine_kK(y [rows,H] bf16, ids [T,K] i32, out [T,H] bf16, row_pos, rstart (the last dispatch's),
                  peers, rank, world, nlocal, maxt, off_rid, off_rw, off_rstamp, off_cx, off_ccnt, off_state,
                  err_addr, timeout_ns, probe, nblocks, pdl)

@@ -288,9 +288,10 @@ def test_bounds_checker_catches_an_overrun():
 @pytest.mark.parametrize("world,phases", [(2, 4), (8, 8), (72, 8)])
 def test_pipelined_counters_stay_in_bounds(world, phases):
     """Pipelined dispatch: arrivals on counter (p, source) at dcnt + (p * world + source) * 4 for
-    every phase counter, rnph[source], and the receive-phase tables' shared-memory bound."""
+    the tables counter (p = 0) and every phase counter (p = 1 + q), rnph[source], and the
+    receive-phase tables' shared-memory bound."""
     heap = _heap(world, 8 * world, 8, 1024, 16, "mxfp8", phases)
-    p, s = torch.meshgrid(torch.arange(phases), torch.arange(world), indexing="ij")
+    p, s = torch.meshgrid(torch.arange(1 + phases), torch.arange(world), indexing="ij")
     heap["dcnt"].check(heap["dcnt"].lo + (p * world + s) * 4, 4, "pipelined arrival")
     heap["rnph"].check(heap["rnph"].lo + torch.arange(world) * 4, 4, "rnph")
     assert phases <= host.PIPE_MAX and world <= host.MAX_WORLD

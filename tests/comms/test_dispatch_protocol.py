@@ -87,35 +87,45 @@ def test_auto_grid_fits_the_work():
         assert nb == 132 or nb * host.THREADS // 32 >= max(E, world * T * H * 2 // host.CHUNK_BYTES)
 
 
-def _block_program(P, nq, maxp):
-    """Arrivals and waits of one block of the pipelined dispatch (comms/kernels/dispatch.py): a list
-    of ("arrive", first counter, count) / ("wait", counter) in program order."""
-    prog = [("arrive", 0, maxp if P == 1 else 1), ("wait", 0)]
+def _block_program(P, nq, maxp, overlap):
+    """Arrivals and waits of one block of the dispatch (comms/kernels/dispatch.py) sending in P of at
+    most maxp phases (unpipelined: P = nq = maxp = 1) while the most phases of any source is nq: a
+    list of ("arrive", first counter, count) / ("wait", counter) in program order. Counter 0 is the
+    tables arrival, 1 + q the rows of send phase q. Without overlap the first arrival (after phase 0's
+    sends) covers the tables counter and phase counter 0 (every phase counter if P == 1); with overlap
+    the tables go alone and are waited for before phase 0 is sent (its own rows packed meanwhile)."""
+    if overlap:
+        prog = [("arrive", 0, 1), ("wait", 0), ("arrive", 1, maxp if P == 1 else 1), ("wait", 1)]
+    else:
+        prog = [("arrive", 0, 1 + (maxp if P == 1 else 1)), ("wait", 1)]
     for q in range(nq):
         if q + 1 < P:
-            prog.append(("arrive", q + 1, maxp - q - 1 if q + 2 == P else 1))
+            prog.append(("arrive", q + 2, maxp - q - 1 if q + 2 == P else 1))
         if q + 1 < nq:
-            prog.append(("wait", q + 1))
+            prog.append(("wait", q + 2))
     return prog
 
 
 @pytest.mark.parametrize("world,maxp,start", [(2, 2, 0), (2, 4, 2**32 // STEP - 1), (3, 4, 0), (4, 8, 5)])
 def test_pipelined_phases_never_pass_early_nor_deadlock(world, maxp, start):
-    """Per-phase counters, a last phase that also arrives on the later counters, phase counts and
-    grids that differ per rank and per epoch: a wait on counter q passes only once every block of
-    every source sending a phase q has made that arrival (its phase-q rows are out), every counter
-    ends each epoch at ARRIVAL_STEP per source, and the ranks never deadlock."""
+    """Per-phase counters after the tables counter, a last phase that also arrives on the later
+    counters, phase counts, overlap (tables first, own rows packed with each phase's sends) and grids
+    that differ per rank and per epoch: a wait on a counter passes only once every block of every
+    source has made that arrival (its tables, or its phase-q rows, are out; a rows wait also covers
+    every source's tables), every counter ends each epoch at ARRIVAL_STEP per source, and the ranks
+    never deadlock."""
     rng = random.Random(world * 31 + maxp)
     epochs = 5
-    cnt = [[[_i32(start * STEP)] * world for _ in range(maxp)] for _ in range(world)]  # [dest][counter][src]
+    cnt = [[[_i32(start * STEP)] * world for _ in range(1 + maxp)] for _ in range(world)]  # [dest][counter][src]
     for e in range(epochs):
         target = _i32((start + e + 1) * STEP)
         P = [rng.randint(1, maxp) for _ in range(world)]
+        ov = [rng.random() < 0.5 for _ in range(world)]
         nq = max(P)
         grids = [rng.randint(1, 40) for _ in range(world)]
-        progs = {(r, b): _block_program(P[r], nq, maxp) for r in range(world) for b in range(grids[r])}
+        progs = {(r, b): _block_program(P[r], nq, maxp, ov[r]) for r in range(world) for b in range(grids[r])}
         pc = {k: 0 for k in progs}
-        covered = [[0] * world for _ in range(maxp)]  # [counter][source] blocks whose arrival covers it
+        covered = [[0] * world for _ in range(1 + maxp)]  # [counter][source] blocks whose arrival covers it
         live = list(progs)
         while live:
             runnable = []
@@ -123,7 +133,7 @@ def test_pipelined_phases_never_pass_early_nor_deadlock(world, maxp, start):
                 op = progs[r, b][pc[r, b]]
                 if op[0] == "arrive" or all(_wrap_sub(cnt[r][op[1]][s], target) >= 0 for s in range(world)):
                     runnable.append((r, b))
-            assert runnable, f"deadlock in epoch {e}: P={P}, blocks at {[(k, progs[k][pc[k]]) for k in live]}"
+            assert runnable, f"deadlock in epoch {e}: P={P}, overlap={ov}, blocks at {[(k, progs[k][pc[k]]) for k in live]}"
             r, b = rng.choice(runnable)
             op = progs[r, b][pc[r, b]]
             if op[0] == "arrive":
@@ -136,45 +146,41 @@ def test_pipelined_phases_never_pass_early_nor_deadlock(world, maxp, start):
             else:  # the wait passed: every block of every source has arrived on this counter
                 q = op[1]
                 assert all(covered[q][s] == grids[s] for s in range(world)), (e, r, q, covered[q], grids)
+                assert covered[0] == grids, "a rows wait passed before every source's tables were out"
             pc[r, b] += 1
             if pc[r, b] == len(progs[r, b]):
                 live.remove((r, b))
-        assert all(covered[p] == grids for p in range(maxp))
+        assert all(covered[p] == grids for p in range(1 + maxp))
         for d in range(world):
-            assert cnt[d] == [[target] * world for _ in range(maxp)], "a counter off ARRIVAL_STEP per epoch"
+            assert cnt[d] == [[target] * world for _ in range(1 + maxp)], "a counter off ARRIVAL_STEP per epoch"
 
 
-def _overlap_program(overlap):
-    """Arrivals and waits of one block of the unpipelined dispatch: with overlap the tables arrival
-    (dcnt[0]), its wait, then the rows arrival (dcnt[1]) and its wait; without, one arrival on both
-    counters after the sends and one wait on the rows counter."""
-    if overlap:
-        return [("arrive", 0, 1), ("wait", 0), ("arrive", 1, 1), ("wait", 1)]
-    return [("arrive", 0, 2), ("wait", 1)]
-
-
-@pytest.mark.parametrize("world,start", [(1, 0), (2, 0), (3, 2**32 // STEP - 2), (5, 7)])
-def test_tables_and_rows_counters_in_mixed_modes(world, start):
-    """Overlap chosen per rank and per epoch, grids per rank, ranks running ahead into their next
+@pytest.mark.parametrize("world,maxp,start", [(1, 1, 0), (2, 1, 0), (3, 1, 2**32 // STEP - 2), (5, 1, 7),
+                                              (2, 4, 0), (3, 4, 2**32 // STEP - 2), (4, 8, 5)])
+def test_tables_and_rows_counters_in_mixed_modes(world, maxp, start):
+    """Overlap and (maxp > 1: pipelined) send phase counts chosen per rank and per epoch, grids per
+    rank, ranks running ahead into their next
     launch as soon as their own blocks are done: a wait on the tables counter passes only once every
     block of every source has arrived there (its rslot / recnt / rntok are out), one on the rows
     counter only once every block has made its rows arrival (rows, ids, weights, stamps out; the
     tables arrival precedes it in each block); no deadlock; each counter gets ARRIVAL_STEP per source
     and epoch, and a counter a rank does not wait on in an epoch never drifts more than one step
     from its target (wrap-safe when it is waited on later)."""
-    rng = random.Random(world * 131 + start)
+    rng = random.Random(world * 131 + maxp * 17 + start)
     epochs = 6
-    cnt = [[[_i32(start * STEP)] * world for _ in range(2)] for _ in range(world)]  # [dest][counter][src]
+    nc = 1 + maxp  # counters: tables, then one per send phase
+    cnt = [[[_i32(start * STEP)] * world for _ in range(nc)] for _ in range(world)]  # [dest][counter][src]
     modes = [[rng.random() < 0.5 for _ in range(world)] for _ in range(epochs)]
+    phases = [[rng.randint(1, maxp) for _ in range(world)] for _ in range(epochs)]
     grids = [[rng.randint(1, 40) for _ in range(world)] for _ in range(epochs)]
-    covered = [[[0] * world for _ in range(2)] for _ in range(epochs)]  # [epoch][counter][source]
+    covered = [[[0] * world for _ in range(nc)] for _ in range(epochs)]  # [epoch][counter][source]
     epoch = [0] * world  # the launch each rank runs now (ranks drift apart)
     progs, pc = {}, {}
 
     def launch(r):
         e = epoch[r]
         for b in range(grids[e][r]):
-            progs[r, b] = _overlap_program(modes[e][r])
+            progs[r, b] = _block_program(phases[e][r], max(phases[e]), maxp, modes[e][r])
             pc[r, b] = 0
 
     for r in range(world):
@@ -188,7 +194,8 @@ def test_tables_and_rows_counters_in_mixed_modes(world, start):
             target = _i32((start + epoch[r] + 1) * STEP)
             if op[0] == "arrive" or all(_wrap_sub(cnt[r][op[1]][s], target) >= 0 for s in range(world)):
                 runnable.append((r, b))
-        assert runnable, f"deadlock: epochs {epoch}, modes {[modes[min(e, epochs - 1)] for e in epoch]}"
+        assert runnable, (f"deadlock: epochs {epoch}, modes {[modes[min(e, epochs - 1)] for e in epoch]}, "
+                          f"phases {[phases[min(e, epochs - 1)] for e in epoch]}")
         r, b = rng.choice(runnable)
         e = epoch[r]
         op = progs[r, b][pc[r, b]]
@@ -203,9 +210,9 @@ def test_tables_and_rows_counters_in_mixed_modes(world, start):
         else:
             k = op[1]
             assert all(covered[e][k][s] == grids[e][s] for s in range(world)), (e, r, k, covered[e][k], grids[e])
-            if k == 1:  # the rows wait also covers every source's tables
+            if k >= 1:  # a rows wait also covers every source's tables
                 assert covered[e][0] == grids[e]
-        for k in range(2):
+        for k in range(nc):
             for s in range(world):
                 assert -STEP <= _wrap_sub(cnt[r][k][s], target) <= STEP, "a counter drifted past one step"
         pc[r, b] += 1
@@ -216,4 +223,4 @@ def test_tables_and_rows_counters_in_mixed_modes(world, start):
             if epoch[r] < epochs:
                 launch(r)
     for d in range(world):
-        assert cnt[d] == [[_i32((start + epochs) * STEP)] * world] * 2, "a counter off ARRIVAL_STEP per epoch"
+        assert cnt[d] == [[_i32((start + epochs) * STEP)] * world] * nc, "a counter off ARRIVAL_STEP per epoch"
