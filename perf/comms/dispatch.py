@@ -17,9 +17,10 @@ kernel, H + H/32 bytes per row on the wire; combine stays bf16; the NCCL columns
 phases from PIPE_MIN_TOKENS tokens on and packs each phase while the next is on the wire), and per
 `--send-warps` value (warps per block sending while the others pack); payload column
 "<payload>/p4w2";
-`--overlap auto,0,1` runs each unpipelined row per overlap setting (1: the tables go first and own
-rows are packed while the sends are on the wire; auto: from OVERLAP_MIN_TOKENS tokens); payload
-column "<payload>/ov0" or "/ov1" when forced;
+`--overlap auto,0,1` runs each row per overlap setting (1: the tables go first and own rows are
+packed while the sends are on the wire -- pipelined: each send phase packs its own rows while the
+previous phase's peer rows are packed; auto: from OVERLAP_MIN_TOKENS tokens); payload column
+"<payload>/ov0" or "/ov1" when forced;
 `--blocks` sweeps the fused kernels' grid per row ("auto": sized per call from the token count);
 `--phases` adds, per row, when the latest block passed each phase boundary of the last dispatch and
 combine of a probed pair replay (rank 0; us after the first block started; %globaltimer stamps).
@@ -65,7 +66,7 @@ def add_arguments(p):
     p.add_argument("--send-warps", default="2", help="pipelined rows: warps per block sending while the others pack, "
                    "comma-separated (0: send, then pack)")
     p.add_argument("--overlap", default="auto",
-                   help="unpipelined rows: overlap settings, comma-separated: auto, 0, 1 (see comms.dispatch_fused)")
+                   help="overlap settings, comma-separated: auto, 0, 1 (see comms.dispatch_fused)")
     p.add_argument("--skip-nccl", action="store_true", help="leave out the NCCL reference path columns (0)")
     p.add_argument("--heap", default="auto", choices=("auto", "comms", "torch"),
                    help="symmetric memory: comms.SymmetricHeap, torch symmetric memory, or auto (comms if it works)")
@@ -265,7 +266,7 @@ def _worker(rank, world, store, args, out_path):
             ref = DispatchCombine(group, E, K, H, M, mode="dp_ep", layout=args.layout)
             wire = staged_row_bytes(H, payload)  # bytes of one row in flight
             sends = _ints(args.send_warps) if pipe > 1 else [0]
-            overlaps = [None] if pipe > 1 else _overlaps(args.overlap)
+            overlaps = _overlaps(args.overlap)
             for T, blocks, sw, ov in [(T, b, sw, ov) for T in tokens for b in _blocks(args.blocks) for sw in sends
                                       for ov in overlaps]:
                 label = payload + (f"/p{pipe}w{sw}" if pipe > 1 else "") + ("" if ov is None else f"/ov{int(ov)}")
@@ -330,7 +331,7 @@ def _worker(rank, world, store, args, out_path):
                 floor = nbytes / bw
                 rows.append(dict(tokens=T, hidden=H, experts=E, topk=K, world=world, layout=args.layout,
                                  payload=payload, pipeline_phases=pipe, send_phases=fused._fused.phases_for(T), send_warps=sw,
-                                 overlap=pipe == 1 and fused._fused.overlap_for(T),
+                                 overlap=fused._fused.overlap_for(T),
                                  graph=not eager,
                                  blocks=nb, blocks_auto=blocks is None, phases=phases,
                                  fused_dispatch_us=t_d * 1e6, fused_combine_us=t_c * 1e6,

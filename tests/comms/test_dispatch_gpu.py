@@ -6,7 +6,7 @@ source rank, source token, weight) and the combine output, all exactly; for the 
 packed E4M3 bytes and E8M0 scale bytes (quantized in the dispatch kernel) against the reference's
 torch quantization, and combine of the dequantized rows; both dispatch modes (overlap on / off,
 differing across ranks within an epoch); the pipelined dispatch with send phases that differ across
-ranks and calls. Also: several epochs on one
+ranks and calls, overlap on and off among them. Also: several epochs on one
 buffer, CUDA-graph capture and replay with fresh inputs, the capacity error, and the bounded wait
 (a peer that never arrives gives DispatchTimeoutError instead of a hung GPU).
 
@@ -285,13 +285,18 @@ def _worker(rank, world, store_path, log):
                                         pipeline_phases=4)
                 ref = DispatchCombine(group, E, K, H, M, mode="dp_ep", layout=layout, payload=pl)
                 errs, used = [], []
-                for it, (phases, sw) in enumerate((((4, 2), (2, 0)), ((None, None), (0, 4)), ((1, 3), (3, 2)),
-                                                   ((1, 1), (2, 2)))):
+                # (phases, send warps, overlap) per rank parity; overlap differs across ranks and calls
+                for it, (phases, sw, ov) in enumerate((((4, 2), (2, 0), (False, True)),
+                                                       ((None, None), (0, 4), (True, True)),
+                                                       ((1, 3), (3, 2), (True, False)),
+                                                       ((1, 1), (2, 2), (None, True)),
+                                                       ((4, 4), (0, 2), (True, True)))):
                     fused._fused.set_phases(phases[rank % 2], sw[rank % 2])
-                    used.append((fused._fused.phases_for(T), sw[rank % 2]))
+                    fused._fused.set_overlap(ov[rank % 2])
+                    used.append((fused._fused.phases_for(T), sw[rank % 2], int(fused._fused.overlap_for(T))))
                     x, ids, w = _inputs("random", rank, world, T, E, K, H, gen, dev)
                     errs += _compare(rank, fused, ref, x, ids, w, f"pipe E={E} T={T} {layout} {pl} phases={used[-1]}")[1]
-                report(errs, f"pipe   E={E:3d} K={K} H={H} T={T:3d} {layout:10s} {pl:5s} (phases, send warps) "
+                report(errs, f"pipe   E={E:3d} K={K} H={H} T={T:3d} {layout:10s} {pl:5s} (phases, send warps, overlap) "
                              f"{used} == reference")
                 fused.destroy()
                 heap.destroy()
