@@ -466,6 +466,32 @@ def _next_rank(dv, after):
 
 
 @cute.jit
+def _store_chunk(dst, v0, v1, v2, v3):
+    """A lane's 4 vectors of a 2 KiB chunk (CHUNK_VEC vectors, lane-interleaved) from dst on."""
+    ptx.st_v4(dst, v0)
+    ptx.st_v4(dst + 512, v1)
+    ptx.st_v4(dst + 1024, v2)
+    ptx.st_v4(dst + 1536, v3)
+
+
+@cute.jit
+def _slot_row(idv, sl, s, rank, nlocal, pre: cute.Tensor, base: cute.Tensor, cap, nrows, lane, K: cutlass.Constexpr):
+    """Lane j < K of a row from source s (slot j: global expert idv, index sl among source s's
+    tokens of that expert): its packed output row base[e] + pre[s, e] + sl when the expert e is
+    local and the slot within capacity, else -1 (also for a row past nrows: never with consistent
+    tables, it keeps stray rows in bounds)."""
+    posv = Int32(-1)
+    lid = idv - rank * nlocal
+    if (lane < K) & (lid >= 0) & (lid < nlocal):
+        p = pre[s * nlocal + lid] + sl
+        if p < cap:
+            posv = base[lid] + p
+        if posv >= nrows:
+            posv = Int32(-1)
+    return posv
+
+
+@cute.jit
 def _find_source(rstart: cute.Tensor, off, world, rr):
     """Largest s with rstart[off + s] <= rr (binary search)."""
     lo = Int32(0)
@@ -598,11 +624,8 @@ def _token_unit(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.
                             st_b8(sc + 16, s2)
                             st_b8(sc + 24, s3)
                     else:
-                        dst = db + off_rx + row * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
-                        ptx.st_v4(dst, v0)
-                        ptx.st_v4(dst + 512, v1)
-                        ptx.st_v4(dst + 1024, v2)
-                        ptx.st_v4(dst + 1536, v3)
+                        _store_chunk(db + off_rx + row * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off,
+                                     v0, v1, v2, v3)
                 if c == 0:
                     if lane < K:
                         st_b32(db + off_rid + (row * K + lane) * 4, idv)
@@ -610,14 +633,7 @@ def _token_unit(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.
                     if lane == 0:
                         st_b32(db + off_rstamp + row * 4, epoch)
     if pack != 0:
-        posv = Int32(-1)
-        lid = idv - rank * nlocal
-        if (lane < K) & (lid >= 0) & (lid < nlocal):
-            p = pre[rank * nlocal + lid] + sl
-            if p < cap:
-                posv = base[lid] + p
-            if posv >= nrows:  # never with consistent metadata; keeps stray rows in bounds
-                posv = Int32(-1)
+        posv = _slot_row(idv, sl, rank, rank, nlocal, pre, base, cap, nrows, lane, K)
         mp = cute.arch.vote_ballot_sync(posv >= 0)
         for j in cutlass.range_constexpr(K):
             if ((mp >> j) & 1) != 0:
@@ -635,11 +651,7 @@ def _token_unit(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.
                         st_b8(sc + 16, s2)
                         st_b8(sc + 24, s3)
                 else:
-                    dst = oxa + pj * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
-                    ptx.st_v4(dst, v0)
-                    ptx.st_v4(dst + 512, v1)
-                    ptx.st_v4(dst + 1024, v2)
-                    ptx.st_v4(dst + 1536, v3)
+                    _store_chunk(oxa + pj * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off, v0, v1, v2, v3)
         if c == 0:
             if posv >= 0:
                 o_rank[posv] = rank
@@ -737,14 +749,7 @@ def _pack_rows(me, tab: cute.Tensor, tab_off, chs: cute.Tensor, q, world, pre: c
                 v2 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 1024)
                 v3 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 1536)
             if stamp == epoch:
-                posv = Int32(-1)
-                lid = idl - rank * nlocal
-                if (lane < K) & (lid >= 0) & (lid < nlocal):
-                    p = pre[s * nlocal + lid] + sl
-                    if p < cap:
-                        posv = base[lid] + p
-                    if posv >= nrows:  # never with consistent metadata; keeps stray rows in bounds
-                        posv = Int32(-1)
+                posv = _slot_row(idl, sl, s, rank, nlocal, pre, base, cap, nrows, lane, K)
                 m = cute.arch.vote_ballot_sync(posv >= 0)
                 for j in cutlass.range_constexpr(K):
                     if ((m >> j) & 1) != 0:
@@ -758,11 +763,7 @@ def _pack_rows(me, tab: cute.Tensor, tab_off, chs: cute.Tensor, q, world, pre: c
                                 elif v < rvec:
                                     ptx.st_v4(osa + pj * (_i64(rvec - hvec) * 16) + _i64(v - hvec) * 16, vs[qq])
                         else:
-                            dst = oxa + pj * row_bytes + _i64(vbase) * 16
-                            ptx.st_v4(dst, v0)
-                            ptx.st_v4(dst + 512, v1)
-                            ptx.st_v4(dst + 1024, v2)
-                            ptx.st_v4(dst + 1536, v3)
+                            _store_chunk(oxa + pj * row_bytes + _i64(vbase) * 16, v0, v1, v2, v3)
                 if c == 0:
                     if posv >= 0:
                         o_rank[posv] = s
