@@ -19,6 +19,8 @@ sa[row, k] * sb[n_block, k] ("promotion" once per K tile, as DeepGEMM does).
   a_scale: [L, K/128, M] fp32 (contiguous: L = 1, masked: L = E, M = cap)
   b_scale: [E, N/128, K/128] fp32
 BF16 operands take the same entry point with the scale arguments ignored (pass 1-element tensors).
+Arguments of every export: (a, b, c, a_scale, b_scale, aux[, clusters], pdl); pdl = 1 launches it
+with programmatic dependent launch (`aot.pdl.enabled`; `pdl_wait` is every kernel's first step).
 
 Measured on an H200 (perf/RESULTS.md, 2026-11-21): all variants match the fp32 product of the
 dequantized operands (rel err < 1e-2). FP8 two-GEMM expert time at 16384 tokens: 9.9 ms for
@@ -128,6 +130,7 @@ class GroupedGemmSm90:
         a_scale: cute.Tensor,  # (M, K/128, L) fp32
         b_scale: cute.Tensor,  # (N/128, K/128, E) fp32
         aux: cute.Tensor,  # tile_expert (M/128,) or counts (E,) int32
+        pdl: cutlass.Int32,  # 1: programmatic dependent launch (aot.pdl.enabled)
         stream,
     ):
         self._setup()
@@ -149,7 +152,7 @@ class GroupedGemmSm90:
             tma_a, tma_ta, tma_b, tma_tb, tma_c, tma_tc, a_scale, b_scale, aux,
             self.tiled_mma, self.tiled_mma, self.tiled_mma,
             self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
-        ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream)
+        ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, use_pdl=pdl)
 
     @cute.kernel
     def kernel(
@@ -170,6 +173,7 @@ class GroupedGemmSm90:
         b_smem_staged: cute.ComposedLayout,
         epi_smem_staged: cute.ComposedLayout,
     ):
+        pdl_wait()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         pid_m, pid_n, pid_l = cute.arch.block_idx()
@@ -366,6 +370,17 @@ class GroupedGemmSm90:
         return rel
 
 
+@cute.jit
+def pdl_wait():
+    """Every grouped GEMM's first step: wait for the previous kernel of the stream (its writes, the
+    activations and tile tables, are then visible; a no-op when this launch is not programmatic),
+    then let the next kernel launch (it waits for this grid's completion itself). In a decode graph
+    the GEMM's blocks are then resident while the quantizing kernel before it drains, and the one
+    after it while the GEMM drains."""
+    cute.arch.griddepcontrol_wait()
+    cute.arch.griddepcontrol_launch_dependents()
+
+
 def _fake_args(fp8: bool, masked: bool):
     """Fake tensors (symbolic sizes) matching the torch views documented in the module docstring."""
     from cutlass.cute.runtime import make_fake_compact_tensor
@@ -385,6 +400,13 @@ def _fake_args(fp8: bool, masked: bool):
     return a, b, c, sa, sb, aux, make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
+def _export(gemm, fp8: bool, masked: bool, arch: str, clusters: bool = False):
+    """cute.compile of one variant against the fake arguments: (a, b, c, sa, sb, aux[, clusters], pdl, stream)."""
+    *args, stream = _fake_args(fp8, masked)
+    extra = (cutlass.Int32(0),) * (2 if clusters else 1)
+    return cute.compile(gemm, *args, *extra, stream, options=f"--gpu-arch {arch} --enable-tvm-ffi")
+
+
 VARIANTS = {
     "grouped_gemm_fp8_contig": dict(fp8=True, masked=False, overlap=True),
     "grouped_gemm_fp8_masked": dict(fp8=True, masked=True, overlap=True),
@@ -400,9 +422,4 @@ def compile_for_export(arch: str = "sm_90a") -> dict:
     """{export name: compiled fn} for every entry of VARIANTS (arguments: module docstring)."""
     if not arch.startswith("sm_90"):
         raise ValueError(f"arch={arch!r}: the wgmma grouped GEMM needs sm_90a")
-    return {
-        name: cute.compile(
-            GroupedGemmSm90(**kw), *_fake_args(kw["fp8"], kw["masked"]), options=f"--gpu-arch {arch} --enable-tvm-ffi"
-        )
-        for name, kw in VARIANTS.items()
-    }
+    return {name: _export(GroupedGemmSm90(**kw), kw["fp8"], kw["masked"], arch) for name, kw in VARIANTS.items()}

@@ -87,7 +87,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 
-from moe.kernels.sm90_grouped_gemm import SCALE_BLOCK, GroupedGemmSm90, _fake_args
+from moe.kernels.sm90_grouped_gemm import SCALE_BLOCK, GroupedGemmSm90, _export, pdl_wait
 
 ARCHS = ("sm_90a",)
 NUM_SMS = 132
@@ -189,6 +189,7 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
         a_scale: cute.Tensor,
         b_scale: cute.Tensor,
         aux: cute.Tensor,
+        pdl: cutlass.Int32,
         stream,
     ):
         self._setup()
@@ -204,7 +205,8 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
             tma_a, tma_ta, tma_b, tma_tb, tma_c, tma_tc, a_scale, b_scale, aux,
             self.tiled_mma, self.tiled_mma, self.tiled_mma,
             self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
-        ).launch(grid=(cutlass.min(num_tiles, NUM_SMS), 1, 1), block=[self.threads, 1, 1], stream=stream)
+        ).launch(grid=(cutlass.min(num_tiles, NUM_SMS), 1, 1), block=[self.threads, 1, 1], stream=stream,
+                 use_pdl=pdl)
 
     @cute.jit
     def _tile(self, t, tiles_m, tiles_n, n_l, aux, sP):
@@ -375,6 +377,7 @@ class GroupedGemmSm90WS(GroupedGemmSm90):
         b_smem_staged: cute.ComposedLayout,
         epi_smem_staged: cute.ComposedLayout,
     ):
+        pdl_wait()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -678,6 +681,7 @@ class GroupedGemmSm90WSPingPong(GroupedGemmSm90WS):
         b_smem_staged: cute.ComposedLayout,
         epi_smem_staged: cute.ComposedLayout,
     ):
+        pdl_wait()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -863,6 +867,7 @@ class GroupedGemmSm90WSCluster(GroupedGemmSm90WSPingPong):
         b_scale: cute.Tensor,
         aux: cute.Tensor,
         clusters: cutlass.Int32,
+        pdl: cutlass.Int32,
         stream,
     ):
         """Pairs of CTAs (a cluster of 2 along M) over pairs of 128-row tiles: B through multicast TMA."""
@@ -884,7 +889,7 @@ class GroupedGemmSm90WSCluster(GroupedGemmSm90WSPingPong):
             self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
         ).launch(
             grid=(2 * cutlass.max(cutlass.min(units, clusters), 1), 1, 1), block=[self.threads, 1, 1],
-            cluster=(2, 1, 1), stream=stream,
+            cluster=(2, 1, 1), stream=stream, use_pdl=pdl,
         )
 
     @cute.jit
@@ -975,15 +980,12 @@ VARIANTS = {
 
 def compile_for_export(arch: str = "sm_90a") -> dict:
     """{export name: compiled fn} for every entry of VARIANTS (arguments as in sm90_grouped_gemm; the
-    cluster variants take the co-resident cluster count after aux: GroupedGemmSm90WSCluster)."""
+    cluster variants take the co-resident cluster count after aux, then pdl: GroupedGemmSm90WSCluster)."""
     if not arch.startswith("sm_90"):
         raise ValueError(f"arch={arch!r}: the wgmma grouped GEMM needs sm_90a")
     kernels = {}
     for name, kw in VARIANTS.items():
         kw = dict(kw)
         cls = kw.pop("cls", GroupedGemmSm90WS)
-        *args, stream = _fake_args(True, kw["masked"])
-        if issubclass(cls, GroupedGemmSm90WSCluster):
-            args.append(cutlass.Int32(0))
-        kernels[name] = cute.compile(cls(**kw), *args, stream, options=f"--gpu-arch {arch} --enable-tvm-ffi")
+        kernels[name] = _export(cls(**kw), True, kw["masked"], arch, issubclass(cls, GroupedGemmSm90WSCluster))
     return kernels

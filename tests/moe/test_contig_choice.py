@@ -52,7 +52,7 @@ def test_table_by_role_and_rows(monkeypatch, kernels):
         for role in backend.GEMM_ROLES:
             _call(g, r, role)
             v = _expect(role, r)
-            want.append((v, 7 if v in backend.Sm90Gemm.CLUSTERED else 6))  # clusters passed after aux
+            want.append((v, 8 if v in backend.Sm90Gemm.CLUSTERED else 7))  # clusters after aux, then pdl
     assert calls == want
     assert {v for v, _ in calls} == {v for role in backend.GEMM_ROLES for _, v in backend.Sm90Gemm.CONTIG_TABLE[role]}
 
