@@ -1,4 +1,5 @@
-"""Programmatic dependent launch (PDL) for the Triton kernels of `nvl72` and `moe`: one switch.
+"""Programmatic dependent launch (PDL) for the Triton kernels of `nvl72` and `moe` (the switch:
+`aot.launch.pdl_enabled`).
 
 A decode step is a chain of kernels of a few microseconds each, where the gap between dependent
 kernels (launch, block scheduling, the first loads) costs about as much as the work. With PDL
@@ -20,39 +21,18 @@ and `moe` (both may import `aot`).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-ENV = "NVL72_PDL"  # "0": launch every Triton kernel plainly; "1" (default): PDL where `enabled`
-
-_SM90: dict[int, bool] = {}  # device index -> capability >= 9.0
-
-
-def enabled(device: torch.device) -> bool:
-    """Whether a Triton kernel launched now on `device` uses PDL: a CUDA device of sm_90 or newer,
-    not switched off by $NVL72_PDL=0, not under Triton's CPU interpreter (TRITON_INTERPRET=1, which
-    has no grid dependency control), and a real stream: never the legacy default stream, whose
-    implicit synchronisation PDL is not defined against (graph capture never runs on it)."""
-    flag = os.environ.get(ENV, "1")
-    if flag not in ("0", "1"):
-        raise ValueError(f"${ENV}={flag!r}: expected 0 or 1")
-    if device.type != "cuda" or flag == "0" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    sm90 = _SM90.get(idx)
-    if sm90 is None:
-        sm90 = _SM90[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
-    return sm90 and torch._C._cuda_getCurrentRawStream(idx) != 0
+from aot.launch import pdl_enabled
 
 
 def launch_args(device: torch.device) -> dict:
     """Keyword arguments of a launch of a kernel with a `PDL` constexpr: the constexpr and Triton's
     `launch_pdl` option, always equal (a kernel launched early must wait)."""
-    on = enabled(device)
+    on = pdl_enabled(device)
     return {"PDL": on, "launch_pdl": on}
 
 

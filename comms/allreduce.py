@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 
 from comms.heap import SymmetricHeap
-from comms.launch import pdl_allowed
+from aot.launch import stream_allows_pdl
 
 log = logging.getLogger(__name__)
 
@@ -438,8 +438,8 @@ class AllReduce:
             return fn(*args)
 
     def _pdl(self) -> int:
-        """1: launch the kernel with PDL (when enabled and `comms.launch.pdl_allowed`)."""
-        return int(self.pdl and pdl_allowed(self.device))
+        """1: launch the kernel with PDL (when enabled and `aot.launch.stream_allows_pdl`)."""
+        return int(self.pdl and stream_allows_pdl(self.device))
 
     def _launch(self, algo: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         epv = VEC_BYTES // x.element_size()

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 import aot
+from aot.launch import stream_allows_pdl
 from comms.dispatch import CapacityError, DispatchError, DispatchRecv, DispatchTimeoutError
-from comms.launch import pdl_allowed
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ class FusedDispatch:
         T = x.shape[0]
         self._dispatch(x, ids, w, *self._outs, self.counts, self.offsets, self.o_rank, self.o_tok, self.o_w,
                        self.row_pos, *self._dargs, self._probe(0), self.off["rnph"], self.maxp, self.phases_for(T),
-                       self.send_warps, int(self.overlap_for(T)), self.blocks_for(T), int(pdl_allowed(self.device)))
+                       self.send_warps, int(self.overlap_for(T)), self.blocks_for(T), int(stream_allows_pdl(self.device)))
         recv = DispatchRecv(self.recv_x, self.counts, self.offsets, self.o_rank, self.o_tok, self.o_w, self.recv_s)
         return recv, FusedHandle(x.shape[0], ids)
 
@@ -249,7 +249,7 @@ class FusedDispatch:
         y = expert_out.reshape(-1, H)  # [rows, H]
         out = torch.empty(handle.num_tokens, H, dtype=torch.bfloat16, device=self.device)
         self._combine(y, handle.topk_ids, out, self.row_pos, self.rstart, *self._cargs, self._probe(1),
-                      self.blocks_for(handle.num_tokens), int(pdl_allowed(self.device)))
+                      self.blocks_for(handle.num_tokens), int(stream_allows_pdl(self.device)))
         return out
 
     def check(self) -> None:

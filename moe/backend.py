@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from aot.launch import pdl_enabled
 from moe import mxfp8, reference
 from moe.routing import permute_contiguous, permute_masked
 
@@ -273,13 +274,11 @@ class Sm90Gemm:
             raise ValueError(f"{a.shape[0]} experts: {variant} takes at most {self.COMPACT_MAX_EXPERTS[variant]}")
         if a.shape[-1] > self.STAGED_MAX_K.get(variant, a.shape[-1]):
             raise ValueError(f"K={a.shape[-1]}: {variant} takes K <= {self.STAGED_MAX_K[variant]}")
-        from aot import pdl  # imports Triton: only here, on the GPU path
-
         fn = self.kernel(variant)
         args = (a3, b.permute(1, 2, 0), c3, sa, sb, aux.to(torch.int32))
         if variant in self.CLUSTERED:
             args += (self.clusters(a.device, variant),)
-        fn(*args, int(pdl.enabled(a.device)))
+        fn(*args, int(pdl_enabled(a.device)))
         return out
 
 

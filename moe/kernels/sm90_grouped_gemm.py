@@ -20,7 +20,7 @@ sa[row, k] * sb[n_block, k] ("promotion" once per K tile, as DeepGEMM does).
   b_scale: [E, N/128, K/128] fp32
 BF16 operands take the same entry point with the scale arguments ignored (pass 1-element tensors).
 Arguments of every export: (a, b, c, a_scale, b_scale, aux[, clusters], pdl); pdl = 1 launches it
-with programmatic dependent launch (`aot.pdl.enabled`; `pdl_wait` is every kernel's first step).
+with programmatic dependent launch (`aot.launch.pdl_enabled`; `pdl_wait` is every kernel's first step).
 
 Measured on an H200 (perf/RESULTS.md, 2026-11-21): all variants match the fp32 product of the
 dequantized operands (rel err < 1e-2). FP8 two-GEMM expert time at 16384 tokens: 9.9 ms for
@@ -130,7 +130,7 @@ class GroupedGemmSm90:
         a_scale: cute.Tensor,  # (M, K/128, L) fp32
         b_scale: cute.Tensor,  # (N/128, K/128, E) fp32
         aux: cute.Tensor,  # tile_expert (M/128,) or counts (E,) int32
-        pdl: cutlass.Int32,  # 1: programmatic dependent launch (aot.pdl.enabled)
+        pdl: cutlass.Int32,  # 1: programmatic dependent launch (aot.launch.pdl_enabled)
         stream,
     ):
         self._setup()

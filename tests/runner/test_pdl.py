@@ -10,14 +10,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from aot import launch
+
 pdl = pytest.importorskip("aot.pdl", exc_type=ImportError)  # needs triton
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _fake_cuda(monkeypatch, major: int, stream: int):
     """A CUDA device of compute capability `major`.0 whose current stream is `stream` (0: the
-    legacy default stream), without a GPU: the two queries `enabled` makes of torch."""
-    monkeypatch.setattr(pdl, "_SM90", {})
+    legacy default stream), without a GPU: the two queries `pdl_enabled` makes of torch."""
+    monkeypatch.setattr(launch, "_SM90", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx: (major, 0))
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda idx: stream, raising=False)
 
@@ -32,22 +34,22 @@ def _fake_cuda(monkeypatch, major: int, stream: int):
 ])
 def test_switch_on_cuda(monkeypatch, env, interp, major, stream, want):
     if env is None:
-        monkeypatch.delenv(pdl.ENV, raising=False)
+        monkeypatch.delenv(launch.ENV, raising=False)
     else:
-        monkeypatch.setenv(pdl.ENV, env)
+        monkeypatch.setenv(launch.ENV, env)
     monkeypatch.setenv("TRITON_INTERPRET", interp)
     _fake_cuda(monkeypatch, major, stream)
     dev = torch.device("cuda", 0)
-    assert pdl.enabled(dev) is want
+    assert launch.pdl_enabled(dev) is want and launch.stream_allows_pdl(dev) is (stream != 0)
     assert pdl.launch_args(dev) == {"PDL": want, "launch_pdl": want}
 
 
 def test_switch_off_on_cpu_and_bad_values_named(monkeypatch):
-    monkeypatch.setenv(pdl.ENV, "1")
+    monkeypatch.setenv(launch.ENV, "1")
     assert pdl.launch_args(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
-    monkeypatch.setenv(pdl.ENV, "yes")
+    monkeypatch.setenv(launch.ENV, "yes")
     with pytest.raises(ValueError, match="NVL72_PDL='yes'"):
-        pdl.enabled(torch.device("cpu"))
+        launch.pdl_enabled(torch.device("cpu"))
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="without the interpreter the compile tests "
@@ -124,18 +126,18 @@ def test_decode_chain_with_pdl_in_a_graph_equals_plain_launches():
     x = rnd(1, hid)
     kv0 = [kv.clone() for _ in range(layers)]
 
-    assert not pdl.enabled(dev)  # the default stream: plain launches
+    assert not launch.pdl_enabled(dev)  # the default stream: plain launches
     want = _decode_layers(x, w, batch, [c.clone() for c in kv0], layers)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        assert pdl.enabled(dev)
+        assert launch.pdl_enabled(dev)
         eager = _decode_layers(x, w, batch, [c.clone() for c in kv0], layers)  # also compiles the PDL variants
     torch.cuda.current_stream().wait_stream(side)
     kvs = [c.clone() for c in kv0]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        assert pdl.enabled(dev)
+        assert launch.pdl_enabled(dev)
         got = _decode_layers(x, w, batch, kvs, layers)
     for name, outs in (("side stream", eager), ("graph", got)):
         for _ in range(3 if name == "graph" else 1):
