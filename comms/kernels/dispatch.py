@@ -157,17 +157,12 @@ def ld_b32_cg(addr, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def red_add_release_sys(addr, val, *, loc=None, ip=None) -> None:
-    ptx._asm(None, [ptx._i64(addr, loc, ip), ptx._i32(val, loc, ip)], "red.release.sys.global.add.u32 [$0], $1;",
-             "l,r,~{memory}", loc, ip)
-
-
-@dsl_user_op
-def red_add_relaxed_sys(addr, val, *, loc=None, ip=None) -> None:
-    """Strong (relaxed, sys scope) add: after a release by the same thread it is itself a release
-    pattern (PTX memory model), without a second fence."""
-    ptx._asm(None, [ptx._i64(addr, loc, ip), ptx._i32(val, loc, ip)], "red.relaxed.sys.global.add.u32 [$0], $1;",
-             "l,r,~{memory}", loc, ip)
+def red_add_sys(addr, val, release: bool, *, loc=None, ip=None) -> None:
+    """Atomic add at system scope, a release (a fence, then the add) or relaxed (a strong add: after
+    a release by the same thread it is itself a release pattern, PTX memory model, without a second
+    fence)."""
+    ptx._asm(None, [ptx._i64(addr, loc, ip), ptx._i32(val, loc, ip)],
+             f"red.{'release' if release else 'relaxed'}.sys.global.add.u32 [$0], $1;", "l,r,~{memory}", loc, ip)
 
 
 @dsl_user_op
@@ -311,10 +306,10 @@ def _arrive(peers: cute.Tensor, tid, bid, nb, world, cnt_off, rank, ntok_off, nt
                 # the first counter's add is a release; the others follow it in program order, which
                 # makes each of them a release pattern too (PTX: a release operation followed by a
                 # strong write) without another sys-scope fence, i.e. another NVLink round trip
-                red_add_release_sys(db + cnt_off + _i64(rank) * 4, inc)
+                red_add_sys(db + cnt_off + _i64(rank) * 4, inc, True)
                 k = Int32(1)
                 while k < ncnt:
-                    red_add_relaxed_sys(db + cnt_off + (_i64(k) * world + rank) * 4, inc)
+                    red_add_sys(db + cnt_off + (_i64(k) * world + rank) * 4, inc, False)
                     k += 1
             d0 += 32
 
