@@ -347,11 +347,11 @@ class LLMEngine:
     def warmup(self, num_tokens: int | None = None) -> int:
         """Dummy requests before serving, so no real request pays for kernel JIT: one `num_tokens`
         prefill (default one full chunk) with two decode steps, then a few short prompts together and
-        one arriving while they decode, then max_num_seqs short prompts and one arriving. Triton specialises on shapes: the first long prompt on an H200
-        took 745 ms instead of 33 (its contiguous MoE path compiled then).
-        Afterwards its pages leave the prefix cache and the counters it moved are zeroed. Every rank of
-        a TP instance must call it (its forwards are collectives); not for DP+EP ranks (their passes
-        pair with the EP group's). Returns the prefill's token count."""
+        one arriving while they decode, then the same with max_num_seqs prompts. Triton specialises
+        on shapes: the first long prompt on an H200 took 745 ms instead of 33 (its contiguous MoE path
+        compiled then). Afterwards its pages leave the prefix cache and the counters it moved are
+        zeroed. Every rank of a TP instance must call it (its forwards are collectives); not for DP+EP
+        ranks (their passes pair with the EP group's). Returns the prefill's token count."""
         if self.dp_ep:
             raise RuntimeError("warmup() on a DP+EP rank: its forwards pair with the other EP ranks'")
         if self.seqs:
@@ -366,31 +366,36 @@ class LLMEngine:
         # H200 a served benchmark's first concurrency-64 run averaged 7.0 ms a step against 2.5 ms for
         # the same run repeated: Triton compiled the kernels of these shapes in the middle of serving.
         cap = max(1, min(self.config.max_model_len - 4, n))
-        for i, length in enumerate((1, 3, 17, 100, 301)):
-            self.add_request(AddRequest(f"{WARMUP_REQUEST_ID}-{i}", [1] * min(length, cap), sp))
-        self.step()
-        self.add_request(AddRequest(f"{WARMUP_REQUEST_ID}-late", [1] * min(200, cap), sp))
-        while self.has_unfinished():
-            self.step()
-        # and the widest batches: max_num_seqs short prompts, then one arriving while they decode
-        # (kernels sized by the sequence count compiled 5 variants in a served concurrency-64 run)
-        for i in range(self.config.max_num_seqs):
-            self.add_request(AddRequest(f"{WARMUP_REQUEST_ID}-wide-{i}", [1] * min(1 + i % 7, cap), sp))
-        self.step()
-        graphs, self.runner.graphs = self.runner.graphs, None
-        try:  # one decode step outside the graphs: what a batch that does not fit them runs
-            self.step()
-        finally:
-            self.runner.graphs = graphs
-        self.add_request(AddRequest(f"{WARMUP_REQUEST_ID}-wide-late", [1] * min(33, cap), sp))
-        while self.has_unfinished():
-            self.step()
+        self._warm_batch("mixed", [min(length, cap) for length in (1, 3, 17, 100, 301)], min(200, cap), sp)
+        # and the widest batches (kernels sized by the sequence count compiled 5 variants in a served
+        # concurrency-64 run), with one decode step outside the graphs: what a batch that does not fit
+        # them runs
+        self._warm_batch("wide", [min(1 + i % 7, cap) for i in range(self.config.max_num_seqs)], min(33, cap), sp,
+                         eager_decode=True)
         self.prefix.clear()
         self.scheduler.prefix_queries = self.scheduler.prefix_hits = 0
         for k in self.counters:
             self.counters[k] = 0
         jit_watch.watch(self.counters)
         return n
+
+    def _warm_batch(self, name: str, lengths: list[int], late: int, sp: SamplingParams,
+                    eager_decode: bool = False) -> None:
+        """Warm-up: prompts of `lengths` tokens prefilled in one step, (`eager_decode`: one decode
+        step with the CUDA graphs set aside,) then a `late`-token prompt arriving while they decode;
+        runs them all to the end."""
+        for i, length in enumerate(lengths):
+            self.add_request(AddRequest(f"{WARMUP_REQUEST_ID}-{name}-{i}", [1] * length, sp))
+        self.step()
+        if eager_decode:
+            graphs, self.runner.graphs = self.runner.graphs, None
+            try:
+                self.step()
+            finally:
+                self.runner.graphs = graphs
+        self.add_request(AddRequest(f"{WARMUP_REQUEST_ID}-{name}-late", [1] * late, sp))
+        while self.has_unfinished():
+            self.step()
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
