@@ -8,7 +8,8 @@ can be captured in a CUDA graph; results live in the pre-allocated buffers and s
 the next `dispatch`. The grid is chosen per call (`blocks_for`): every block arrives by itself and
 each source adds ARRIVAL_STEP per epoch whatever its block count, so ranks need not agree on it.
 Errors (a peer past `timeout_s`, expert capacity overflow) are recorded by the kernels in the error
-word; `check()` synchronises and raises them.
+word; `check()` synchronises and raises them. After a timeout the protocol state in the heap (epochs,
+counters, partials left in combine's buffer) no longer matches the peers': build a new one.
 
 Kernels come from the ahead-of-time bundle (`aot.function`, `nvl72 kernels build`); without one,
 aot JIT-compiles them with CuTeDSL as its logged development path.
@@ -39,8 +40,9 @@ PIPE_SEND_WARPS = 2  # pipelined dispatch: warps per block sending while the oth
 # sends are on the wire (one more arrival and wait, a few us); below it one arrival and wait (latency)
 OVERLAP_MIN_TOKENS = 1024
 DISPATCH_PHASES = ("start", "tables sent", "tables waited", "tables built", "rows sent", "rows waited", "packed")
-COMBINE_PHASES = ("start", "row starts", "A sent", "signalled", "waited", "B summed")
+COMBINE_PHASES = ("start", "done")
 _ERR_KINDS = {1: "dispatch wait", 2: "combine wait", 3: "capacity"}
+CX_EMPTY = -1  # combine's sentinel word (comms.kernels.dispatch.SENTINEL)
 REGION_ALIGN = 256
 
 
@@ -66,7 +68,7 @@ def heap_regions(world: int, num_experts: int, top_k: int, hidden: int, max_toke
     rows, L = world * max_tokens, num_experts // world
     return [("rx", rows * staged_row_bytes(hidden, payload)), ("rid", rows * top_k * 4), ("rw", rows * top_k * 4),
             ("rslot", rows * top_k * 4), ("rstamp", rows * 4), ("rntok", world * 4), ("recnt", world * L * 4),
-            ("dcnt", (1 + phases) * world * 4), ("cx", rows * hidden * 2), ("ccnt", world * 4), ("state", 16),
+            ("dcnt", (1 + phases) * world * 4), ("cx", rows * hidden * 2), ("state", 16),
             ("rnph", world * 4)]
 
 
@@ -112,6 +114,10 @@ class FusedDispatch:
         rows = R * M
         self.off = {name: heap.alloc(nbytes, align=REGION_ALIGN)
                     for name, nbytes in heap_regions(R, cfg.num_experts, K, H, M, cfg.payload, cfg.pipeline_phases)}
+        # combine's cx starts empty (every word the sentinel; its readers empty what they read), before any
+        # peer can write it: peers write cx only after a dispatch that needs this rank's arrival
+        heap.buffer(self.off["cx"], (rows * H // 2,), torch.int32).fill_(CX_EMPTY)
+        torch.cuda.synchronize(self.device)
         heap.barrier()
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.set_blocks(nblocks)
@@ -145,8 +151,8 @@ class FusedDispatch:
         self._dargs = (heap.peer_ptrs, cfg.rank, R, L, M, cfg.cap, int(cfg.layout == "contiguous"), o["rx"],
                        o["rid"], o["rw"], o["rslot"], o["rstamp"], o["rntok"], o["recnt"], o["dcnt"], o["state"],
                        self.err.data_ptr(), self.timeout_ns)
-        self._cargs = (heap.peer_ptrs, cfg.rank, R, L, M, o["rid"], o["rw"], o["rstamp"], o["cx"], o["ccnt"],
-                       o["state"], self.err.data_ptr(), self.timeout_ns)
+        self._cargs = (heap.peer_ptrs, cfg.rank, R, L, M, o["rid"], o["rw"], o["rstamp"], o["cx"], o["state"],
+                       self.err.data_ptr(), self.timeout_ns)
         self.probes = None  # (dispatch, combine) int64 [SMs, PROBE_PHASES] stamp buffers, see enable_probes
         log.info("fused dispatch: %s blocks, heap used %.1f MiB, packed rows %d", self.nblocks or "auto",
                  heap.used / 2**20, nrows)

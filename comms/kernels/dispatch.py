@@ -25,10 +25,9 @@ M = max tokens per rank, K = top-k, L = local experts):
                          written), dcnt[1 + q] the rows arrival of send phase q (rx, rid, rw, rstamp
                          written; it follows the tables arrival in program order, so it covers the
                          tables too). Unpipelined P = 1; pipelined P = maxp
-  cx    bf16  [R, M, H]  combine partials: row (s, t) = rank s's partial for my token t
-  ccnt  int32 [R]        combine arrival counters
-  state int32 [4]        dispatch epoch, -, combine epoch, combine ticket (the SKIP_FLAGS debug
-                         variants' exit hand-off only); block 0 stores the new epoch after its wait
+  cx    bf16  [R, M, H]  combine partials: row (s, t) = rank s's partial for my token t (the
+                         sentinel 0xFFFFFFFF in every word not yet delivered; see combine)
+  state int32 [4]        dispatch epoch (block 0 stores the new one after its wait), 3 unused
   rnph  int32 [R]        pipelined dispatch: send phases of source s this epoch
 
 dispatch (one launch; `overlap` chosen per call and per rank, ranks may differ):
@@ -83,20 +82,23 @@ wait), so every wait depends only on arrivals that come before an equal-or-lower
 (tests/comms/test_dispatch_protocol.py models it). The arrival's release covers the block's pack
 stores too; each phase costs one more arrival and wait (a few us), hence one phase below
 `comms.dispatch_fused.PIPE_MIN_TOKENS`.
-combine (one launch):
-  A. per (received row, chunk; rows located through dispatch's `rstart`, no scan or barrier first;
-     rows taken in a permuted order that mixes the sources, so NVLink carries partials both ways
-     throughout): sum over the row's local slots (ascending) of w * y in fp32
-     (mul.rn then add.rn: no FMA, bitwise the reference's arithmetic), round to bf16, store into
-     the owner's cx[me, t]; arrive on ccnt like dispatch; compute the first B unit's routing from
-     local inputs; wait; block 0 stores the epoch.
-  B. per (own token, chunk): sum the partials of the token's distinct ranks in ascending rank
-     order in fp32, round to bf16. The ranks are taken two at a time (redux.sync min over the slots'
-     ranks above the last one taken: a few instructions per unit, no K^2 shuffle dedup) and both
-     partials' loads are in flight before the first add, so only distinct partials are read and a
-     token on <= 2 ranks costs one load round trip. A warp still takes one (token, chunk) unit, not
-     all chunks of a token: at 128 tokens there are fewer units than warps already, and serialising
-     a token's chunks on one warp would lengthen the latency path to save ~3 redux per unit.
+combine (one launch, no arrival counter: the data is its own flag, as in the Lamport all-reduce):
+  cx holds the sentinel word 0xFFFFFFFF wherever no partial is pending (filled once by the host; each
+  reader empties what it read). Work units are (key t, position j, chunk) in t-major order; per key,
+  positions 0..R-2 are the sends of the other sources' token t and position R-1 is own token t's sum.
+  send (source s != me, its token t routed here): the partial over this rank's local slots of the
+  row, ascending slot order, w * y in fp32 (mul.rn then add.rn: no FMA, bitwise the reference's
+  arithmetic), rounded to bf16 (a sentinel word would be replaced by another NaN; rounding makes
+  none) and stored into s's cx[me, t] over NVLink.
+  sum (own token t): the partials of the token's distinct ranks in ascending rank order, fp32 from
+  0.0: this rank's computed here from y (never stored), a peer's read from cx[peer, t] with volatile
+  loads, re-polled until no word is the sentinel (bounded: ERR_COMBINE_TIMEOUT | peer), then emptied
+  for the next epoch. The first peer's loads are issued before this rank's partial is computed.
+  Why it cannot deadlock: a sum of key t waits only for sends of key t, every warp takes its units
+  in increasing key order with a key's sends before its sum, and sends wait for nothing; so by
+  induction on t every unit completes (all blocks co-resident). Why one cx buffer suffices: a
+  peer writes cx[s, t] of epoch e + 1 only after its next dispatch saw this rank's next dispatch
+  arrive, which is after this combine (and its emptying stores) in stream order.
 Phase probe: a non-zero `probe` address makes thread 0 of every block store %globaltimer (int64) at
 each phase boundary into probe[block, phase] (PROBE_PHASES per block; DISPATCH_PHASES /
 COMBINE_PHASES name them), for `perf.comms dispatch --phases`; off (0) it costs one uniform branch.
@@ -105,7 +107,6 @@ sent" and "rows sent" together after A, "tables waited" and "rows waited" after 
 K is a compile-time constant (one export per top-k in TOPK_VARIANTS) so the per-slot loads are
 unrolled and in flight together.
 """
-import os
 
 import cutlass
 import cutlass.cute as cute
@@ -125,12 +126,11 @@ TOPK_VARIANTS = (1, 2, 4, 6, 8, 10)
 SCAN_UNROLL = 4      # slot scan: 32-token groups whose id loads are issued together
 PIPE_MAX = 8         # pipelined dispatch: phase counters per source at most
 ARRIVAL_STEP = 1024  # counter units one source adds per epoch (>= any grid: see _arrive)
-PERMUTE_PRIME = 2147483647  # combine's row order (prime, above any row count: coprime with it)
 PROBE_PHASES = 8     # int64 stamps per block in the probe buffer
 DISPATCH_PHASES = ("start", "tables sent", "tables waited", "tables built", "rows sent", "rows waited", "packed")
 (PH_START, PH_TABLES_SENT, PH_TABLES_WAITED, PH_TABLES_BUILT, PH_ROWS_SENT, PH_ROWS_WAITED,
  PH_PACKED) = range(len(DISPATCH_PHASES))
-COMBINE_PHASES = ("start", "row starts", "A sent", "signalled", "waited", "B summed")
+COMBINE_PHASES = ("start", "done")
 ERR_DISPATCH_TIMEOUT = 1 << 16   # error word = kind | detail (source rank or local expert)
 ERR_COMBINE_TIMEOUT = 2 << 16
 ERR_CAPACITY = 3 << 16
@@ -446,7 +446,7 @@ def _phase_tables(my_base, rntok_off, rnph_off, lane, active, world, rstq: cute.
 
 @cute.jit
 def _token_dest(ids: cute.Tensor, t, lane, nlocal, K: cutlass.Constexpr):
-    """Combine's B: lane j < K holds the rank of own token t's slot j, the others -1 (so warp_min
+    """Combine's sum: lane j < K holds the rank of own token t's slot j, the others -1 (so warp_min
     over `dv` > the last rank taken walks the token's distinct ranks in ascending order)."""
     dv = Int32(-1)
     if lane < K:
@@ -1039,58 +1039,98 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
 
 
 # ------------------------------------------------------------------------------- combine
-# Fault-isolation variants of combine (compiled only with NVL72_DISPATCH_DEBUG_VARIANTS=1; see
-# tests/comms/dispatch_gpu_debug.py): each bit removes one group of memory accesses.
-SKIP_A_LOADS, SKIP_A_STORES, SKIP_B_LOADS, SKIP_B_STORES, SKIP_FLAGS = 1, 2, 4, 8, 16
-# Error-word kinds of the checked variant (combine_k4_checked): which index left its buffer.
-CHECK_A_ROW, CHECK_A_Y, CHECK_B_RANK, CHECK_B_OUT = 8, 9, 10, 11
-DEBUG_SKIPS = (SKIP_A_LOADS | SKIP_A_STORES | SKIP_B_LOADS | SKIP_B_STORES | SKIP_FLAGS, SKIP_A_LOADS | SKIP_A_STORES,
-               SKIP_B_LOADS | SKIP_B_STORES, SKIP_A_LOADS, SKIP_A_STORES, SKIP_B_LOADS, SKIP_B_STORES, SKIP_FLAGS)
+SENTINEL = -1  # 0xFFFFFFFF: an empty cx word (a NaN no bf16 rounding produces; see ptx.canon_word)
 
 
-TRACE_WORDS = 4  # trace variant, per warp after the error word: phase, work unit, address (low, high)
-TR_START, TR_A_META, TR_A_Y, TR_A_STORE, TR_A_DONE, TR_WAITED, TR_B_LOAD, TR_B_STORE, TR_B_DONE, TR_EXIT = range(1, 11)
+@dsl_user_op
+def warp_max(v, *, loc=None, ip=None) -> Int32:
+    """Maximum of v (>= 0) over the 32 lanes (redux.sync.max.u32)."""
+    return Int32(ptx._asm(T.i32(), [ptx._i32(v, loc, ip)], "redux.sync.max.u32 $0, $1, 0xffffffff;", "=r,r",
+                          loc, ip))
 
 
 @cute.jit
-def _trace(err_addr, gw, lane, phase, unit, addr):
-    """Trace variant: lane 0 records (phase, unit, address about to be accessed) of its warp in the
-    pinned host buffer after the error word, then fences (membar.sys) so the record is on the host
-    before the access it names: after a fault the host reads where every warp stopped."""
-    if lane == 0:
-        rec = err_addr + _i64(gw + 1) * (TRACE_WORDS * 4)
-        st_b32(rec + 4, unit)
-        st_b64(rec + 8, addr)
-        ptx.st_release_sys(rec, phase)
-        ptx.fence_acq_rel_sys()
+def _add_words(acc: cute.Tensor, buf: cute.Tensor):
+    """acc[2 i (+1)] += the bf16 pair of word i of buf (16 words: a lane's 4 vectors of a chunk), fp32 add.rn."""
+    for i in cutlass.range_constexpr(16):
+        lo, hi = add_bf16x2(acc[2 * i], acc[2 * i + 1], buf[i])
+        acc[2 * i] = lo
+        acc[2 * i + 1] = hi
 
 
 @cute.jit
-def _record(err_addr, kind, value):
-    """Checked variants: an index left its buffer; (kind << 16 | value) into the error word."""
-    ptx.st_release_sys(err_addr, (kind << 16) | (value & 0xFFFF))
+def _round_words(buf: cute.Tensor, acc: cute.Tensor):
+    """buf[i] = acc[2 i], acc[2 i + 1] rounded to a bf16 pair (rn)."""
+    for i in cutlass.range_constexpr(16):
+        buf[i] = ptx.f32_to_bf16x2(acc[2 * i], acc[2 * i + 1])
 
 
 @cute.jit
-def _add_partial(acc: cute.Tensor, part):
-    """acc[8 q + 2 h (+1)] += the bf16 pair of word h of vector q of `part` (4 x 4 words), fp32 add.rn."""
+def _row_partial(acc: cute.Tensor, ya, row_bytes, coff, posv, wv, ok, K: cutlass.Constexpr):
+    """acc = sum over the slots j < K with ok (lane j's flag) of w_j * y[pos_j] (this lane's 32 values of
+    the chunk at byte `coff` of the row), in ascending j: fp32 mul.rn then add.rn from 0.0, the
+    reference's arithmetic. All K slots' loads are issued unconditionally (a slot held elsewhere
+    re-reads the first local slot's row and is not added), so they are in flight together."""
+    m = cute.arch.vote_ballot_sync(ok != 0)
+    pfirst = cute.arch.shuffle_sync(posv, lowest_lane(m))
+    for i in cutlass.range_constexpr(32):
+        acc[i] = cutlass.Float32(0.0)
+    for j in cutlass.range_constexpr(K):
+        okj = (m >> j) & 1
+        pj = cute.arch.shuffle_sync(posv, j)
+        if okj == 0:
+            pj = pfirst
+        wj = ptx.i32_as_f32(cute.arch.shuffle_sync(wv, j))
+        a = ya + _i64(pj) * row_bytes + coff
+        for q in cutlass.range_constexpr(4):
+            dq = ptx.ld_v4(a + q * 512)
+            for h in cutlass.range_constexpr(4):
+                lo, hi = fma_bf16x2_sel(acc[8 * q + 2 * h], acc[8 * q + 2 * h + 1], dq[h], wj, okj)
+                acc[8 * q + 2 * h] = lo
+                acc[8 * q + 2 * h + 1] = hi
+
+
+@cute.jit
+def _empty(buf: cute.Tensor):
+    """1 if a word of buf (16 words) is the sentinel: part of the chunk has not arrived."""
+    S = Int32(SENTINEL)
+    e = Int32(0)
+    for i in cutlass.range_constexpr(16):
+        e = e | Int32(buf[i] == S)
+    return e
+
+
+@cute.jit
+def _load_chunk(buf: cute.Tensor, src):
+    """buf = this lane's 4 vectors of the chunk at `src` (volatile loads: peers write it)."""
     for q in cutlass.range_constexpr(4):
+        d = ptx.ld_volatile_v4(src + q * 512)
         for h in cutlass.range_constexpr(4):
-            lo, hi = add_bf16x2(acc[8 * q + 2 * h], acc[8 * q + 2 * h + 1], part[q][h])
-            acc[8 * q + 2 * h] = lo
-            acc[8 * q + 2 * h + 1] = hi
+            buf[4 * q + h] = d[h]
 
 
-def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = False):
-    """`check`: every computed index is tested against its buffer; a violation is recorded in the
-    error word as (CHECK_* kind << 16 | index) and the access skipped (fault localisation only).
-    `trace`: every warp records its phase and next address in the pinned host buffer at err_addr
-    (TRACE_WORDS int32 per warp after the error word; see _trace)."""
+@cute.jit
+def _poll_chunk(buf: cute.Tensor, src, err_addr, timeout_ns, who):
+    """Reload buf from `src` until none of its words is the sentinel (buf holds a first load already);
+    on timeout the error word gets ERR_COMBINE_TIMEOUT | who and the data is used as it is."""
+    if _empty(buf) != 0:
+        t0 = ptx.globaltimer()
+        pend = Int32(1)
+        while pend != 0:
+            _load_chunk(buf, src)
+            pend = _empty(buf)
+            if pend != 0:
+                if ptx.globaltimer() - t0 > timeout_ns:
+                    ptx.st_release_sys(err_addr, ERR_COMBINE_TIMEOUT | who)
+                    pend = Int32(0)
+
+
+def _make_combine(K: int):
     @cute.kernel
     def kernel(y: cute.Tensor, ids: cute.Tensor, out: cute.Tensor, row_pos: cute.Tensor, rstart: cute.Tensor,
                peers: cute.Tensor, rank: Int32, world: Int32, ntok: Int32, nvec: Int32, nlocal: Int32, maxt: Int32,
-               off_rid: Int64, off_rw: Int64, off_rstamp: Int64, off_cx: Int64, off_ccnt: Int64,
-               off_state: Int64, err_addr: Int64, timeout_ns: Int64, probe: Int64, yrows: Int32):
+               off_rid: Int64, off_rw: Int64, off_rstamp: Int64, off_cx: Int64, off_state: Int64, err_addr: Int64,
+               timeout_ns: Int64, probe: Int64):
         _pdl_start()
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -1100,183 +1140,108 @@ def _make_combine(K: int, skip: int = 0, check: bool = False, trace: bool = Fals
         nw = nb * WARPS
         _stamp(probe, tid, bid, 0)
         me = peers[rank]
-        d_epoch = ptx.ld_relaxed_gpu(me + off_state)
-        epoch = ptx.ld_relaxed_gpu(me + off_state + 8) + 1
+        d_epoch = ptx.ld_relaxed_gpu(me + off_state)  # the last dispatch's epoch: its rows' stamps
         ya = y.iterator.toint()
         oa = out.iterator.toint()
         row_bytes = _i64(nvec) * 16
         nchunk = nvec // CHUNK_VEC
         lane_off = _i64(lane) * 16
         acc = cute.make_rmem_tensor(cute.make_layout(32), cutlass.Float32)
-
-        if cutlass.const_expr(trace):
-            _trace(err_addr, gw, lane, TR_START, bid, me + off_state)
-        # ---- A. partial sums over this rank's experts, back to the token's owner; the received rows'
-        # starts per source come from dispatch (rstart, L1-cached loads: no scan, no barrier here)
-        total = rstart[world]
-        _stamp(probe, tid, bid, 1)
-        # rows in the order i -> i * mult mod total (mult = PERMUTE_PRIME mod total: coprime with total, a
-        # permutation), so every source's rows are spread over the whole phase: the partials of
-        # peer rows (NVLink stores) and of own rows (local) interleave from the start in both
-        # directions, instead of rank 0 storing locally while rank 1 sends and then the reverse
-        mult = Int64(1)
-        if total > 0:
-            mult = Int64(PERMUTE_PRIME) % _i64(total)
+        words = cute.make_rmem_tensor(cute.make_layout(16), Int32)  # a partial's bf16 pairs, this lane's part
+        own = cute.make_rmem_tensor(cute.make_layout(16), Int32)
+        S = Int32(SENTINEL)
+        # keys: token indices up to the most tokens any source sent (rstart from dispatch, L1-cached)
+        nkeys = ntok
+        s0 = Int32(0)
+        while s0 < world:
+            s = s0 + lane
+            if s < world:
+                nkeys = cutlass.max(nkeys, rstart[s + 1] - rstart[s])
+            s0 = s0 + 32
+        nkeys = warp_max(nkeys)
+        per_key = world * nchunk
         u = gw
-        while u < total * nchunk:
-            i = u // nchunk
-            c = u - i * nchunk
-            rr = Int32((_i64(i) * mult) % _i64(total))
-            s = _find_source(rstart, 0, world, rr)
-            t = rr - rstart[s]
-            if cutlass.const_expr(check):
-                if (s < 0) | (s >= world) | (t < 0) | (t >= maxt):
-                    _record(err_addr, CHECK_A_ROW, rr)
-                    s = Int32(0)
-                    t = Int32(0)
-            row = _i64(s) * maxt + t
-            if cutlass.const_expr(trace):
-                _trace(err_addr, gw, lane, TR_A_META, u, row_pos.iterator.toint() + (row * K) * 4)
-            stamp = ld_b32_cg(me + off_rstamp + row * 4)
-            idl = Int32(-1)
-            pl = Int32(0)
-            wl = Int32(0)
-            if lane < K:  # issued together, used after the stamp check
-                idl = ld_b32_cg(me + off_rid + (row * K + lane) * 4)
-                pl = row_pos[row * K + lane]
-                wl = ld_b32_cg(me + off_rw + (row * K + lane) * 4)
-            if stamp == d_epoch:
-                ok = Int32(0)
-                posv = Int32(0)
-                wv = Int32(0)
-                lid = idl - rank * nlocal
-                if (lane < K) & (lid >= 0) & (lid < nlocal):
-                    ok = Int32(1)
-                    posv = pl
-                    wv = wl
-                m = cute.arch.vote_ballot_sync(ok != 0)
-                first = lowest_lane(m)  # lowest local slot: a valid row to read
-                pfirst = cute.arch.shuffle_sync(posv, first)
-                for q in cutlass.range_constexpr(32):
-                    acc[q] = cutlass.Float32(0.0)
-                for j in cutlass.range_constexpr(K):
-                    okj = (m >> j) & 1
-                    pj = cute.arch.shuffle_sync(posv, j)
-                    if okj == 0:
-                        pj = pfirst
-                    wj = ptx.i32_as_f32(cute.arch.shuffle_sync(wv, j))
-                    if cutlass.const_expr(check):
-                        if (pj < 0) | (pj >= yrows):
-                            _record(err_addr, CHECK_A_Y, pj)
-                            pj = Int32(0)
-                    a = ya + _i64(pj) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
-                    if cutlass.const_expr(trace):
-                        _trace(err_addr, gw, lane, TR_A_Y, u, a)
-                    if cutlass.const_expr(not skip & SKIP_A_LOADS):
+        while u < nkeys * per_key:
+            t = u // per_key
+            v = u - t * per_key
+            j = v // nchunk
+            coff = _i64((v - j * nchunk) * CHUNK_VEC) * 16 + lane_off
+            if j < world - 1:
+                # ---- send: source s's token t, if routed here: its partial over this rank's slots
+                s = j
+                if j >= rank:
+                    s = j + 1
+                if t < rstart[s + 1] - rstart[s]:
+                    row = _i64(s) * maxt + t
+                    stamp = ld_b32_cg(me + off_rstamp + row * 4)
+                    idl = Int32(-1)
+                    pl = Int32(0)
+                    wl = Int32(0)
+                    if lane < K:  # issued together, used after the stamp check
+                        idl = ld_b32_cg(me + off_rid + (row * K + lane) * 4)
+                        pl = row_pos[row * K + lane]
+                        wl = ld_b32_cg(me + off_rw + (row * K + lane) * 4)
+                    if stamp == d_epoch:
+                        lid = idl - rank * nlocal
+                        ok = Int32(0)
+                        if (lane < K) & (lid >= 0) & (lid < nlocal):
+                            ok = Int32(1)
+                        _row_partial(acc, ya, row_bytes, coff, pl, wl, ok, K)
+                        _round_words(words, acc)
+                        dst = peers[s] + off_cx + (_i64(rank) * maxt + t) * row_bytes + coff
                         for q in cutlass.range_constexpr(4):
-                            dq = ptx.ld_v4(a + q * 512)
-                            for h in cutlass.range_constexpr(4):
-                                lo, hi = fma_bf16x2_sel(acc[8 * q + 2 * h], acc[8 * q + 2 * h + 1], dq[h], wj, okj)
-                                acc[8 * q + 2 * h] = lo
-                                acc[8 * q + 2 * h + 1] = hi
-                dst = peers[s] + off_cx + (_i64(rank) * maxt + t) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
-                if cutlass.const_expr(trace):
-                    _trace(err_addr, gw, lane, TR_A_STORE, u, dst)
-                if cutlass.const_expr(not skip & SKIP_A_STORES):
-                    for q in cutlass.range_constexpr(4):
-                        ptx.st_v4(dst + q * 512, [ptx.f32_to_bf16x2(acc[8 * q + 2 * h], acc[8 * q + 2 * h + 1])
-                                                  for h in range(4)])
-            u = u + nw
-        if cutlass.const_expr(trace):
-            _trace(err_addr, gw, lane, TR_A_DONE, 0, me + off_ccnt)
-        cute.arch.sync_threads()
-        _stamp(probe, tid, bid, 2)
-        if cutlass.const_expr(not skip & SKIP_FLAGS):
-            _arrive(peers, tid, bid, nb, world, off_ccnt, rank, Int64(0), 0, False)
-            _stamp(probe, tid, bid, 3)
-        # the first B unit's routing (local inputs) while the peers' partials are still on the way
-        dv_p = Int32(-1)
-        if gw < ntok * nchunk:
-            dv_p = _token_dest(ids, gw // nchunk, lane, nlocal, K)
-        if cutlass.const_expr(not skip & SKIP_FLAGS):
-            _wait_all(me, tid, world, off_ccnt, wrap_mul(epoch, ARRIVAL_STEP), err_addr, timeout_ns,
-                      ERR_COMBINE_TIMEOUT)
-        cute.arch.sync_threads()
-        if cutlass.const_expr(not skip & SKIP_FLAGS):
-            _store_epoch(me, off_state + 8, tid, bid, epoch)
-        _stamp(probe, tid, bid, 4)
-        if cutlass.const_expr(trace):
-            _trace(err_addr, gw, lane, TR_WAITED, 0, oa)
-
-        # ---- B. sum the partials of each own token's distinct ranks in ascending rank order (fp32 from
-        # 0.0, add.rn: the reference's order). The ranks come two at a time (warp_min over the slots'
-        # ranks above the last one taken), and both partials' loads are issued before the first add,
-        # so a token on two ranks costs one load round trip; an odd last rank is loaded alone.
-        u = gw
-        while u < ntok * nchunk:
-            t = u // nchunk
-            c = u - t * nchunk
-            dv = dv_p
-            if u != gw:
+                            ptx.st_v4(dst + q * 512, [ptx.canon_word(words[4 * q + h]) for h in range(4)])
+            elif t < ntok:
+                # ---- reduce: own token t over its distinct ranks in ascending order (fp32 from 0.0,
+                # add.rn of each rank's bf16 partial: the reference's order); ours computed here
                 dv = _token_dest(ids, t, lane, nlocal, K)
-            for q in cutlass.range_constexpr(32):
-                acc[q] = cutlass.Float32(0.0)
-            tc = _i64(t) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
-            da = _next_rank(dv, Int32(-1))  # K >= 1: every token has a rank
-            while da >= 0:
-                db = _next_rank(dv, da)
-                if cutlass.const_expr(check):
-                    if (da >= world) | (db >= world):
-                        _record(err_addr, CHECK_B_RANK, cutlass.max(da, db))
-                        da = Int32(0)
-                        db = Int32(-1)
-                aa = me + off_cx + _i64(da) * maxt * row_bytes + tc
-                if cutlass.const_expr(trace):
-                    _trace(err_addr, gw, lane, TR_B_LOAD, u, aa)
-                if db >= 0:
-                    ab = me + off_cx + _i64(db) * maxt * row_bytes + tc
-                    if cutlass.const_expr(trace):
-                        _trace(err_addr, gw, lane, TR_B_LOAD, u, ab)
-                    if cutlass.const_expr(not skip & SKIP_B_LOADS):
-                        pa = [ptx.ld_v4_cg(aa + q * 512) for q in range(4)]
-                        pb = [ptx.ld_v4_cg(ab + q * 512) for q in range(4)]
-                    da = _next_rank(dv, db)  # while the loads are in flight
-                    if cutlass.const_expr(not skip & SKIP_B_LOADS):
-                        _add_partial(acc, pa)
-                        _add_partial(acc, pb)
-                else:
-                    if cutlass.const_expr(not skip & SKIP_B_LOADS):
-                        _add_partial(acc, [ptx.ld_v4_cg(aa + q * 512) for q in range(4)])
-                    da = Int32(-1)
-            dst = oa + _i64(t) * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off
-            if cutlass.const_expr(check):
-                if (t >= ntok) | (c >= nchunk):
-                    _record(err_addr, CHECK_B_OUT, t)
-                    dst = oa
-            if cutlass.const_expr(trace):
-                _trace(err_addr, gw, lane, TR_B_STORE, u, dst)
-            if cutlass.const_expr(not skip & SKIP_B_STORES):
+                row = _i64(rank) * maxt + t
+                pl = Int32(0)
+                wl = Int32(0)
+                mine = Int32(0)
+                if lane < K:
+                    pl = row_pos[row * K + lane]
+                    wl = ld_b32_cg(me + off_rw + (row * K + lane) * 4)
+                    if dv == rank:
+                        mine = Int32(1)
+                ra = _next_rank(cutlass.select_(dv == rank, Int32(-1), dv), Int32(-1))  # first peer, or -1
+                cx_t = me + off_cx + _i64(t) * row_bytes + coff
+                if ra >= 0:  # in flight while our partial is computed
+                    _load_chunk(words, cx_t + _i64(ra) * maxt * row_bytes)
+                if warp_max(mine) != 0:
+                    _row_partial(acc, ya, row_bytes, coff, pl, wl, mine, K)
+                    _round_words(own, acc)
+                for i in cutlass.range_constexpr(32):
+                    acc[i] = cutlass.Float32(0.0)
+                r = _next_rank(dv, Int32(-1))  # K >= 1: every token has a rank
+                while r >= 0:
+                    if r == rank:
+                        _add_words(acc, own)
+                    else:
+                        src = cx_t + _i64(r) * maxt * row_bytes
+                        if r != ra:
+                            _load_chunk(words, src)
+                        _poll_chunk(words, src, err_addr, timeout_ns, r)
+                        _add_words(acc, words)
+                        for q in cutlass.range_constexpr(4):  # empty again for the next epoch's sender
+                            ptx.st_v4(src + q * 512, [S, S, S, S])
+                    r = _next_rank(dv, r)
+                _round_words(words, acc)
+                dst = oa + _i64(t) * row_bytes + coff
                 for q in cutlass.range_constexpr(4):
-                    ptx.st_v4(dst + q * 512, [ptx.f32_to_bf16x2(acc[8 * q + 2 * h], acc[8 * q + 2 * h + 1])
-                                              for h in range(4)])
+                    ptx.st_v4(dst + q * 512, [words[4 * q + h] for h in range(4)])
             u = u + nw
-        if cutlass.const_expr(trace):
-            _trace(err_addr, gw, lane, TR_B_DONE, 0, me + off_state + 8)
-        _stamp(probe, tid, bid, 5)
-        if cutlass.const_expr(skip & SKIP_FLAGS):  # no arrivals: advance the epoch at the exit
-            ptx.advance_epoch(me, off_state + 8, tid, nb, epoch)
-        if cutlass.const_expr(trace):
-            _trace(err_addr, gw, lane, TR_EXIT, 0, me)
+        _stamp(probe, tid, bid, 1)
 
     @cute.jit
     def launch(y: cute.Tensor, ids: cute.Tensor, out: cute.Tensor, row_pos: cute.Tensor, rstart: cute.Tensor,
                peers: cute.Tensor, rank: Int32, world: Int32, nlocal: Int32, maxt: Int32, off_rid: Int64,
-               off_rw: Int64, off_rstamp: Int64, off_cx: Int64, off_ccnt: Int64, off_state: Int64,
-               err_addr: Int64, timeout_ns: Int64, probe: Int64, nblocks: Int32, pdl: Int32, stream):
+               off_rw: Int64, off_rstamp: Int64, off_cx: Int64, off_state: Int64, err_addr: Int64, timeout_ns: Int64,
+               probe: Int64, nblocks: Int32, pdl: Int32, stream):
         ntok = out.shape[0]
         nvec = out.shape[1] // 8
         kernel(y, ids, out, row_pos, rstart, peers, rank, world, ntok, nvec, nlocal, maxt, off_rid, off_rw,
-               off_rstamp, off_cx, off_ccnt, off_state, err_addr, timeout_ns, probe, y.shape[0]).launch(
+               off_rstamp, off_cx, off_state, err_addr, timeout_ns, probe).launch(
             grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=pdl)
 
     return launch
@@ -1315,8 +1280,9 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
       off_dcnt:   [1 + P, R] counters (tables, then the rows of each send phase; P = 1 unpipelined,
                   maxp pipelined)
       combine_kK(y [rows,H] bf16, ids [T,K] i32, out [T,H] bf16, row_pos, rstart (the last dispatch's),
-                 peers, rank, world, nlocal, maxt, off_rid, off_rw, off_rstamp, off_cx, off_ccnt, off_state,
+                 peers, rank, world, nlocal, maxt, off_rid, off_rw, off_rstamp, off_cx, off_state,
                  err_addr, timeout_ns, probe, nblocks, pdl)
+                 (off_cx's region must hold the sentinel 0xFFFFFFFF in every word before the first call)
     probe: 0, or the address of an int64 [nblocks, PROBE_PHASES] device buffer (phase stamps);
     nblocks: any grid of 1..SM count (co-resident); ranks and calls may differ.
     pdl: 1 launches with programmatic dependent launch (not on the legacy default stream), 0 plainly.
@@ -1352,12 +1318,7 @@ def compile_for_export(arch: str, topks=TOPK_VARIANTS) -> dict:
                                          stream, options=opts)
         y = ten(cutlass.BFloat16, (cute.sym_int(), hid), 16)
         o = ten(cutlass.BFloat16, (ntok, hid), 16)
-        skips = (0,) + (DEBUG_SKIPS if os.environ.get("NVL72_DISPATCH_DEBUG_VARIANTS") == "1" and K == 4 else ())
-        variants = [(f"combine_k{K}" + (f"_skip{skip}" if skip else ""), skip, False) for skip in skips]
-        if len(skips) > 1:
-            variants += [(f"combine_k{K}_checked", 0, True), (f"combine_k{K}_trace", 0, "trace")]
-        for name, skip, check in variants:
-            out[name] = cute.compile(
-                _make_combine(K, skip, check is True, check == "trace"), y, ids, o, row_pos, rstart, peers, i32, i32,
-                i32, i32, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, stream, options=opts)
+        out[f"combine_k{K}"] = cute.compile(_make_combine(K), y, ids, o, row_pos, rstart, peers, i32, i32, i32,
+                                            i32, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, stream,
+                                            options=opts)
     return out

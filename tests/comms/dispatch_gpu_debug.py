@@ -7,25 +7,12 @@ counts), then combine alone then synchronize. Every step prints one line naming 
 the rank, so a fault reads as "FAULT dispatch" or "FAULT combine".
 
     CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] [num_blocks]
-    CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] skips
-    CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] checked
-    CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] trace
     CUDA_LAUNCH_BLOCKING=1 python3 tests/comms/dispatch_gpu_debug.py [world] config N [num_blocks]
 
 `inproc N`: config N on one GPU in this process, so `cuda-gdb --args python3 ...` stops at the faulting
 instruction (tests/comms/gpu_combine_gdb.sh).
 `config N`: that config alone (short enough to run under compute-sanitizer, which names the
 faulting instruction's offset and address).
-
-`checked`: configs 0 and 1 with combine_k4_checked (every computed index tested on the device; a
-violation is recorded in the error word as comms.kernels.dispatch.CHECK_* << 16 | index, reported as
-"unknown error", and the access skipped).
-`trace`: configs 0 and 1 with combine_k4_trace: every warp records (phase, work unit, next address)
-in pinned host memory before each group of accesses, so after a fault the host prints how many warps
-stopped in each phase and, for the unfinished ones, the address and the buffer it falls in.
-`skips`: config 0 with each fault-isolation variant of combine (combine_k4_skip{bits}, in a bundle
-built with NVL72_DISPATCH_DEBUG_VARIANTS=1; bits in comms.kernels.dispatch): which group of
-accesses faults ("OK combine" with the A-loads removed and FAULT otherwise names the y reads).
 """
 from __future__ import annotations
 
@@ -71,7 +58,6 @@ def _inspect(rank, world, fused, x, M, tag):
     recnt = heap.buffer(f.off["recnt"], (world, L), torch.int32).cpu()
     state = heap.buffer(f.off["state"], 4, torch.int32).cpu()
     dcnt = heap.buffer(f.off["dcnt"], (max(f.maxp, 2), world), torch.int32).cpu()  # tables, rows (or phases)
-    ccnt = heap.buffer(f.off["ccnt"], world, torch.int32).cpu()
     toks = torch.tensor([x.shape[0]], device=x.device)
     allt = [torch.zeros_like(toks) for _ in range(world)]
     dist.all_gather(allt, toks)
@@ -86,16 +72,7 @@ def _inspect(rank, world, fused, x, M, tag):
     nrows = f.out_x.shape[0]
     if int(rp.min()) < 0 or int(rp.max()) >= nrows:
         problems.append(f"row_pos range [{int(rp.min())}, {int(rp.max())}] outside [0, {nrows})")
-    b = getattr(heap, "_b", None)
-    if b is not None and hasattr(b, "va"):  # the cuMem heap: its reservation and what the driver says of ccnt
-        from cuda.bindings import driver as drv
-
-        addr = int(heap.peer_ptrs[rank]) + f.off["ccnt"]
-        err, base, size = drv.cuMemGetAddressRange(addr)
-        print(f"INFO  rank {rank} heap va {b.va:#x} size {b.size:#x} mapped {[hex(p) for p in b.mapped]}; "
-              f"ccnt at {addr:#x}: cuMemGetAddressRange {err.name} base {int(base):#x} size {int(size):#x}",
-              flush=True)
-    print(f"INFO  rank {rank} {tag}: epoch state {state.tolist()} dcnt {dcnt.tolist()} ccnt {ccnt.tolist()} "
+    print(f"INFO  rank {rank} {tag}: epoch state {state.tolist()} dcnt {dcnt.tolist()} "
           f"rntok {rntok.tolist()} "
           f"recnt row sums {recnt.sum(1).tolist()} counts sum {int(counts.sum())} "
           f"row_pos [{int(rp.min())}, {int(rp.max())}] of {nrows} rows", flush=True)
@@ -104,61 +81,7 @@ def _inspect(rank, world, fused, x, M, tag):
     return problems
 
 
-TRACE_WORDS = 4  # comms.kernels.dispatch.TRACE_WORDS (that module needs CuTeDSL, absent on GPU hosts)
-TRACE_PHASES = ("-", "start", "A meta", "A y-load", "A cx-store", "A done", "waited", "B cx-load", "B out-store",
-                "B done", "exit")
-
-
-def _where(addr, ranges):
-    """Name of the buffer holding `addr` (and the offset), from (name, base, bytes) ranges."""
-    for name, base, n in ranges:
-        if base <= addr < base + n:
-            return f"{name}+{addr - base}"
-    return "OUTSIDE every buffer"
-
-
-def _combine_traced(rank, fused, recv, h, tag):
-    """combine_k4_trace launched by hand: a pinned trace buffer after the error word, then every
-    warp's last (phase, unit, address) printed whatever happened (host memory outlives a fault)."""
-    f = fused._fused
-    nb = f.blocks_for(h.num_tokens)
-    warps = nb * 8
-    buf = torch.zeros((1 + warps) * TRACE_WORDS, dtype=torch.int32).pin_memory()
-    cargs = list(f._cargs)
-    cargs[cargs.index(f.err.data_ptr())] = buf.data_ptr()
-    f.err = buf
-    H = f.cfg.hidden
-    y = recv.x.reshape(-1, H)
-    out = torch.empty(h.num_tokens, H, dtype=torch.bfloat16, device=y.device)
-    size = f.heap._b.size
-    ranges = [(f"heap[rank {r}]", int(p), size) for r, p in enumerate(f.heap.peer_ptrs.cpu().tolist())]
-    ranges += [(n, t.data_ptr(), t.numel() * t.element_size()) for n, t in
-               (("y", y), ("out", out), ("row_pos", f.row_pos), ("ids", h.topk_ids), ("peers", f.heap.peer_ptrs))]
-    ranges.append(("trace(host)", buf.data_ptr(), buf.numel() * 4))
-    fault = None
-    try:
-        f._combine(y, h.topk_ids, out, f.row_pos, f.rstart, *cargs, 0, nb, 0)
-        torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001  (the trace is printed, then the fault re-raised)
-        fault = e
-    rec = buf[TRACE_WORDS:].view(warps, TRACE_WORDS).tolist()
-    hist: dict[str, int] = {}
-    for r in rec:
-        hist[TRACE_PHASES[r[0]]] = hist.get(TRACE_PHASES[r[0]], 0) + 1
-    print(f"TRACE rank {rank} {tag}: {'FAULT' if fault else 'ok'}; warps by last phase {hist}; error word {int(buf[0]):#x}",
-          flush=True)
-    stuck = [(w, r) for w, r in enumerate(rec) if TRACE_PHASES[r[0]] not in ("exit", "-")]
-    for w, (ph, unit, lo, hi) in stuck[:12]:
-        addr = (hi & 0xFFFFFFFF) << 32 | (lo & 0xFFFFFFFF)
-        print(f"TRACE rank {rank} warp {w} (block {w // 8}): {TRACE_PHASES[ph]} unit {unit} addr {addr:#x} "
-              f"= {_where(addr, ranges)}", flush=True)
-    if fault:
-        print(f"FAULT combine  rank {rank} {tag}: {type(fault).__name__}: {str(fault).splitlines()[0]}", flush=True)
-        raise fault
-    return out
-
-
-def _worker(rank, world, store, cfg_index, num_blocks, variant=""):
+def _worker(rank, world, store, cfg_index, num_blocks):
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -175,23 +98,15 @@ def _worker(rank, world, store, cfg_index, num_blocks, variant=""):
             heap = make_heap(HEAP_KIND, dist.group.WORLD, DispatchCombine.heap_size_hint(world, E, K, H, M), dev)
             fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", layout=layout, timeout_s=KERNEL_TIMEOUT_S,
                                     num_blocks=num_blocks)
-            if variant:  # a debug export of combine (see main; the trace variant is launched by hand)
-                import aot
-
-                fused._fused._combine = aot.function("comms.kernels.dispatch", f"combine_k{K}{variant}")
             for it in range(2):
-                tag = (f"E={E} K={K} H={H} M={M} T={T} {layout} blocks={fused._fused.blocks_for(T)} epoch {it + 1}"
-                       + (f" {variant[1:]}" if variant else ""))
+                tag = f"E={E} K={K} H={H} M={M} T={T} {layout} blocks={fused._fused.blocks_for(T)} epoch {it + 1}"
                 x, ids, w = _inputs(cases[0], rank, world, T, E, K, H, gen, dev)
                 dist.barrier()
                 recv, h = _step(rank, tag, "dispatch", lambda: fused.dispatch(x, ids, w))
                 _step(rank, tag, "check", fused.check)
                 bad += _inspect(rank, world, fused, x, M, tag)
                 dist.barrier()
-                if variant == "_trace":
-                    _combine_traced(rank, fused, recv, h, tag)
-                else:
-                    _step(rank, tag, "combine", lambda: fused.combine(recv.x, h))
+                _step(rank, tag, "combine", lambda: fused.combine(recv.x, h))
                 _step(rank, tag, "check", fused.check)
             fused.destroy()
             heap.destroy()
@@ -201,15 +116,15 @@ def _worker(rank, world, store, cfg_index, num_blocks, variant=""):
         raise AssertionError(f"rank {rank}: {bad[0]}")
 
 
-def main(world: int, num_blocks: int | None, runs: list[tuple[int, str]] | None = None) -> int:
-    """`runs`: (config index, combine export suffix) pairs; default every config with combine_kK."""
+def main(world: int, num_blocks: int | None, configs: list[int] | None = None) -> int:
+    """`configs`: indices into CONFIGS (default: all)."""
     if os.environ.get("CUDA_LAUNCH_BLOCKING") != "1":
         print("note: CUDA_LAUNCH_BLOCKING is not 1; faults may be reported one kernel late", flush=True)
     failed = 0
-    for i, variant in runs or [(i, "") for i in range(len(CONFIGS))]:
-        label = f"config {i}: {CONFIGS[i][:5]}" + (f" {variant[1:]}" if variant else "")
+    for i in configs or range(len(CONFIGS)):
+        label = f"config {i}: {CONFIGS[i][:5]}"
         with tempfile.TemporaryDirectory() as d:
-            ctx = mp.spawn(_worker, args=(world, os.path.join(d, "store"), i, num_blocks, variant), nprocs=world,
+            ctx = mp.spawn(_worker, args=(world, os.path.join(d, "store"), i, num_blocks), nprocs=world,
                            join=False)
             t0 = time.monotonic()
             try:
@@ -225,30 +140,13 @@ def main(world: int, num_blocks: int | None, runs: list[tuple[int, str]] | None 
     return 1 if failed else 0
 
 
-def _bundle_variants(prefix: str) -> list[str]:
-    """Suffixes of the bundle's combine exports starting with `prefix` (no CuTeDSL import here)."""
-    import aot
-
-    names = aot.read_manifest(aot.bundle_dir(aot.device_arch(0)))["modules"]["comms.kernels.dispatch"]["exports"]
-    found = [e[len("combine_k4"):] for e in names if e.startswith(prefix)]
-    if not found:
-        sys.exit(f"the bundle has no {prefix}* exports: build it with NVL72_DISPATCH_DEBUG_VARIANTS=1")
-    return found
-
-
 if __name__ == "__main__":
     n = int(sys.argv[1]) if len(sys.argv) > 1 else torch.cuda.device_count()
     mode = sys.argv[2] if len(sys.argv) > 2 else ""
-    if mode == "skips":
-        sys.exit(main(n, None, [(0, v) for v in _bundle_variants("combine_k4_skip")]))
-    if mode == "checked":  # the K=4 configs with every index checked on the device
-        sys.exit(main(n, None, [(i, v) for i in (0, 1) for v in _bundle_variants("combine_k4_checked")]))
-    if mode == "trace":  # configs 0 and 1: where every warp of combine_k4_trace stopped
-        sys.exit(main(n, None, [(i, v) for i in (0, 1) for v in _bundle_variants("combine_k4_trace")]))
     if mode == "inproc":  # inproc N: config N on one GPU in this process (for cuda-gdb, which stops at the fault)
         with tempfile.TemporaryDirectory() as d:
             _worker(0, 1, os.path.join(d, "store"), int(sys.argv[3]), None)
         sys.exit(0)
     if mode == "config":  # config N [num_blocks]
-        sys.exit(main(n, int(sys.argv[4]) if len(sys.argv) > 4 else None, [(int(sys.argv[3]), "")]))
+        sys.exit(main(n, int(sys.argv[4]) if len(sys.argv) > 4 else None, [int(sys.argv[3])]))
     sys.exit(main(n, int(mode) if mode else None))

@@ -4,8 +4,8 @@
 # Carry: .gpucarry-all (`nvl72 kernels build --arch sm_90a --out .gpucarry-all`).
 # 1) tests/comms/dispatch_gpu_debug.py with CUDA_LAUNCH_BLOCKING=1: per config, dispatch alone +
 #    synchronize, heap bookkeeping read back, combine alone + synchronize -> names the faulting kernel;
-#    on a failure: the fault-isolation variants ('skips') and compute-sanitizer memcheck on config 0
-#    (the faulting instruction's offset and address), then stop;
+#    on a failure: compute-sanitizer memcheck on config 0 (the faulting instruction's offset and
+#    address), then stop;
 # 2) the bitwise correctness test against the NCCL reference;
 # 3) perf.comms dispatch. Logs under $OUT; the perf table comes last.
 set -u
@@ -22,10 +22,6 @@ echo "debug (dispatch / combine alone, CUDA_LAUNCH_BLOCKING=1) rc=$debug_rc"
 grep -E "^(FAULT|BAD|FAIL|PASS)" "$OUT/debug.log" | head -30
 grep -E "^INFO" "$OUT/debug.log" | head -4
 if [ "$debug_rc" -ne 0 ]; then
-  # which group of combine's accesses faults (bundle built with NVL72_DISPATCH_DEBUG_VARIANTS=1)
-  CUDA_LAUNCH_BLOCKING=1 timeout -k 5 150 python3 tests/comms/dispatch_gpu_debug.py 2 skips > "$OUT/skips.log" 2>&1
-  echo "debug skips rc=$?"
-  grep -E "^(FAULT|FAIL|PASS)" "$OUT/skips.log" | head -20
   # the faulting instruction: memcheck on config 0, combine_k4 only (offsets map to the sm_90a SASS)
   if command -v compute-sanitizer > /dev/null; then
     NVL72_DISPATCH_DEBUG_TIMEOUT_S=240 timeout -k 5 270 compute-sanitizer --tool memcheck --target-processes all \

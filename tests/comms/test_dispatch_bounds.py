@@ -212,17 +212,30 @@ def emulate(world, E, K, H, M, toks, layout, ids=None, cap=None, gen=None, paylo
         Region("offsets", 0, (L + 1) * 4).check(torch.arange(L + 1) * 4, 4, "C offsets")
         # packed positions are distinct (no two entries share a row)
         assert posv[ok].unique().numel() == int(ok.sum()), "two entries packed into one row"
-        # ---- combine A: y rows read at row_pos, partial written to the source's cx[r, t]
-        Region("row_pos", 0, rows_in * K * 4).check(row_pos_idx[sent] * 4, 4, "combine row_pos read")
-        Region("y", 0, nrows * row_bytes).check(_unit_vectors(posv[ok] * row_bytes, nchunk), 16, "combine y read")
-        heap["cx"].check(_unit_vectors(heap["cx"].lo + (r * M + t[sent]) * row_bytes, nchunk), 16,
+        # ---- combine: sends (other sources' rows routed here): y rows read at row_pos, the partial
+        # written to the source's cx[r, t]; sums (own tokens): this rank's partial from y at its own
+        # rows' row_pos, the peers' partials read (and emptied) at cx[d, t], out[t] written
+        keys = max(toks) if toks else 0
+        assert keys * world * nchunk <= INT32_MAX, "combine work units overflow int32"
+        send = sent & peer
+        Region("row_pos", 0, rows_in * K * 4).check(row_pos_idx[send] * 4, 4, "combine send row_pos read")
+        Region("y", 0, nrows * row_bytes).check(_unit_vectors(posv[ok & send[:, None]] * row_bytes, nchunk), 16,
+                                                "combine send y read")
+        heap["cx"].check(_unit_vectors(heap["cx"].lo + (r * M + t[send]) * row_bytes, nchunk), 16,
                          "combine cx write (peer)")
-        heap["ccnt"].check(heap["ccnt"].lo + torch.tensor([r * 4]), 4, "signal ccnt")
-        # ---- combine B: own tokens sum cx[d, t] over their distinct ranks d, write out[t]
         T = toks[r]
         d = ids[r] // L
-        heap["cx"].check(_unit_vectors(heap["cx"].lo + (d * M + torch.arange(T)[:, None]) * row_bytes, nchunk),
-                         16, "combine cx read")
+        own_rows = r * M + torch.arange(T)
+        heap["rw"].check(heap["rw"].lo + (own_rows[:, None] * K + torch.arange(K)) * 4, 4, "combine sum rw read")
+        Region("row_pos", 0, rows_in * K * 4).check((own_rows[:, None] * K + torch.arange(K)) * 4, 4,
+                                                    "combine sum row_pos read")
+        mine = sent & ~peer
+        Region("y", 0, nrows * row_bytes).check(_unit_vectors(posv[ok & mine[:, None]] * row_bytes, nchunk), 16,
+                                                "combine sum y read")
+        peers_of = d[d != r]
+        tok_of = torch.arange(T)[:, None].expand_as(d)[d != r]
+        heap["cx"].check(_unit_vectors(heap["cx"].lo + (peers_of * M + tok_of) * row_bytes, nchunk), 16,
+                         "combine cx read / empty")
         Region("out", 0, T * row_bytes).check(_unit_vectors(torch.arange(T) * row_bytes, nchunk), 16, "combine out")
         Region("ids", 0, T * K * 4).check((torch.arange(T)[:, None] * K + torch.arange(K)) * 4, 4, "ids read")
         n += total * K * 4 + int(ok.sum()) * (nchunk * 128 * 2 + 4) + T * nchunk * 128

@@ -274,6 +274,21 @@ def _worker(rank, world, store_path, log):
         dist.barrier()
         fused.destroy()
         heap.destroy()
+        # bounded combine wait: both ranks dispatch, only rank 0 combines; its sums wait for rank 1's
+        # partials and must time out naming rank 1, not hang
+        heap = make_heap(kind, group, DispatchCombine.heap_size_hint(world, E, K, H, M), dev)
+        fused = DispatchCombine(heap, E, K, H, M, mode="dp_ep", timeout_s=0.5)
+        x, ids, w = _inputs("random", rank, world, 8, E, K, H, gen, dev)
+        recv, h = fused.dispatch(x, ids, w)
+        fused.check()
+        if rank == 0:
+            t0 = time.perf_counter()
+            fused.combine(recv.x, h)
+            _expect_raise(fused.check, DispatchTimeoutError, "combine wait: rank 1")
+            note(f"PASS combine timeout -> DispatchTimeoutError after {time.perf_counter() - t0:.2f}s")
+        dist.barrier()
+        fused.destroy()
+        heap.destroy()
         # pipelined dispatch, last (gpu_dispatch_sweep.sh still times the others if only this fails):
         # send phases and send warps differ across ranks and calls (one phase too), == reference
         for E, K, H, M, Ts, layout in ((16, 4, 1024, 64, (64, 37), "masked"),

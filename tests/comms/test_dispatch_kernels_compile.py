@@ -39,15 +39,3 @@ def test_host_mirrors_kernel_constants():
     assert len(k.DISPATCH_PHASES) <= k.PROBE_PHASES == host.PROBE_PHASES
     assert {1: k.ERR_DISPATCH_TIMEOUT, 2: k.ERR_COMBINE_TIMEOUT, 3: k.ERR_CAPACITY} == {
         kind: kind << 16 for kind in host._ERR_KINDS}
-
-
-def test_fault_isolation_variants_compile(monkeypatch):
-    """NVL72_DISPATCH_DEBUG_VARIANTS=1 adds combine_k4_skip{bits}, combine_k4_checked and combine_k4_trace
-    (tests/comms/dispatch_gpu_debug.py)."""
-    from comms.kernels import dispatch
-
-    monkeypatch.setenv("NVL72_DISPATCH_DEBUG_VARIANTS", "1")
-    fns = dispatch.compile_for_export("sm_90a", topks=(4,))
-    assert sorted(fns) == sorted(["dispatch_k4", "dispatch_mxfp8_k4", "dispatch_pipe_k4", "dispatch_mxfp8_pipe_k4",
-                                  "combine_k4", "combine_k4_checked", "combine_k4_trace"]
-                                 + [f"combine_k4_skip{b}" for b in dispatch.DEBUG_SKIPS])

@@ -224,3 +224,74 @@ def test_tables_and_rows_counters_in_mixed_modes(world, maxp, start):
                 launch(r)
     for d in range(world):
         assert cnt[d] == [[_i32((start + epochs) * STEP)] * world] * nc, "a counter off ARRIVAL_STEP per epoch"
+
+
+def _combine_units(rank, world, nkeys, nchunk, sum_last=True):
+    """combine's work units of `rank` in the kernel's order (comms/kernels/dispatch.py `_make_combine`):
+    key t major, then position j (the other sources' sends in ascending source order, then own token
+    t's sum at position world - 1), then chunk. `sum_last=False` puts the sum first (a wrong order)."""
+    units = []
+    for t in range(nkeys):
+        for j in range(world):
+            kind_pos = world - 1 if sum_last else 0
+            if j == kind_pos:
+                units += [("sum", t, None, c) for c in range(nchunk)]
+            else:
+                k = j if sum_last else j - 1
+                s = k + (k >= rank)
+                units += [("send", t, s, c) for c in range(nchunk)]
+    return units
+
+
+def _run_combine(world, toks, dest, grids, sum_last, rng, nchunk=2):
+    """Every rank's warps take units grid-stride (warp w: units w, w + nw, ...), in order, interleaved at
+    random across ranks; a send of (source s, token t) to this rank happens iff s's token t has a slot
+    here; a sum of own token t waits for the partials of the token's other ranks. Returns True when
+    every unit completed, False on a deadlock (no warp can move)."""
+    nkeys = max(toks)
+    cx = set()  # (owner, sender, t, c) partials delivered
+    queues = []
+    for r in range(world):
+        units = _combine_units(r, world, nkeys, nchunk, sum_last)
+        queues += [(r, units[w::grids[r] * 8]) for w in range(grids[r] * 8)]
+    pos = [0] * len(queues)
+    while True:
+        ready = []
+        for i, (r, units) in enumerate(queues):
+            if pos[i] == len(units):
+                continue
+            kind, t, s, c = units[pos[i]]
+            if kind == "sum" and t < toks[r]:
+                if any((r, d, t, c) not in cx for d in dest[r][t] if d != r):
+                    continue
+            ready.append(i)
+        if not ready:
+            return all(pos[i] == len(u) for i, (_, u) in enumerate(queues))
+        i = rng.choice(ready)
+        r, units = queues[i]
+        kind, t, s, c = units[pos[i]]
+        if kind == "send" and t < toks[s] and r in dest[s][t]:
+            cx.add((s, r, t, c))
+        pos[i] += 1
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_combine_key_order_never_deadlocks(world):
+    """With the kernel's order every unit completes, for random routing, token counts and grids (1 block
+    per rank included: one warp's units span every key)."""
+    rng = random.Random(world)
+    for trial in range(20):
+        toks = [rng.randint(0, 6) for _ in range(world)]
+        dest = [[set(rng.sample(range(world), rng.randint(1, world))) for _ in range(n)] for n in toks]
+        grids = [rng.choice([1, 2, 3]) for _ in range(world)]
+        nchunk = rng.choice([1, 4, 7])
+        assert _run_combine(world, toks, dest, grids, True, rng, nchunk), f"deadlock: toks={toks} grids={grids}"
+
+
+def test_combine_sum_before_sends_can_deadlock():
+    """The model detects a deadlock: with each key's sum first, five ranks whose tokens need each
+    other's partials, one block each (8 warps over 20 units a key, so a warp holds a key's sum and
+    then its sends), stall for good; the kernel's order completes the same case."""
+    dest = [[set(range(5))] * 4 for _ in range(5)]
+    assert not _run_combine(5, [4] * 5, dest, [1] * 5, False, random.Random(0), nchunk=4)
+    assert _run_combine(5, [4] * 5, dest, [1] * 5, True, random.Random(0), nchunk=4)
