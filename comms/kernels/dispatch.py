@@ -85,7 +85,8 @@ stores too; each phase costs one more arrival and wait (a few us), hence one pha
 combine (one launch, no arrival counter: the data is its own flag, as in the Lamport all-reduce):
   cx holds the sentinel word 0xFFFFFFFF wherever no partial is pending (filled once by the host; each
   reader empties what it read). Work units are (key t, position j, chunk) in t-major order; per key,
-  positions 0..R-2 are the sends of the other sources' token t and position R-1 is own token t's sum.
+  positions 0..R-2 are the sends of the other sources' token t and position R-1 is own token t's sum
+  (rotated by t when the grid has a warp per unit of a key, so every warp mixes sends and sums).
   send (source s != me, its token t routed here): the partial over this rank's local slots of the
   row, ascending slot order, w * y in fp32 (mul.rn then add.rn: no FMA, bitwise the reference's
   arithmetic), rounded to bf16 (a sentinel word would be replaced by another NaN; rounding makes
@@ -95,8 +96,8 @@ combine (one launch, no arrival counter: the data is its own flag, as in the Lam
   loads, re-polled until no word is the sentinel (bounded: ERR_COMBINE_TIMEOUT | peer), then emptied
   for the next epoch. The first peer's loads are issued before this rank's partial is computed.
   Why it cannot deadlock: a sum of key t waits only for sends of key t, every warp takes its units
-  in increasing key order with a key's sends before its sum, and sends wait for nothing; so by
-  induction on t every unit completes (all blocks co-resident). Why one cx buffer suffices: a
+  in increasing key order with a key's sends before its sum (or holds one unit per key: rotated),
+  and sends wait for nothing; so by induction on t every unit completes (all blocks co-resident). Why one cx buffer suffices: a
   peer writes cx[s, t] of epoch e + 1 only after its next dispatch saw this rank's next dispatch
   arrive, which is after this combine (and its emptying stores) in stream order.
 Phase probe: a non-zero `probe` address makes thread 0 of every block store %globaltimer (int64) at
@@ -1160,10 +1161,18 @@ def _make_combine(K: int):
             s0 = s0 + 32
         nkeys = warp_max(nkeys)
         per_key = world * nchunk
+        # with at least one warp per unit of a key, a warp holds at most one unit per key, so positions
+        # may rotate by key: each warp then alternates sends and sums (nw % per_key == 0 would otherwise
+        # give every warp one role for the whole launch, and the sums, which do more, would trail)
+        rot = Int32(0)
+        if nw >= per_key:
+            rot = Int32(1)
         u = gw
         while u < nkeys * per_key:
             t = u // per_key
             v = u - t * per_key
+            if rot != 0:
+                v = (v + t % per_key) % per_key
             j = v // nchunk
             coff = _i64((v - j * nchunk) * CHUNK_VEC) * 16 + lane_off
             if j < world - 1:
@@ -1231,6 +1240,8 @@ def _make_combine(K: int):
                 for q in cutlass.range_constexpr(4):
                     ptx.st_v4(dst + q * 512, [words[4 * q + h] for h in range(4)])
             u = u + nw
+        if probe != 0:
+            cute.arch.sync_threads()  # "done" is the block's last warp
         _stamp(probe, tid, bid, 1)
 
     @cute.jit

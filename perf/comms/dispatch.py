@@ -3,8 +3,10 @@
 One process per GPU (spawned here). Per (hidden, experts) one fused `DispatchCombine` on a
 `SymmetricHeap` sized for the largest token count; per tokens-per-rank T, on uniformly random
 top-k routing:
-  fused   CUDA-graph replay of `iters` dispatches, of `iters` combines, and of `iters`
-          dispatch+combine pairs (per-op time = replay time / iters; max over ranks);
+  fused   CUDA-graph replay of `iters` dispatches and of `iters` dispatch+combine pairs (per-op
+          time = replay time / iters; max over ranks); combine = pair - dispatch (combine's protocol
+          needs a dispatch between two calls: its partials are polled in place, see
+          comms.kernels.dispatch);
   nccl    the torch.distributed reference on NCCL (count exchange, all_to_all_single of rows and
           metadata, per-expert permutation; combine: local weighted sum, all_to_all back, sum), eager
           (it needs the counts on the host), wall clock per call, median;
@@ -24,8 +26,8 @@ previous phase's peer rows are packed; auto: from OVERLAP_MIN_TOKENS tokens); pa
 `--blocks` sweeps the fused kernels' grid per row ("auto": sized per call from the token count);
 `--phases` adds, per row, when the latest block passed each phase boundary of the last dispatch and
 combine of a probed pair replay (rank 0; us after the first block started; %globaltimer stamps).
-A dispatch-only (or combine-only) replay loop reuses buffers that a peer one call ahead already
-rewrites, so its numbers are timings only; the pair loop is the real sequence.
+A dispatch-only replay loop reuses buffers that a peer one call ahead already rewrites, so its numbers
+are timings only; the pair loop is the real sequence.
 Prints an nccl-tests-style table on rank 0 and writes JSON (`--json`).
 """
 from __future__ import annotations
@@ -287,7 +289,7 @@ def _worker(rank, world, store, args, out_path):
                 fused.combine(y, h)
                 fused.check()
                 t_d, eager = _graph_time(lambda: fused.dispatch(x, ids, w), args.iters, dev)
-                t_c, _ = _graph_time(lambda: fused.combine(y, h), args.iters, dev)
+                fused.check()
 
                 def pair():
                     r, hh = fused.dispatch(x, ids, w)
@@ -295,6 +297,7 @@ def _worker(rank, world, store, args, out_path):
 
                 t_dc, _ = _graph_time(pair, args.iters, dev)
                 fused.check()
+                t_c = max(t_dc - t_d, 0.0)
                 phases = None
                 if args.phases:  # a separate capture: the probe address is a kernel argument
                     fused._fused.enable_probes()

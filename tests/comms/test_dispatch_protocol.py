@@ -226,24 +226,30 @@ def test_tables_and_rows_counters_in_mixed_modes(world, maxp, start):
         assert cnt[d] == [[_i32((start + epochs) * STEP)] * world] * nc, "a counter off ARRIVAL_STEP per epoch"
 
 
-def _combine_units(rank, world, nkeys, nchunk, sum_last=True):
+def _combine_units(rank, world, nkeys, nchunk, nw, sum_last=True, always_rotate=False):
     """combine's work units of `rank` in the kernel's order (comms/kernels/dispatch.py `_make_combine`):
     key t major, then position j (the other sources' sends in ascending source order, then own token
-    t's sum at position world - 1), then chunk. `sum_last=False` puts the sum first (a wrong order)."""
+    t's sum at position world - 1), then chunk; positions rotated by t when the nw warps are at least
+    the units of a key. Wrong orders, for the negative test: `sum_last=False` puts the sum first,
+    `always_rotate` rotates with fewer warps too."""
     units = []
+    per_key = world * nchunk
     for t in range(nkeys):
+        key = []
         for j in range(world):
             kind_pos = world - 1 if sum_last else 0
             if j == kind_pos:
-                units += [("sum", t, None, c) for c in range(nchunk)]
+                key += [("sum", t, None, c) for c in range(nchunk)]
             else:
                 k = j if sum_last else j - 1
                 s = k + (k >= rank)
-                units += [("send", t, s, c) for c in range(nchunk)]
+                key += [("send", t, s, c) for c in range(nchunk)]
+        rot = t % per_key if nw >= per_key or always_rotate else 0
+        units += key[rot:] + key[:rot]
     return units
 
 
-def _run_combine(world, toks, dest, grids, sum_last, rng, nchunk=2):
+def _run_combine(world, toks, dest, grids, sum_last, rng, nchunk=2, always_rotate=False):
     """Every rank's warps take units grid-stride (warp w: units w, w + nw, ...), in order, interleaved at
     random across ranks; a send of (source s, token t) to this rank happens iff s's token t has a slot
     here; a sum of own token t waits for the partials of the token's other ranks. Returns True when
@@ -252,8 +258,9 @@ def _run_combine(world, toks, dest, grids, sum_last, rng, nchunk=2):
     cx = set()  # (owner, sender, t, c) partials delivered
     queues = []
     for r in range(world):
-        units = _combine_units(r, world, nkeys, nchunk, sum_last)
-        queues += [(r, units[w::grids[r] * 8]) for w in range(grids[r] * 8)]
+        nw = grids[r] * 8
+        units = _combine_units(r, world, nkeys, nchunk, nw, sum_last, always_rotate)
+        queues += [(r, units[w::nw]) for w in range(nw)]
     pos = [0] * len(queues)
     while True:
         ready = []
@@ -275,10 +282,11 @@ def _run_combine(world, toks, dest, grids, sum_last, rng, nchunk=2):
         pos[i] += 1
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 8])
 def test_combine_key_order_never_deadlocks(world):
-    """With the kernel's order every unit completes, for random routing, token counts and grids (1 block
-    per rank included: one warp's units span every key)."""
+    """With the kernel's order every unit completes: random routing, token counts and grids (1 block per
+    rank included: one warp's units span every key; 3 blocks: rotated positions), and every token on
+    every rank."""
     rng = random.Random(world)
     for trial in range(20):
         toks = [rng.randint(0, 6) for _ in range(world)]
@@ -286,12 +294,17 @@ def test_combine_key_order_never_deadlocks(world):
         grids = [rng.choice([1, 2, 3]) for _ in range(world)]
         nchunk = rng.choice([1, 4, 7])
         assert _run_combine(world, toks, dest, grids, True, rng, nchunk), f"deadlock: toks={toks} grids={grids}"
+    for nchunk in (1, 4, 7):
+        dest = [[set(range(world))] * 12 for _ in range(world)]
+        assert _run_combine(world, [12] * world, dest, [1] * world, True, rng, nchunk), f"deadlock: nchunk={nchunk}"
 
 
-def test_combine_sum_before_sends_can_deadlock():
-    """The model detects a deadlock: with each key's sum first, five ranks whose tokens need each
-    other's partials, one block each (8 warps over 20 units a key, so a warp holds a key's sum and
-    then its sends), stall for good; the kernel's order completes the same case."""
-    dest = [[set(range(5))] * 4 for _ in range(5)]
-    assert not _run_combine(5, [4] * 5, dest, [1] * 5, False, random.Random(0), nchunk=4)
-    assert _run_combine(5, [4] * 5, dest, [1] * 5, True, random.Random(0), nchunk=4)
+def test_combine_wrong_orders_can_deadlock():
+    """The model detects a deadlock: five ranks whose tokens need each other's partials, one block each
+    (8 warps over 20 units a key), stall for good with each key's sum first, and with positions
+    rotated although a warp holds several units of a key (a sum can then precede a send of its key in
+    one warp); the kernel's order completes the same case."""
+    dest = [[set(range(5))] * 12 for _ in range(5)]
+    assert not _run_combine(5, [12] * 5, dest, [1] * 5, False, random.Random(0), nchunk=4)
+    assert not _run_combine(5, [12] * 5, dest, [1] * 5, True, random.Random(0), nchunk=4, always_rotate=True)
+    assert _run_combine(5, [12] * 5, dest, [1] * 5, True, random.Random(0), nchunk=4)
