@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 import aot
-from aot.launch import stream_allows_pdl
+from aot.launch import pdl_enabled
 from comms.dispatch import CapacityError, DispatchError, DispatchRecv, DispatchTimeoutError
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ OVERLAP_MIN_TOKENS = 1024
 DISPATCH_PHASES = ("start", "tables sent", "tables waited", "tables built", "rows sent", "rows waited", "packed")
 COMBINE_PHASES = ("start", "done")
 _ERR_KINDS = {1: "dispatch wait", 2: "combine wait", 3: "capacity"}
-CX_EMPTY = -1  # combine's sentinel word (comms.kernels.dispatch.SENTINEL)
+SENTINEL = -1  # an empty rx / cx word (comms.kernels.dispatch.SENTINEL)
 REGION_ALIGN = 256
 
 
@@ -114,9 +114,12 @@ class FusedDispatch:
         rows = R * M
         self.off = {name: heap.alloc(nbytes, align=REGION_ALIGN)
                     for name, nbytes in heap_regions(R, cfg.num_experts, K, H, M, cfg.payload, cfg.pipeline_phases)}
-        # combine's cx starts empty (every word the sentinel; its readers empty what they read), before any
-        # peer can write it: peers write cx only after a dispatch that needs this rank's arrival
-        heap.buffer(self.off["cx"], (rows * H // 2,), torch.int32).fill_(CX_EMPTY)
+        # combine's cx and the bf16 staged rows rx start empty (every word the sentinel; their readers empty
+        # what they read), before any peer can write them: peers write only after a dispatch that needs
+        # this rank's arrival (the tables' for rx, the rows' for cx)
+        heap.buffer(self.off["cx"], (rows * H // 2,), torch.int32).fill_(SENTINEL)
+        if cfg.payload == "bf16":
+            heap.buffer(self.off["rx"], (rows * H // 2,), torch.int32).fill_(SENTINEL)
         torch.cuda.synchronize(self.device)
         heap.barrier()
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -241,7 +244,7 @@ class FusedDispatch:
         T = x.shape[0]
         self._dispatch(x, ids, w, *self._outs, self.counts, self.offsets, self.o_rank, self.o_tok, self.o_w,
                        self.row_pos, *self._dargs, self._probe(0), self.off["rnph"], self.maxp, self.phases_for(T),
-                       self.send_warps, int(self.overlap_for(T)), self.blocks_for(T), int(stream_allows_pdl(self.device)))
+                       self.send_warps, int(self.overlap_for(T)), self.blocks_for(T), int(pdl_enabled(self.device)))
         recv = DispatchRecv(self.recv_x, self.counts, self.offsets, self.o_rank, self.o_tok, self.o_w, self.recv_s)
         return recv, FusedHandle(x.shape[0], ids)
 
@@ -255,7 +258,7 @@ class FusedDispatch:
         y = expert_out.reshape(-1, H)  # [rows, H]
         out = torch.empty(handle.num_tokens, H, dtype=torch.bfloat16, device=self.device)
         self._combine(y, handle.topk_ids, out, self.row_pos, self.rstart, *self._cargs, self._probe(1),
-                      self.blocks_for(handle.num_tokens), int(stream_allows_pdl(self.device)))
+                      self.blocks_for(handle.num_tokens), int(pdl_enabled(self.device)))
         return out
 
     def check(self) -> None:

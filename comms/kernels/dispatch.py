@@ -13,18 +13,21 @@ and per rank (`comms.dispatch_fused.auto_blocks`).
 Heap regions (byte offsets chosen by `comms.dispatch_fused`, identical on every rank; R ranks,
 M = max tokens per rank, K = top-k, L = local experts):
   rx    bf16  [R, M, H]  token rows, rank-major: row (s, t) = token t of source rank s (unpipelined:
-                         peers only, own rows are packed from x)
+                         peers only, own rows are packed from x). bf16: the sentinel 0xFFFFFFFF in
+                         every word not yet delivered (filled by the host; the pack empties what it
+                         read; senders never store it: ptx.canon_word)
   rid   int32 [R, M, K]  its top-k global expert ids;  rw fp32 [R, M, K] its weights
   rslot int32 [R, M, K]  for slots on this rank: index of the token among source s's tokens of
                          that expert (so packing needs no cross-block scan on the receiver)
-  rstamp int32 [R, M]    dispatch epoch at which row (s, t) was written (stale rows: older epochs)
+  rstamp int32 [R, M]    dispatch epoch of row (s, t)'s metadata (rid, rw; written in A1 with the
+                         tables): the row comes this epoch iff it equals the epoch
   rntok int32 [R]        tokens of source s this epoch;  recnt int32 [R, L] entries per (s, expert)
   dcnt  int32 [1 + P, R] dispatch arrival counters (source s adds ARRIVAL_STEP per epoch to each;
                          a rank at epoch e waits for cnt - e * ARRIVAL_STEP >= 0 modulo 2**32:
-                         wrap-safe). dcnt[0] the tables arrival (rslot, recnt, rntok, rnph
-                         written), dcnt[1 + q] the rows arrival of send phase q (rx, rid, rw, rstamp
-                         written; it follows the tables arrival in program order, so it covers the
-                         tables too). Unpipelined P = 1; pipelined P = maxp
+                         wrap-safe). dcnt[0] the tables arrival (rslot, recnt, rntok, rnph, rid, rw,
+                         rstamp written), dcnt[1 + q] the rows arrival of send phase q (rx written;
+                         it follows the tables arrival in program order, so it covers the tables
+                         too). Unpipelined P = 1; pipelined P = maxp
   cx    bf16  [R, M, H]  combine partials: row (s, t) = rank s's partial for my token t (the
                          sentinel 0xFFFFFFFF in every word not yet delivered; see combine)
   state int32 [4]        dispatch epoch (block 0 stores the new one after its wait), 3 unused
@@ -32,12 +35,13 @@ M = max tokens per rank, K = top-k, L = local experts):
 
 dispatch (one launch; `overlap` chosen per call and per rank, ranks may differ):
   A1. slot scan: per global expert, each hit's index among this rank's tokens of that expert
-     (rslot) and the per-(rank, expert) count (recnt) go to the expert's owner (ballot + popc);
-     block 0 also stores rntok[me] on every rank with its arrival.
+     (rslot) and the per-(rank, expert) count (recnt) go to the expert's owner (ballot + popc); the
+     scan of a token's first expert on an owner also writes the row's ids, weights and stamp there
+     (to this rank too: combine reads them); block 0 also stores rntok[me] on every rank with its
+     arrival.
   A2. rows: all warps copy 2 KiB chunks of own token rows (16-byte vectors, 4 per lane) to every
-     distinct peer rank of the token (once per rank, not per expert), plus ids, weights and stamp
-     (to this rank too: combine reads them). No row goes to this rank's own rx: own rows are packed
-     straight from x (MXFP8: quantized in registers the same way).
+     distinct peer rank of the token (once per rank, not per expert). No row goes to this rank's own
+     rx: own rows are packed straight from x (MXFP8: quantized in registers the same way).
   C. pack: tables first -- per local expert the exclusive prefix of recnt over sources, the expert
      bases, the sources' row starts in shared memory (block 0 writes the row starts to `rstart` for
      combine) -- then each (row, chunk) unit is loaded once and stored to every local expert slot of
@@ -49,14 +53,17 @@ dispatch (one launch; `overlap` chosen per call and per rank, ranks may differ):
      warp 0, convergent: `_wait_all`); barrier; block 0 stores the epoch (`_store_epoch`); tables;
      C over own tokens (from x) and the peers' received rows in one loop.
   overlap = 1 (large batches): A1 with a block per expert (8 warps split the tokens: count, block
-     prefix, write) so it is short; arrive on dcnt[0]; wait for dcnt[0] of every source; tables;
-     then A2 with the own-row pack fused in (each unit loaded once, sent to the peers and stored to
-     its own local slots: the local HBM copy of own rows runs while NVLink carries the sends); arrive
-     on dcnt[1]; wait for dcnt[1] of every source; epoch; C over the peers' rows. Costs one more
-     arrival and wait before the sends (a few us); saves the own rows' pack after the wait and the
-     own rows' copy into rx. No deadlock in mixed calls: every wait on dcnt[0] needs only tables
-     arrivals, which no rank makes after a wait; a wait on dcnt[1] needs rows arrivals, made after
-     at most a dcnt[0] wait.
+     prefix, write) so it is short; arrive on dcnt[0]; wait for dcnt[0] of every source; tables
+     (which now say which rows will arrive). bf16: epoch; then one key-major loop (_send_and_pack)
+     of A2 with the own-row pack fused in (each unit loaded once, sent to the peers and stored to its
+     own local slots) and C over the peers' rows, each received chunk polled until its data is in
+     (the data is its own flag, as in combine), so the peers' rows are packed while later rows are
+     still on the wire; arrive on dcnt[1] (for peers without overlap, which wait on it). MXFP8 (its
+     scale bytes are stored a byte at a time, so a word can be half delivered): A2 with the own-row
+     pack; arrive on dcnt[1]; wait for it; epoch; C over the peers' rows. No deadlock in mixed calls:
+     every wait on dcnt[0] needs only tables arrivals, which no rank makes after a wait; a wait on
+     dcnt[1] needs rows arrivals, made after at most a dcnt[0] wait and the polls, which need only
+     sends (made after at most a dcnt[0] wait; see _send_and_pack for the loop's order).
 pipelined dispatch (dispatch_pipe_kK; host: pipeline_phases > 1): unpipelined, C runs after A
 at large token counts, so the wire and the peers' pack take turns. Here a source sends its tokens
 in nphase <= maxp phases of ch = ceil(ntok / nphase) tokens (A1 and rntok / rnph go with the
@@ -119,6 +126,8 @@ from comms.kernels import ptx
 
 THREADS = 256
 WARPS = THREADS // 32
+# combine has no shared tables or block-wide phases: more warps per block keep more loads in flight
+COMBINE_WARPS = 16
 CHUNK_VEC = 128      # 16-byte vectors per work unit: 4 per lane, 2 KiB of a row (H % 1024 == 0)
 MAX_WORLD = 128      # shared-memory table bounds (checked on the host)
 MAX_LOCAL = 512
@@ -128,6 +137,7 @@ SCAN_UNROLL = 4      # slot scan: 32-token groups whose id loads are issued toge
 PIPE_MAX = 8         # pipelined dispatch: phase counters per source at most
 ARRIVAL_STEP = 1024  # counter units one source adds per epoch (>= any grid: see _arrive)
 PROBE_PHASES = 8     # int64 stamps per block in the probe buffer
+SENTINEL = -1        # 0xFFFFFFFF: an empty rx / cx word (a NaN senders never store: ptx.canon_word)
 DISPATCH_PHASES = ("start", "tables sent", "tables waited", "tables built", "rows sent", "rows waited", "packed")
 (PH_START, PH_TABLES_SENT, PH_TABLES_WAITED, PH_TABLES_BUILT, PH_ROWS_SENT, PH_ROWS_WAITED,
  PH_PACKED) = range(len(DISPATCH_PHASES))
@@ -184,6 +194,13 @@ def warp_min(v, *, loc=None, ip=None) -> Int32:
     """Minimum of v over the 32 lanes, as unsigned (redux.sync, sm_80+: one instruction; -1 is the
     largest value, so lanes holding -1 never win unless every lane does)."""
     return Int32(ptx._asm(T.i32(), [ptx._i32(v, loc, ip)], "redux.sync.min.u32 $0, $1, 0xffffffff;", "=r,r",
+                          loc, ip))
+
+
+@dsl_user_op
+def warp_max(v, *, loc=None, ip=None) -> Int32:
+    """Maximum of v (>= 0) over the 32 lanes (redux.sync.max.u32)."""
+    return Int32(ptx._asm(T.i32(), [ptx._i32(v, loc, ip)], "redux.sync.max.u32 $0, $1, 0xffffffff;", "=r,r",
                           loc, ip))
 
 
@@ -470,6 +487,18 @@ def _store_chunk(dst, v0, v1, v2, v3):
     ptx.st_v4(dst + 1536, v3)
 
 
+def _canon(v):
+    """A vector's 4 words with the sentinel word replaced by another NaN (ptx.canon_word)."""
+    return [ptx.canon_word(w) for w in v]
+
+
+@cute.jit
+def _vec_empty(v):
+    """1 if a word of the vector v (4 words) is the sentinel (not yet written this epoch)."""
+    S = Int32(SENTINEL)
+    return Int32((v[0] == S) | (v[1] == S) | (v[2] == S) | (v[3] == S))
+
+
 @cute.jit
 def _slot_row(idv, sl, s, rank, nlocal, pre: cute.Tensor, base: cute.Tensor, cap, nrows, lane, K: cutlass.Constexpr):
     """Lane j < K of a row from source s (slot j: global expert idv, index sl among source s's
@@ -527,23 +556,67 @@ def _quantize_mx(v, lane):
 
 
 @cute.jit
-def _scan_expert(ids: cute.Tensor, g, tb, te, running, dbase, row0, lane, off_rslot, K: cutlass.Constexpr,
-                 write: cutlass.Constexpr):
+def _store_words(addr, words, K: cutlass.Constexpr):
+    """K consecutive words at addr (a row of a [rows, K] int32 table: aligned to 4 K bytes), in 16-byte
+    stores when K % 4 == 0, 8-byte ones when K is even."""
+    if cutlass.const_expr(K % 4 == 0):
+        for i in cutlass.range_constexpr(K // 4):
+            ptx.st_v4(addr + 16 * i, words[4 * i:4 * i + 4])
+    elif cutlass.const_expr(K % 2 == 0):
+        for i in cutlass.range_constexpr(K // 2):
+            st_v2(addr + 8 * i, words[2 * i:2 * i + 2])
+    else:
+        for i in cutlass.range_constexpr(K):
+            st_b32(addr + 4 * i, words[i])
+
+
+@cute.jit
+def _scan_expert(ids: cute.Tensor, wts: cute.Tensor, g, tb, te, running, dbase, row0, lane, nlocal, epoch, off_rslot,
+                 off_rid, off_rw, off_rstamp, K: cutlass.Constexpr, write: cutlass.Constexpr):
     """Slot scan of own tokens [tb, te) for global expert g, SCAN_UNROLL x 32 tokens per step (every
     id load in flight at once; clamped, no branch: lanes past te never hit). Returns running + the
     hits; `write`: also stores each hit's index (running + hits before it) into rslot on the owner
-    (dbase), row row0 + t."""
+    (dbase), row row0 + t, and, when g is the token's first expert on that owner (lowest slot), the
+    row's metadata there: all K ids and weights and the epoch stamp. So each (token, owner) pair
+    writes its metadata exactly once, with the tables: a receiver knows after the tables wait which
+    rows will arrive and where they go, before their data does."""
+    d = g // nlocal
     t0 = tb
     while t0 < te:
         hits = []
+        firsts = []
+        idvs = []
         for r in cutlass.range_constexpr(SCAN_UNROLL):
             t = t0 + 32 * r + lane
             tc = cutlass.min(t, te - 1)
             hit = Int32(-1)
+            first = Int32(0)
+            seen = Int32(0)
+            idv = []
             for j in cutlass.range_constexpr(K):
-                if (ids[tc, j] == g) & (t < te):
+                idj = ids[tc, j]
+                idv.append(idj)
+                if (idj == g) & (t < te):
                     hit = Int32(j)
+                    first = 1 - seen
+                if idj // nlocal == d:
+                    seen = Int32(1)
             hits.append(hit)
+            firsts.append(first)
+            idvs.append(idv)
+        if cutlass.const_expr(write):
+            # the first hits' weights, loaded (predicated) before any store: the stores' memory
+            # clobbers would otherwise serialise each load behind the previous store
+            wvs = []
+            for r in cutlass.range_constexpr(SCAN_UNROLL):
+                tc = cutlass.min(t0 + 32 * r + lane, te - 1)
+                wv = []
+                for j in cutlass.range_constexpr(K):
+                    wj = Int32(0)
+                    if firsts[r] != 0:
+                        wj = ptx.f32_as_i32(wts[tc, j])
+                    wv.append(wj)
+                wvs.append(wv)
         for r in cutlass.range_constexpr(SCAN_UNROLL):
             m = cute.arch.vote_ballot_sync(hits[r] >= 0)
             if cutlass.const_expr(write):
@@ -551,6 +624,10 @@ def _scan_expert(ids: cute.Tensor, g, tb, te, running, dbase, row0, lane, off_rs
                     i = running + cute.arch.popc(m & lanemask_lt())
                     row = row0 + t0 + 32 * r + lane
                     st_b32(dbase + off_rslot + (row * K + hits[r]) * 4, i)
+                    if firsts[r] != 0:
+                        _store_words(dbase + off_rid + row * (K * 4), idvs[r], K)
+                        _store_words(dbase + off_rw + row * (K * 4), wvs[r], K)
+                        st_b32(dbase + off_rstamp + row * 4, epoch)
             running = running + cute.arch.popc(m)
         t0 = t0 + 32 * SCAN_UNROLL
     return running
@@ -619,15 +696,9 @@ def _token_unit(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.
                             st_b8(sc + 8, s1)
                             st_b8(sc + 16, s2)
                             st_b8(sc + 24, s3)
-                    else:
+                    else:  # no word is the sentinel: a receiver polls for it (_pack_unit)
                         _store_chunk(db + off_rx + row * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off,
-                                     v0, v1, v2, v3)
-                if c == 0:
-                    if lane < K:
-                        st_b32(db + off_rid + (row * K + lane) * 4, idv)
-                        st_b32(db + off_rw + (row * K + lane) * 4, wv)
-                    if lane == 0:
-                        st_b32(db + off_rstamp + row * 4, epoch)
+                                     _canon(v0), _canon(v1), _canon(v2), _canon(v3))
     if pack != 0:
         posv = _slot_row(idv, sl, rank, rank, nlocal, pre, base, cap, nrows, lane, K)
         mp = cute.arch.vote_ballot_sync(posv >= 0)
@@ -675,11 +746,97 @@ def _send_rows(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.T
 
 
 @cute.jit
+def _pack_unit(me, s, t, c, rank, nlocal, maxt, nvec, epoch, lane, pre: cute.Tensor, base: cute.Tensor, cap, nrows,
+               oxa, osa, o_rank: cute.Tensor, o_tok: cute.Tensor, o_w: cute.Tensor, row_pos: cute.Tensor, off_rx,
+               off_rid, off_rw, off_rslot, off_rstamp, err_addr, timeout_ns, K: cutlass.Constexpr,
+               fp8: cutlass.Constexpr, poll: cutlass.Constexpr):
+    """Dispatch C for one unit: 2 KiB chunk c of the staged row of source s's token t, if the row came
+    this epoch (stamp, from the tables), stored to every local expert slot of the row (metadata on
+    chunk 0). bf16: afterwards the chunk is emptied again (the sentinel in every word); with `poll`
+    (bf16 only: overlap's interleaved loop, before the row's data may have arrived) it is read with
+    volatile loads and re-polled until none of its words is the sentinel (bounded; senders never
+    store it), else (after a rows wait) read once."""
+    row_bytes = _i64(nvec) * 16
+    rx_row = row_bytes
+    hvec = nvec
+    if cutlass.const_expr(fp8):
+        rx_row = _i64(nvec) * 8 + _i64(nvec // 4)
+        hvec = nvec // 2
+    rvec = Int32(rx_row // 16)
+    row = _i64(s) * maxt + t
+    # every load of the unit is issued before the first use (stale rows are valid memory)
+    stamp = ld_b32_cg(me + off_rstamp + row * 4)
+    idl = Int32(-1)
+    sl = Int32(0)
+    wl = Int32(0)
+    if lane < K:
+        idl = ld_b32_cg(me + off_rid + (row * K + lane) * 4)
+        sl = ld_b32_cg(me + off_rslot + (row * K + lane) * 4)
+        wl = ld_b32_cg(me + off_rw + (row * K + lane) * 4)
+    vbase = c * CHUNK_VEC + lane  # this lane's vectors: vbase + 32 q
+    src = me + off_rx + row * rx_row
+    if cutlass.const_expr(fp8):  # the last chunk is partial: lanes past the row load its last vector
+        v0 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase, rvec - 1)) * 16)
+        v1 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase + 32, rvec - 1)) * 16)
+        v2 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase + 64, rvec - 1)) * 16)
+        v3 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase + 96, rvec - 1)) * 16)
+    elif cutlass.const_expr(poll):
+        v0 = ptx.ld_volatile_v4(src + _i64(vbase) * 16)
+        v1 = ptx.ld_volatile_v4(src + _i64(vbase) * 16 + 512)
+        v2 = ptx.ld_volatile_v4(src + _i64(vbase) * 16 + 1024)
+        v3 = ptx.ld_volatile_v4(src + _i64(vbase) * 16 + 1536)
+    else:
+        v0 = ptx.ld_v4_cg(src + _i64(vbase) * 16)
+        v1 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 512)
+        v2 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 1024)
+        v3 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 1536)
+    if stamp == epoch:
+        if cutlass.const_expr(poll):
+            if _vec_empty(v0) | _vec_empty(v1) | _vec_empty(v2) | _vec_empty(v3) != 0:
+                t0 = ptx.globaltimer()
+                pend = Int32(1)
+                while pend != 0:
+                    v0 = ptx.ld_volatile_v4(src + _i64(vbase) * 16)
+                    v1 = ptx.ld_volatile_v4(src + _i64(vbase) * 16 + 512)
+                    v2 = ptx.ld_volatile_v4(src + _i64(vbase) * 16 + 1024)
+                    v3 = ptx.ld_volatile_v4(src + _i64(vbase) * 16 + 1536)
+                    pend = _vec_empty(v0) | _vec_empty(v1) | _vec_empty(v2) | _vec_empty(v3)
+                    if pend != 0:
+                        if ptx.globaltimer() - t0 > timeout_ns:
+                            ptx.st_release_sys(err_addr, ERR_DISPATCH_TIMEOUT | s)
+                            pend = Int32(0)
+        posv = _slot_row(idl, sl, s, rank, nlocal, pre, base, cap, nrows, lane, K)
+        m = cute.arch.vote_ballot_sync(posv >= 0)
+        for j in cutlass.range_constexpr(K):
+            if ((m >> j) & 1) != 0:
+                pj = _i64(cute.arch.shuffle_sync(posv, j))
+                if cutlass.const_expr(fp8):
+                    vs = [v0, v1, v2, v3]
+                    for qq in cutlass.range_constexpr(4):
+                        v = vbase + 32 * qq
+                        if v < hvec:
+                            ptx.st_v4(oxa + pj * (_i64(hvec) * 16) + _i64(v) * 16, vs[qq])
+                        elif v < rvec:
+                            ptx.st_v4(osa + pj * (_i64(rvec - hvec) * 16) + _i64(v - hvec) * 16, vs[qq])
+                else:
+                    _store_chunk(oxa + pj * row_bytes + _i64(vbase) * 16, v0, v1, v2, v3)
+        if cutlass.const_expr(not fp8):  # empty again for the next epoch's sender
+            S = Int32(SENTINEL)
+            _store_chunk(src + _i64(vbase) * 16, [S, S, S, S], [S, S, S, S], [S, S, S, S], [S, S, S, S])
+        if c == 0:
+            if posv >= 0:
+                o_rank[posv] = s
+                o_tok[posv] = t
+                o_w[posv] = ptx.i32_as_f32(wl)
+                row_pos[row * K + lane] = posv
+
+
+@cute.jit
 def _pack_rows(me, tab: cute.Tensor, tab_off, chs: cute.Tensor, q, world, pre: cute.Tensor, base: cute.Tensor, cap,
                nrows, rank, nlocal, maxt, nvec, epoch, lane, gw, nw, oxa, osa, o_rank: cute.Tensor,
                o_tok: cute.Tensor, o_w: cute.Tensor, row_pos: cute.Tensor, off_rx, off_rid, off_rw, off_rslot,
                off_rstamp, x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.Tensor, own_tokens,
-               skip_own, K: cutlass.Constexpr, fp8: cutlass.Constexpr, pipe: cutlass.Constexpr):
+               skip_own, err_addr, timeout_ns, K: cutlass.Constexpr, fp8: cutlass.Constexpr, pipe: cutlass.Constexpr):
     """Dispatch C over received rows: tab[tab_off + s] = first row of source s among them,
     tab[tab_off + world] = their count (pipe: phase q's rows, token t = q * chs[s] + index; else
     every row, t = index). Each (row, 2 KiB of the staged row) unit is loaded once and stored to
@@ -687,12 +844,9 @@ def _pack_rows(me, tab: cute.Tensor, tab_off, chs: cute.Tensor, q, world, pre: c
     this rank's own rows are not in rx; they are skipped here. Unpipelined, the first
     own_tokens * (H / 1024) units of the loop are instead the own rows' (token, chunk) units packed
     from x (_token_unit; own_tokens = 0 when A2 packed them already)."""
-    row_bytes = _i64(nvec) * 16
-    rx_row = row_bytes
-    hvec = nvec
+    rx_row = _i64(nvec) * 16
     if cutlass.const_expr(fp8):
         rx_row = _i64(nvec) * 8 + _i64(nvec // 4)
-        hvec = nvec // 2
     rvec = Int32(rx_row // 16)
     rchunk = (rvec + CHUNK_VEC - 1) // CHUNK_VEC
     nchunk = nvec // CHUNK_VEC
@@ -722,50 +876,60 @@ def _pack_rows(me, tab: cute.Tensor, tab_off, chs: cute.Tensor, q, world, pre: c
             t = rr - tab[tab_off + s]
             if cutlass.const_expr(pipe):
                 t = t + q * chs[s]
-            row = _i64(s) * maxt + t
-            # every load of the unit is issued before the first use (stale rows are valid memory)
-            stamp = ld_b32_cg(me + off_rstamp + row * 4)
-            idl = Int32(-1)
-            sl = Int32(0)
-            wl = Int32(0)
-            if lane < K:
-                idl = ld_b32_cg(me + off_rid + (row * K + lane) * 4)
-                sl = ld_b32_cg(me + off_rslot + (row * K + lane) * 4)
-                wl = ld_b32_cg(me + off_rw + (row * K + lane) * 4)
-            vbase = c * CHUNK_VEC + lane  # this lane's vectors: vbase + 32 q
-            src = me + off_rx + row * rx_row
-            if cutlass.const_expr(fp8):  # the last chunk is partial: lanes past the row load its last vector
-                v0 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase, rvec - 1)) * 16)
-                v1 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase + 32, rvec - 1)) * 16)
-                v2 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase + 64, rvec - 1)) * 16)
-                v3 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase + 96, rvec - 1)) * 16)
-            else:
-                v0 = ptx.ld_v4_cg(src + _i64(vbase) * 16)
-                v1 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 512)
-                v2 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 1024)
-                v3 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 1536)
-            if stamp == epoch:
-                posv = _slot_row(idl, sl, s, rank, nlocal, pre, base, cap, nrows, lane, K)
-                m = cute.arch.vote_ballot_sync(posv >= 0)
-                for j in cutlass.range_constexpr(K):
-                    if ((m >> j) & 1) != 0:
-                        pj = _i64(cute.arch.shuffle_sync(posv, j))
-                        if cutlass.const_expr(fp8):
-                            vs = [v0, v1, v2, v3]
-                            for qq in cutlass.range_constexpr(4):
-                                v = vbase + 32 * qq
-                                if v < hvec:
-                                    ptx.st_v4(oxa + pj * (_i64(hvec) * 16) + _i64(v) * 16, vs[qq])
-                                elif v < rvec:
-                                    ptx.st_v4(osa + pj * (_i64(rvec - hvec) * 16) + _i64(v - hvec) * 16, vs[qq])
-                        else:
-                            _store_chunk(oxa + pj * row_bytes + _i64(vbase) * 16, v0, v1, v2, v3)
-                if c == 0:
-                    if posv >= 0:
-                        o_rank[posv] = s
-                        o_tok[posv] = t
-                        o_w[posv] = ptx.i32_as_f32(wl)
-                        row_pos[row * K + lane] = posv
+            _pack_unit(me, s, t, c, rank, nlocal, maxt, nvec, epoch, lane, pre, base, cap, nrows, oxa, osa, o_rank,
+                       o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp, err_addr, timeout_ns, K, fp8,
+                       False)
+        u = u + nw
+
+
+@cute.jit
+def _send_and_pack(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.Tensor, me, rank, world, maxt,
+                   nlocal, ntok, rstart: cute.Tensor, nvec, epoch, lane, gw, nw, pre: cute.Tensor, base: cute.Tensor,
+                   cap, nrows, oxa, osa, o_rank: cute.Tensor, o_tok: cute.Tensor, o_w: cute.Tensor,
+                   row_pos: cute.Tensor, off_rx, off_rid, off_rw, off_rslot, off_rstamp, err_addr, timeout_ns,
+                   K: cutlass.Constexpr):
+    """bf16 dispatch with overlap, after the tables: units (key t, position j, chunk) in t-major order;
+    position 0 sends own token t (and packs it into its local slots: _token_unit), position 1 + i
+    packs the i-th other source's token t if it was routed here (_pack_unit, which polls the chunk
+    until it has arrived). So the peers' rows are packed while later rows are still on the wire,
+    with no rows counter to wait for. Positions rotate by key when the grid has a warp per unit of a
+    key (every warp mixes sends and packs). No deadlock, as combine: a pack of key t waits only for
+    a send of key t, which waits for nothing, and a warp takes its keys in increasing order with a
+    key's send first (or holds one unit per key); rows are addressed by the tables' row starts."""
+    nchunk = nvec // CHUNK_VEC
+    nkeys = ntok
+    s0 = Int32(0)
+    while s0 < world:
+        s = s0 + lane
+        if s < world:
+            nkeys = cutlass.max(nkeys, rstart[s + 1] - rstart[s])
+        s0 = s0 + 32
+    nkeys = warp_max(nkeys)
+    per_key = world * nchunk
+    rot = Int32(0)
+    if nw >= per_key:
+        rot = Int32(1)
+    u = gw
+    while u < nkeys * per_key:
+        t = u // per_key
+        v = u - t * per_key
+        if rot != 0:
+            v = (v + t % per_key) % per_key
+        j = v // nchunk
+        c = v - j * nchunk
+        if j == 0:
+            if t < ntok:
+                _token_unit(x, ids, wts, peers, me, rank, maxt, nlocal, t, c, nvec, epoch, lane, Int32(1), Int32(1),
+                            pre, base, cap, nrows, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid, off_rw,
+                            off_rslot, off_rstamp, K, False, Int32(0))
+        else:
+            s = j - 1
+            if s >= rank:
+                s = j
+            if t < rstart[s + 1] - rstart[s]:
+                _pack_unit(me, s, t, c, rank, nlocal, maxt, nvec, epoch, lane, pre, base, cap, nrows, oxa, osa, o_rank,
+                           o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp, err_addr, timeout_ns,
+                           K, False, True)
         u = u + nw
 
 
@@ -832,7 +996,8 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
             while g < nexp:  # uniform per block: the barriers below are reached by every thread
                 d = g // nlocal
                 dbase = peers[d]
-                n = _scan_expert(ids, g, tb, te, Int32(0), dbase, row0, lane, off_rslot, K, False)
+                n = _scan_expert(ids, wts, g, tb, te, Int32(0), dbase, row0, lane, nlocal, epoch, off_rslot, off_rid,
+                                 off_rw, off_rstamp, K, False)
                 if lane == 0:
                     segcnt[w] = n
                 cute.arch.sync_threads()
@@ -843,7 +1008,8 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
                     if w > i:
                         before = before + ci
                     tot = tot + ci
-                _scan_expert(ids, g, tb, te, before, dbase, row0, lane, off_rslot, K, True)
+                _scan_expert(ids, wts, g, tb, te, before, dbase, row0, lane, nlocal, epoch, off_rslot, off_rid, off_rw,
+                             off_rstamp, K, True)
                 if tid == 0:
                     st_b32(dbase + off_recnt + (_i64(rank) * nlocal + (g - d * nlocal)) * 4, tot)
                 cute.arch.sync_threads()  # segcnt is rewritten for the next expert
@@ -854,7 +1020,8 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
             g = nw - 1 - gw
             while g < nexp:
                 d = g // nlocal
-                running = _scan_expert(ids, g, Int32(0), ntok, Int32(0), peers[d], row0, lane, off_rslot, K, True)
+                running = _scan_expert(ids, wts, g, Int32(0), ntok, Int32(0), peers[d], row0, lane, nlocal, epoch,
+                                       off_rslot, off_rid, off_rw, off_rstamp, K, True)
                 if lane == 0:
                     st_b32(peers[d] + off_recnt + (_i64(rank) * nlocal + (g - d * nlocal)) * 4, running)
                 g = g + nw
@@ -946,23 +1113,43 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
         _stamp(probe, tid, bid, PH_TABLES_BUILT)
 
         if cutlass.const_expr(not pipe):
-            if early != 0:
-                # ---- A2 with the own rows' pack: each unit goes to the peers and to its local slots
-                _send_rows(x, ids, wts, peers, me, rank, maxt, nlocal, 0, ntok, nvec, epoch, lane, gw, nw, Int32(1),
-                           Int32(1), pre, base, cap, nrows, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid,
-                           off_rw, off_rslot, off_rstamp, K, fp8, Int32(0))
-                cute.arch.sync_threads()
-                _arrive(peers, tid, bid, nb, world, rows_cnt, rank, off_rntok, ntok, False)
-                _stamp(probe, tid, bid, PH_ROWS_SENT)
-                _wait_all(me, tid, world, rows_cnt, wrap_mul(epoch, ARRIVAL_STEP), err_addr, timeout_ns,
-                          ERR_DISPATCH_TIMEOUT)
-                cute.arch.sync_threads()
-                _store_epoch(me, off_state, tid, bid, epoch)
-                _stamp(probe, tid, bid, PH_ROWS_WAITED)
-            # the peers' received rows; without overlap the own rows (from x) first, in the same loop
-            _pack_rows(me, rstart, 0, chs, 0, world, pre, base, cap, nrows, rank, nlocal, maxt, nvec, epoch, lane, gw,
-                       nw, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp, x,
-                       ids, wts, peers, ntok * (1 - early), Int32(1), K, fp8, False)
+            if cutlass.const_expr(not fp8):
+                if early != 0:
+                    # ---- bf16 overlap: sends (with the own rows' pack) and the peers' rows' pack in one
+                    # key-major loop, each received chunk polled (see _send_and_pack); the rows counter
+                    # only for peers that wait on it (overlap off there). The tables wait acquired every
+                    # own block's arrival, so every block has read the old epoch.
+                    _store_epoch(me, off_state, tid, bid, epoch)
+                    _send_and_pack(x, ids, wts, peers, me, rank, world, maxt, nlocal, ntok, rstart, nvec, epoch, lane,
+                                   gw, nw, pre, base, cap, nrows, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx,
+                                   off_rid, off_rw, off_rslot, off_rstamp, err_addr, timeout_ns, K)
+                    cute.arch.sync_threads()
+                    _arrive(peers, tid, bid, nb, world, rows_cnt, rank, off_rntok, ntok, False)
+                    _stamp(probe, tid, bid, PH_ROWS_SENT)
+                    _stamp(probe, tid, bid, PH_ROWS_WAITED)
+            if cutlass.const_expr(fp8):
+                if early != 0:
+                    # ---- A2 with the own rows' pack: each unit goes to the peers and to its local slots
+                    _send_rows(x, ids, wts, peers, me, rank, maxt, nlocal, 0, ntok, nvec, epoch, lane, gw, nw, Int32(1),
+                               Int32(1), pre, base, cap, nrows, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid,
+                               off_rw, off_rslot, off_rstamp, K, fp8, Int32(0))
+                    cute.arch.sync_threads()
+                    _arrive(peers, tid, bid, nb, world, rows_cnt, rank, off_rntok, ntok, False)
+                    _stamp(probe, tid, bid, PH_ROWS_SENT)
+                    _wait_all(me, tid, world, rows_cnt, wrap_mul(epoch, ARRIVAL_STEP), err_addr, timeout_ns,
+                              ERR_DISPATCH_TIMEOUT)
+                    cute.arch.sync_threads()
+                    _store_epoch(me, off_state, tid, bid, epoch)
+                    _stamp(probe, tid, bid, PH_ROWS_WAITED)
+            # the peers' received rows after the wait (bf16 with overlap: packed in the loop above);
+            # without overlap the own rows (from x) first, in the same loop
+            pack_after = Int32(1)
+            if cutlass.const_expr(not fp8):
+                pack_after = 1 - early
+            if pack_after != 0:
+                _pack_rows(me, rstart, 0, chs, 0, world, pre, base, cap, nrows, rank, nlocal, maxt, nvec, epoch, lane,
+                           gw, nw, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp,
+                           x, ids, wts, peers, ntok * (1 - early), Int32(1), err_addr, timeout_ns, K, fp8, False)
         else:
             if early != 0:
                 # ---- send phase 0 with the own rows' pack fused (as unpipelined A2 with overlap), arrive
@@ -1002,7 +1189,7 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
                         _pack_rows(me, rstq, tq, chs, q, world, pre, base, cap, nrows, rank, nlocal, maxt, nvec, epoch,
                                    lane, bid * (WARPS - swarps) + w - swarps, nb * (WARPS - swarps), oxa, osa, o_rank,
                                    o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp, x, ids, wts,
-                                   peers, Int32(0), early, K, fp8, True)
+                                   peers, Int32(0), early, err_addr, timeout_ns, K, fp8, True)
                 else:
                     if q + 1 < nphase:
                         _send_rows(x, ids, wts, peers, me, rank, maxt, nlocal, tb, te, nvec, epoch, lane, gw, nw,
@@ -1010,7 +1197,7 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
                                    off_rx, off_rid, off_rw, off_rslot, off_rstamp, K, fp8, own_copy)
                     _pack_rows(me, rstq, tq, chs, q, world, pre, base, cap, nrows, rank, nlocal, maxt, nvec, epoch,
                                lane, gw, nw, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot,
-                               off_rstamp, x, ids, wts, peers, Int32(0), early, K, fp8, True)
+                               off_rstamp, x, ids, wts, peers, Int32(0), early, err_addr, timeout_ns, K, fp8, True)
                 cute.arch.sync_threads()
                 if q + 1 < nphase:
                     _arrive(peers, tid, bid, nb, world, off_dcnt + _i64(q + 2) * world * 4, rank, off_rntok, ntok,
@@ -1040,14 +1227,6 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
 
 
 # ------------------------------------------------------------------------------- combine
-SENTINEL = -1  # 0xFFFFFFFF: an empty cx word (a NaN no bf16 rounding produces; see ptx.canon_word)
-
-
-@dsl_user_op
-def warp_max(v, *, loc=None, ip=None) -> Int32:
-    """Maximum of v (>= 0) over the 32 lanes (redux.sync.max.u32)."""
-    return Int32(ptx._asm(T.i32(), [ptx._i32(v, loc, ip)], "redux.sync.max.u32 $0, $1, 0xffffffff;", "=r,r",
-                          loc, ip))
 
 
 @cute.jit
@@ -1137,8 +1316,8 @@ def _make_combine(K: int):
         bid, _, _ = cute.arch.block_idx()
         nb, _, _ = cute.arch.grid_dim()
         lane = tid % 32
-        gw = bid * WARPS + tid // 32
-        nw = nb * WARPS
+        gw = bid * COMBINE_WARPS + tid // 32
+        nw = nb * COMBINE_WARPS
         _stamp(probe, tid, bid, 0)
         me = peers[rank]
         d_epoch = ptx.ld_relaxed_gpu(me + off_state)  # the last dispatch's epoch: its rows' stamps
@@ -1253,7 +1432,7 @@ def _make_combine(K: int):
         nvec = out.shape[1] // 8
         kernel(y, ids, out, row_pos, rstart, peers, rank, world, ntok, nvec, nlocal, maxt, off_rid, off_rw,
                off_rstamp, off_cx, off_state, err_addr, timeout_ns, probe).launch(
-            grid=(nblocks, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=pdl)
+            grid=(nblocks, 1, 1), block=(COMBINE_WARPS * 32, 1, 1), stream=stream, use_pdl=pdl)
 
     return launch
 

@@ -124,7 +124,8 @@ def emulate(world, E, K, H, M, toks, layout, ids=None, cap=None, gen=None, paylo
             recnt[d, s] = torch.bincount(e, minlength=L)
             heap["recnt"].check((s * L + torch.arange(L)) * 4 + heap["recnt"].lo, 4, "A1 recnt")
             n += int(sel.sum()) + L
-    # ---- dispatch A2: x rows read, rx / rid / rw / rstamp written once per destination rank
+    # ---- dispatch A2: x rows read, rx written once per destination rank (bf16: read back and emptied by
+    # the pack at the same addresses)
     rntok = torch.tensor(toks)
     for s, ids_s in enumerate(ids):
         T = ids_s.shape[0]
@@ -141,9 +142,10 @@ def emulate(world, E, K, H, M, toks, layout, ids=None, cap=None, gen=None, paylo
                 assert bool((((vals - heap["rx"].lo) % rx_row) + 8 <= H).all()), "E4M3 bytes spill into scales"
             else:
                 heap["rx"].check(_unit_vectors(heap["rx"].lo + row * row_bytes, nchunk), 16, "A2 rx write")
+            # the row's metadata, written in A1 by the scan of the token's first expert on d
             for name in ("rid", "rw"):
-                heap[name].check(heap[name].lo + ((row[:, None] * K + torch.arange(K)) * 4), 4, f"A2 {name}")
-            heap["rstamp"].check(heap["rstamp"].lo + row * 4, 4, "A2 rstamp")
+                heap[name].check(heap[name].lo + ((row[:, None] * K + torch.arange(K)) * 4), 4, f"A1 {name}")
+            heap["rstamp"].check(heap["rstamp"].lo + row * 4, 4, "A1 rstamp")
             heap["rntok"].check(heap["rntok"].lo + torch.tensor([s * 4]), 4, "A2 rntok")
             heap["dcnt"].check(heap["dcnt"].lo + torch.tensor([s * 4, (world + s) * 4]), 4, "tables / rows dcnt")
             n += row.numel() * (nchunk * 128 + 2 * K + 1)
