@@ -20,14 +20,16 @@ M = max tokens per rank, K = top-k, L = local experts):
   rslot int32 [R, M, K]  for slots on this rank: index of the token among source s's tokens of
                          that expert (so packing needs no cross-block scan on the receiver)
   rstamp int32 [R, M]    dispatch epoch of row (s, t)'s metadata (rid, rw; written in A1 with the
-                         tables): the row comes this epoch iff it equals the epoch
+                         tables with overlap, else with the rows): the row comes this epoch iff it
+                         equals the epoch
   rntok int32 [R]        tokens of source s this epoch;  recnt int32 [R, L] entries per (s, expert)
   dcnt  int32 [1 + P, R] dispatch arrival counters (source s adds ARRIVAL_STEP per epoch to each;
                          a rank at epoch e waits for cnt - e * ARRIVAL_STEP >= 0 modulo 2**32:
-                         wrap-safe). dcnt[0] the tables arrival (rslot, recnt, rntok, rnph, rid, rw,
-                         rstamp written), dcnt[1 + q] the rows arrival of send phase q (rx written;
-                         it follows the tables arrival in program order, so it covers the tables
-                         too). Unpipelined P = 1; pipelined P = maxp
+                         wrap-safe). dcnt[0] the tables arrival (rslot, recnt, rntok, rnph written;
+                         with overlap rid, rw, rstamp too), dcnt[1 + q] the rows arrival of send
+                         phase q (rx written, without overlap rid, rw, rstamp; it follows the tables
+                         arrival in program order, so it covers the tables too). Unpipelined P = 1;
+                         pipelined P = maxp
   cx    bf16  [R, M, H]  combine partials: row (s, t) = rank s's partial for my token t (the
                          sentinel 0xFFFFFFFF in every word not yet delivered; see combine)
   state int32 [4]        dispatch epoch (block 0 stores the new one after its wait), 3 unused
@@ -35,13 +37,14 @@ M = max tokens per rank, K = top-k, L = local experts):
 
 dispatch (one launch; `overlap` chosen per call and per rank, ranks may differ):
   A1. slot scan: per global expert, each hit's index among this rank's tokens of that expert
-     (rslot) and the per-(rank, expert) count (recnt) go to the expert's owner (ballot + popc); the
-     scan of a token's first expert on an owner also writes the row's ids, weights and stamp there
-     (to this rank too: combine reads them); block 0 also stores rntok[me] on every rank with its
-     arrival.
+     (rslot) and the per-(rank, expert) count (recnt) go to the expert's owner (ballot + popc); with
+     overlap the scan of a token's first expert on an owner also writes the row's ids, weights and
+     stamp there (to this rank too: combine reads them); block 0 also stores rntok[me] on every rank
+     with its arrival.
   A2. rows: all warps copy 2 KiB chunks of own token rows (16-byte vectors, 4 per lane) to every
-     distinct peer rank of the token (once per rank, not per expert). No row goes to this rank's own
-     rx: own rows are packed straight from x (MXFP8: quantized in registers the same way).
+     distinct peer rank of the token (once per rank, not per expert); without overlap with ids,
+     weights and stamp on chunk 0 (to this rank too). No row goes to this rank's own rx: own rows
+     are packed straight from x (MXFP8: quantized in registers the same way).
   C. pack: tables first -- per local expert the exclusive prefix of recnt over sources, the expert
      bases, the sources' row starts in shared memory (block 0 writes the row starts to `rstart` for
      combine) -- then each (row, chunk) unit is loaded once and stored to every local expert slot of
@@ -572,14 +575,15 @@ def _store_words(addr, words, K: cutlass.Constexpr):
 
 @cute.jit
 def _scan_expert(ids: cute.Tensor, wts: cute.Tensor, g, tb, te, running, dbase, row0, lane, nlocal, epoch, off_rslot,
-                 off_rid, off_rw, off_rstamp, K: cutlass.Constexpr, write: cutlass.Constexpr):
+                 off_rid, off_rw, off_rstamp, K: cutlass.Constexpr, write: cutlass.Constexpr, meta: cutlass.Constexpr):
     """Slot scan of own tokens [tb, te) for global expert g, SCAN_UNROLL x 32 tokens per step (every
     id load in flight at once; clamped, no branch: lanes past te never hit). Returns running + the
     hits; `write`: also stores each hit's index (running + hits before it) into rslot on the owner
-    (dbase), row row0 + t, and, when g is the token's first expert on that owner (lowest slot), the
-    row's metadata there: all K ids and weights and the epoch stamp. So each (token, owner) pair
-    writes its metadata exactly once, with the tables: a receiver knows after the tables wait which
-    rows will arrive and where they go, before their data does."""
+    (dbase), row row0 + t, and with `meta`, when g is the token's first expert on that owner (lowest
+    slot), the row's metadata there: all K ids and weights and the epoch stamp. So each (token, owner)
+    pair writes its metadata exactly once, with the tables: a receiver knows after the tables wait
+    which rows will arrive and where they go, before their data does (overlap; without it A2 sends
+    the metadata with chunk 0 of the row, before the one arrival that covers tables and rows)."""
     d = g // nlocal
     t0 = tb
     while t0 < te:
@@ -604,7 +608,7 @@ def _scan_expert(ids: cute.Tensor, wts: cute.Tensor, g, tb, te, running, dbase, 
             hits.append(hit)
             firsts.append(first)
             idvs.append(idv)
-        if cutlass.const_expr(write):
+        if cutlass.const_expr(write and meta):
             # the first hits' weights, loaded (predicated) before any store: the stores' memory
             # clobbers would otherwise serialise each load behind the previous store
             wvs = []
@@ -624,10 +628,11 @@ def _scan_expert(ids: cute.Tensor, wts: cute.Tensor, g, tb, te, running, dbase, 
                     i = running + cute.arch.popc(m & lanemask_lt())
                     row = row0 + t0 + 32 * r + lane
                     st_b32(dbase + off_rslot + (row * K + hits[r]) * 4, i)
-                    if firsts[r] != 0:
-                        _store_words(dbase + off_rid + row * (K * 4), idvs[r], K)
-                        _store_words(dbase + off_rw + row * (K * 4), wvs[r], K)
-                        st_b32(dbase + off_rstamp + row * 4, epoch)
+                    if cutlass.const_expr(meta):
+                        if firsts[r] != 0:
+                            _store_words(dbase + off_rid + row * (K * 4), idvs[r], K)
+                            _store_words(dbase + off_rw + row * (K * 4), wvs[r], K)
+                            st_b32(dbase + off_rstamp + row * 4, epoch)
             running = running + cute.arch.popc(m)
         t0 = t0 + 32 * SCAN_UNROLL
     return running
@@ -637,10 +642,11 @@ def _scan_expert(ids: cute.Tensor, wts: cute.Tensor, g, tb, te, running, dbase, 
 def _token_unit(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.Tensor, me, rank, maxt, nlocal, t,
                 c, nvec, epoch, lane, send, pack, pre: cute.Tensor, base: cute.Tensor, cap, nrows, oxa, osa,
                 o_rank: cute.Tensor, o_tok: cute.Tensor, o_w: cute.Tensor, row_pos: cute.Tensor, off_rx, off_rid,
-                off_rw, off_rslot, off_rstamp, K: cutlass.Constexpr, fp8: cutlass.Constexpr, self_copy):
+                off_rw, off_rslot, off_rstamp, K: cutlass.Constexpr, fp8: cutlass.Constexpr, self_copy, meta):
     """One (own token t, 2 KiB of its bf16 row: chunk c) unit, loaded once (fp8: quantized once,
     1 KiB of E4M3 + 32 scale bytes). `send` != 0: sent once per distinct destination rank of the
-    token, with ids, weights and the epoch stamp on chunk 0; the payload to this rank itself only
+    token, with `meta` != 0 (no overlap: A1 did not write them) ids, weights and the epoch stamp on
+    chunk 0 (to this rank too: combine reads them); the payload to this rank itself only
     with `self_copy` != 0 (the pipelined kernel without overlap packs own rows from rx). `pack` != 0: stored to every
     local expert slot of the token, exactly the bytes C would copy from the staged row (needs the
     tables and this rank's rslot rows), plus the packed rows' metadata on chunk 0."""
@@ -699,6 +705,12 @@ def _token_unit(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.
                     else:  # no word is the sentinel: a receiver polls for it (_pack_unit)
                         _store_chunk(db + off_rx + row * row_bytes + _i64(c * CHUNK_VEC) * 16 + lane_off,
                                      _canon(v0), _canon(v1), _canon(v2), _canon(v3))
+                if (c == 0) & (meta != 0):
+                    if lane < K:
+                        st_b32(db + off_rid + (row * K + lane) * 4, idv)
+                        st_b32(db + off_rw + (row * K + lane) * 4, wv)
+                    if lane == 0:
+                        st_b32(db + off_rstamp + row * 4, epoch)
     if pack != 0:
         posv = _slot_row(idv, sl, rank, rank, nlocal, pre, base, cap, nrows, lane, K)
         mp = cute.arch.vote_ballot_sync(posv >= 0)
@@ -731,7 +743,7 @@ def _token_unit(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.
 def _send_rows(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.Tensor, me, rank, maxt, nlocal, tb,
                te, nvec, epoch, lane, gw, nw, send, pack, pre: cute.Tensor, base: cute.Tensor, cap, nrows, oxa, osa,
                o_rank: cute.Tensor, o_tok: cute.Tensor, o_w: cute.Tensor, row_pos: cute.Tensor, off_rx, off_rid,
-               off_rw, off_rslot, off_rstamp, K: cutlass.Constexpr, fp8: cutlass.Constexpr, self_copy):
+               off_rw, off_rslot, off_rstamp, K: cutlass.Constexpr, fp8: cutlass.Constexpr, self_copy, meta):
     """Dispatch A2 (and with `pack` the own rows' C) for own tokens [tb, te): warp gw takes units
     gw, gw + nw, ... of (token, 2 KiB chunk); see _token_unit."""
     nchunk = nvec // CHUNK_VEC
@@ -741,7 +753,7 @@ def _send_rows(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.T
         c = u - (t - tb) * nchunk
         _token_unit(x, ids, wts, peers, me, rank, maxt, nlocal, t, c, nvec, epoch, lane, send, pack, pre, base, cap,
                     nrows, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp, K,
-                    fp8, self_copy)
+                    fp8, self_copy, meta)
         u = u + nw
 
 
@@ -866,7 +878,7 @@ def _pack_rows(me, tab: cute.Tensor, tab_off, chs: cute.Tensor, q, world, pre: c
                 t = u // nchunk
                 _token_unit(x, ids, wts, peers, me, rank, maxt, nlocal, t, u - t * nchunk, nvec, epoch, lane,
                             Int32(0), Int32(1), pre, base, cap, nrows, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx,
-                            off_rid, off_rw, off_rslot, off_rstamp, K, fp8, False)
+                            off_rid, off_rw, off_rslot, off_rstamp, K, fp8, False, Int32(0))
         else:
             rr = (u - nown) // rchunk
             c = (u - nown) - rr * rchunk
@@ -921,7 +933,7 @@ def _send_and_pack(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cu
             if t < ntok:
                 _token_unit(x, ids, wts, peers, me, rank, maxt, nlocal, t, c, nvec, epoch, lane, Int32(1), Int32(1),
                             pre, base, cap, nrows, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid, off_rw,
-                            off_rslot, off_rstamp, K, False, Int32(0))
+                            off_rslot, off_rstamp, K, False, Int32(0), Int32(0))
         else:
             s = j - 1
             if s >= rank:
@@ -997,7 +1009,7 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
                 d = g // nlocal
                 dbase = peers[d]
                 n = _scan_expert(ids, wts, g, tb, te, Int32(0), dbase, row0, lane, nlocal, epoch, off_rslot, off_rid,
-                                 off_rw, off_rstamp, K, False)
+                                 off_rw, off_rstamp, K, False, True)
                 if lane == 0:
                     segcnt[w] = n
                 cute.arch.sync_threads()
@@ -1009,7 +1021,7 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
                         before = before + ci
                     tot = tot + ci
                 _scan_expert(ids, wts, g, tb, te, before, dbase, row0, lane, nlocal, epoch, off_rslot, off_rid, off_rw,
-                             off_rstamp, K, True)
+                             off_rstamp, K, True, True)
                 if tid == 0:
                     st_b32(dbase + off_recnt + (_i64(rank) * nlocal + (g - d * nlocal)) * 4, tot)
                 cute.arch.sync_threads()  # segcnt is rewritten for the next expert
@@ -1021,14 +1033,14 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
             while g < nexp:
                 d = g // nlocal
                 running = _scan_expert(ids, wts, g, Int32(0), ntok, Int32(0), peers[d], row0, lane, nlocal, epoch,
-                                       off_rslot, off_rid, off_rw, off_rstamp, K, True)
+                                       off_rslot, off_rid, off_rw, off_rstamp, K, True, False)
                 if lane == 0:
                     st_b32(peers[d] + off_recnt + (_i64(rank) * nlocal + (g - d * nlocal)) * 4, running)
                 g = g + nw
             # ---- A2. token rows (pipe: the first send phase's), once per destination rank
             _send_rows(x, ids, wts, peers, me, rank, maxt, nlocal, 0, cutlass.min(ch, ntok), nvec, epoch, lane, gw, nw,
                        Int32(1), Int32(0), pre, base, cap, nrows, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx,
-                       off_rid, off_rw, off_rslot, off_rstamp, K, fp8, Int32(1 if pipe else 0))
+                       off_rid, off_rw, off_rslot, off_rstamp, K, fp8, Int32(1 if pipe else 0), Int32(1))
         cute.arch.sync_threads()
         if cutlass.const_expr(pipe):
             # the tables counter; without overlap phase 0's too, and every later one if that is the last
@@ -1132,7 +1144,7 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
                     # ---- A2 with the own rows' pack: each unit goes to the peers and to its local slots
                     _send_rows(x, ids, wts, peers, me, rank, maxt, nlocal, 0, ntok, nvec, epoch, lane, gw, nw, Int32(1),
                                Int32(1), pre, base, cap, nrows, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid,
-                               off_rw, off_rslot, off_rstamp, K, fp8, Int32(0))
+                               off_rw, off_rslot, off_rstamp, K, fp8, Int32(0), Int32(0))
                     cute.arch.sync_threads()
                     _arrive(peers, tid, bid, nb, world, rows_cnt, rank, off_rntok, ntok, False)
                     _stamp(probe, tid, bid, PH_ROWS_SENT)
@@ -1156,7 +1168,7 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
                 # on its counter (every later one too if it is the last phase) and wait for it
                 _send_rows(x, ids, wts, peers, me, rank, maxt, nlocal, 0, cutlass.min(ch, ntok), nvec, epoch, lane,
                            gw, nw, Int32(1), Int32(1), pre, base, cap, nrows, oxa, osa, o_rank, o_tok, o_w, row_pos,
-                           off_rx, off_rid, off_rw, off_rslot, off_rstamp, K, fp8, Int32(0))
+                           off_rx, off_rid, off_rw, off_rslot, off_rstamp, K, fp8, Int32(0), Int32(0))
                 cute.arch.sync_threads()
                 _arrive(peers, tid, bid, nb, world, rows_cnt, rank, off_rntok, ntok, False,
                         Int32(cutlass.select_(nphase == 1, maxp, 1)))
@@ -1184,7 +1196,7 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
                         _send_rows(x, ids, wts, peers, me, rank, maxt, nlocal, tb, te, nvec, epoch, lane,
                                    bid * swarps + w, nb * swarps, Int32(1), early, pre, base, cap, nrows, oxa, osa,
                                    o_rank, o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp, K,
-                                   fp8, own_copy)
+                                   fp8, own_copy, own_copy)
                     else:
                         _pack_rows(me, rstq, tq, chs, q, world, pre, base, cap, nrows, rank, nlocal, maxt, nvec, epoch,
                                    lane, bid * (WARPS - swarps) + w - swarps, nb * (WARPS - swarps), oxa, osa, o_rank,
@@ -1194,7 +1206,7 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
                     if q + 1 < nphase:
                         _send_rows(x, ids, wts, peers, me, rank, maxt, nlocal, tb, te, nvec, epoch, lane, gw, nw,
                                    Int32(1), early, pre, base, cap, nrows, oxa, osa, o_rank, o_tok, o_w, row_pos,
-                                   off_rx, off_rid, off_rw, off_rslot, off_rstamp, K, fp8, own_copy)
+                                   off_rx, off_rid, off_rw, off_rslot, off_rstamp, K, fp8, own_copy, own_copy)
                     _pack_rows(me, rstq, tq, chs, q, world, pre, base, cap, nrows, rank, nlocal, maxt, nvec, epoch,
                                lane, gw, nw, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot,
                                off_rstamp, x, ids, wts, peers, Int32(0), early, err_addr, timeout_ns, K, fp8, True)
