@@ -11,6 +11,11 @@ The FP8 pipeline (one pass per MoE layer):
   GPU) -> gather + quantize x (1 x 128 power-of-two scales) -> grouped GEMM with w13 ->
   SiLU-and-mul + quantize (routed rows only) -> grouped GEMM with w2 -> weighted un-permute,
   adding sigmoid(x . w_gate) * shared(x) in the same kernel.
+With 1 <= T <= $NVL72_MOE_FUSED_DECODE_TOKENS (default FUSED_DECODE_TOKENS; 0 turns it off) an ops set
+with a `fused_decode` op (sm90-fp8: moe.kernels.triton_fused_decode) runs two kernels instead: gate/up +
+SiLU per (token, expert) pair and down + weighted combine (+ the gated shared expert) per token, reading
+the FP8 weights directly -- at one to a few tokens the pipeline's launches and dependencies cost more
+than the active experts' bytes. The reference ops have no such op, so mxfp8-emulated is unchanged.
 Weights are converted once (`prepare`): MXFP8 (1 x 32, E8M0) then regrouped exactly into 128 x 128
 power-of-two blocks for Hopper (moe.mxfp8). A backend that cannot run raises at selection time,
 never in the hot path.
@@ -36,6 +41,10 @@ DECODE_MAX_TOKENS = 256  # at or below this many tokens the masked (no host sync
 # decode GEMMs (the FP8 defaults). The SiLU-quant kernel works on routed rows only, but the GEMMs'
 # grids and the h / y buffers scale with the capacity, so it follows T, not a 128-row M tile.
 DECODE_ALIGN = 32
+# at or below this many tokens an ops set with `fused_decode` runs it instead of the pipeline (a first
+# guess: tests/moe/gpu_fused_decode.sh times both at 1, 2 and 4 tokens)
+FUSED_DECODE_TOKENS = 4
+ENV_FUSED_DECODE_TOKENS = "NVL72_MOE_FUSED_DECODE_TOKENS"
 
 
 class BackendUnavailable(RuntimeError):
@@ -333,11 +342,29 @@ class ReferenceBackend(ExpertBackend):
         return out
 
 
-class Fp8PipelineBackend(ExpertBackend):
-    """The FP8 pipeline over a set of ops (references or kernels) with identical signatures."""
+def fused_decode_threshold(value: int | None = None) -> int:
+    """The most tokens the fused decode path takes (0 = off, at most DECODE_MAX_TOKENS): `value`, or
+    ${ENV_FUSED_DECODE_TOKENS}, or FUSED_DECODE_TOKENS."""
+    spec = os.environ.get(ENV_FUSED_DECODE_TOKENS, str(FUSED_DECODE_TOKENS)) if value is None else str(value)
+    n = int(spec) if spec.strip().isdigit() else -1
+    if not 0 <= n <= DECODE_MAX_TOKENS:
+        where = f"${ENV_FUSED_DECODE_TOKENS}={spec!r}" if value is None else f"fused_decode_tokens={value!r}"
+        raise ValueError(f"{where}: expected a token count from 0 (off) to {DECODE_MAX_TOKENS}")
+    return n
 
-    def __init__(self, name: str, ops: SimpleNamespace):
+
+class Fp8PipelineBackend(ExpertBackend):
+    """The FP8 pipeline over a set of ops (references or kernels) with identical signatures; with a
+    `fused_decode` op in the set, that op for 1 <= T <= fused_tokens (`fused_decode_tokens=None`: from
+    ${ENV_FUSED_DECODE_TOKENS}, logged once here)."""
+
+    def __init__(self, name: str, ops: SimpleNamespace, fused_decode_tokens: int | None = None):
         self.name, self.ops = name, ops
+        self.fused_tokens = 0
+        if hasattr(ops, "fused_decode"):
+            self.fused_tokens = fused_decode_threshold(fused_decode_tokens)
+            log.info("moe: %s: fused decode path at 1..%d tokens ($%s, 0 = off)", name, self.fused_tokens,
+                     ENV_FUSED_DECODE_TOKENS)
 
     def route(self, router_logits, top_k, renormalize):
         return self.ops.route(router_logits, top_k, renormalize)
@@ -353,6 +380,9 @@ class Fp8PipelineBackend(ExpertBackend):
         ops = self.ops
         num_local, two_i, hidden = weights.w13.shape
         t = x.shape[0]
+        if 1 <= t <= self.fused_tokens:
+            return ops.fused_decode(x, topk_weights, topk_ids, weights.w13, weights.w13_scale, weights.w2,
+                                    weights.w2_scale, expert_offset, shared, shared_gate, shared_ready)
         masked = t <= DECODE_MAX_TOKENS
         if masked:
             cap = -(-t // DECODE_ALIGN) * DECODE_ALIGN  # an expert gets at most T pairs: no overflow
@@ -404,7 +434,7 @@ def _reference_ops() -> SimpleNamespace:
 
 
 def _sm90_ops() -> SimpleNamespace:
-    from moe.kernels import triton_moe
+    from moe.kernels import triton_fused_decode, triton_moe
 
     kernels = os.environ.get(ENV_SM90_KERNELS, "auto")
     if kernels not in SM90_KERNEL_SETS:
@@ -420,6 +450,7 @@ def _sm90_ops() -> SimpleNamespace:
         silu_mul_quant=triton_moe.silu_mul_quant,
         grouped_gemm=gemm,
         unpermute=triton_moe.unpermute,
+        fused_decode=triton_fused_decode.fused_decode,
     )
 
 

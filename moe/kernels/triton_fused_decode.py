@@ -1,0 +1,202 @@
+"""Few-token decode path of the FP8 MoE layer in two Triton kernels that read the FP8 expert
+weights directly (no permutation, no activation quantization, no grouped GEMM).
+
+At one to a few tokens the pipeline of moe/backend.py (permute, gather + quantize, grouped GEMM,
+SiLU-and-mul + quantize, grouped GEMM, un-permute: 6 launches after routing) is bound by launch
+and dependency latency, not by the ~38 MB of active expert weights per Qwen3-30B-A3B layer. Here:
+
+  `gate_up`  program (pair p = (t, slot), block of BLOCK_N rows of I): silu(x[t] . gate) * (x[t] . up)
+             over K = H, in fp32, into a scratch act [T * k, I] fp32; a pair whose expert belongs to
+             another EP rank does nothing (its row stays unwritten and is never read).
+  `down`     program (token t, block of BLOCK_N2 rows of H): sum over the token's local slots of
+             topk_weight * (act[p] . w2[e] rows), all k slots' weight tiles loaded together (one
+             [k, BLOCK_N2, BLOCK_K2] tile per K step, so a one-token launch of H / BLOCK_N2 programs
+             still has enough bytes in flight), then + sigmoid(shared_gate[t]) * shared[t] (the
+             semantics of triton_moe.unpermute); out [T, H] in x's dtype. No atomics: deterministic.
+
+Weights as `Fp8PipelineBackend.prepare` makes them (moe.mxfp8.quantize_experts' q_sm90 / scale_sm90):
+w13 e4m3 [E_local, 2I, H] (rows [0, I) gate, [I, 2I) up), w2 e4m3 [E_local, H, I], and one fp32
+power-of-two scale per 128 x 128 block. A row block of BLOCK_N (a divisor of 128) lies in one scale
+row, so a K tile's scales are a [BLOCK_K] vector (one value per 128 columns) folded into the
+activation before the dot, not a multiply per weight element.
+
+The scratch is fp32: [T * k, I] is 24 KB at one token (nothing beside the weights), and keeping it
+unrounded makes the path's only quantization the weights' own (the pipeline rounds activations to
+FP8 with 1 x 128 scales twice).
+
+PDL (`aot.pdl`): both kernels wait first. Which expert's weights to read comes from topk_ids, which
+the routing kernel writes, so no weight tile is known before the wait (aot.pdl's rule: no load of
+data an earlier kernel wrote before `wait_prior`); after it, each K step's tile is loaded one step
+ahead, as nvl72.model.fused_triton's GEMV does. The early launch still hides launch and block
+scheduling. Grids depend on T only (no size argument changes per step) and the per-step tensors
+are not specialised on alignment, so serving compiles nothing new; no host sync (CUDA-graph safe).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from aot.pdl import launch_args, wait_prior
+
+SCALE_BLOCK = 128  # the weights' scale block (rows and columns)
+# defaults for Qwen3-30B-A3B (H=2048, I=768, k=8) at one token: gate_up 8 pairs x 48 row blocks
+# = 384 programs; down 128 programs, each with a [k, 16, 128] fp8 tile (16 KB) per K step
+BLOCK_N, BLOCK_K, NUM_WARPS = 16, 512, 4
+BLOCK_N2, BLOCK_K2, NUM_WARPS2 = 16, 128, 8
+
+
+@triton.jit(do_not_specialize_on_alignment=["x_ptr", "ids_ptr", "act_ptr"])
+def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, H, I, num_local, expert_offset, K: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Program (p, j): rows [j * BLOCK_N, +BLOCK_N) of pair p's act = silu(gate) * up."""
+    wait_prior(PDL)
+    p = tl.program_id(0)
+    e = tl.load(ids_ptr + p) - expert_offset
+    if (e >= 0) & (e < num_local):
+        t = p // K
+        n0 = tl.program_id(1) * BLOCK_N
+        rows = n0 + tl.arange(0, BLOCK_N)
+        kc = tl.arange(0, BLOCK_K)
+        nkb = H // 128
+        e64 = e.to(tl.int64)
+        g_rows = w_ptr + (e64 * 2 * I + rows[:, None]) * H
+        u_rows = g_rows + I * H
+        sg = s_ptr + (e64 * (2 * I // 128) + n0 // 128) * nkb  # this row block's scales along K
+        su = s_ptr + (e64 * (2 * I // 128) + (I + n0) // 128) * nkb
+        xr = x_ptr + t.to(tl.int64) * H
+        m = kc[None, :] < H
+        gv = tl.load(g_rows + kc[None, :], mask=m, other=0.0)
+        uv = tl.load(u_rows + kc[None, :], mask=m, other=0.0)
+        acc_g = tl.zeros([BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            c = k0 + kc
+            cm = c < H
+            nc = c + BLOCK_K  # the next step's columns (all masked after the last step)
+            nm = nc[None, :] < H
+            g_next = tl.load(g_rows + nc[None, :], mask=nm, other=0.0)
+            u_next = tl.load(u_rows + nc[None, :], mask=nm, other=0.0)
+            xv = tl.load(xr + c, mask=cm, other=0.0).to(tl.float32)
+            xg = xv * tl.load(sg + c // 128, mask=cm, other=0.0)
+            xu = xv * tl.load(su + c // 128, mask=cm, other=0.0)
+            acc_g += tl.sum(gv.to(tl.float32) * xg[None, :], 1)
+            acc_u += tl.sum(uv.to(tl.float32) * xu[None, :], 1)
+            gv, uv = g_next, u_next
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(act_ptr + p.to(tl.int64) * I + rows, act)
+
+
+@triton.jit(do_not_specialize_on_alignment=["act_ptr", "ids_ptr", "tw_ptr", "out_ptr", "sh_ptr", "g_ptr"])
+def _down_kernel(act_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, out_ptr, sh_ptr, g_ptr, H, I, num_local, expert_offset,
+                 K: tl.constexpr, KP: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Program (t, j): out[t, rows [j * BLOCK_N, +BLOCK_N)]. The k slots are the leading axis of one
+    tile (slots of other ranks' experts, and the KP - K padding, masked: no bytes read, weight 0)."""
+    wait_prior(PDL)
+    t = tl.program_id(0)
+    n0 = tl.program_id(1) * BLOCK_N
+    rows = n0 + tl.arange(0, BLOCK_N)
+    kc = tl.arange(0, BLOCK_K)
+    slot = tl.arange(0, KP)
+    pair = t * K + slot
+    e = tl.load(ids_ptr + pair, mask=slot < K, other=-1) - expert_offset
+    ok = (slot < K) & (e >= 0) & (e < num_local)
+    e64 = tl.where(ok, e, 0).to(tl.int64)
+    nkb = I // 128
+    w_rows = w_ptr + ((e64 * H)[:, None, None] + rows[None, :, None]) * I  # [KP, BLOCK_N, 1]
+    s_row = s_ptr + (e64 * (H // 128) + n0 // 128) * nkb  # [KP]: this row block's scales along K
+    a_row = act_ptr + pair.to(tl.int64) * I
+    ok3 = ok[:, None, None]
+    wv = tl.load(w_rows + kc[None, None, :], mask=ok3 & (kc[None, None, :] < I), other=0.0)
+    acc = tl.zeros([KP, BLOCK_N], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        c = k0 + kc
+        nc = c + BLOCK_K
+        w_next = tl.load(w_rows + nc[None, None, :], mask=ok3 & (nc[None, None, :] < I), other=0.0)
+        m2 = ok[:, None] & (c[None, :] < I)
+        av = tl.load(a_row[:, None] + c[None, :], mask=m2, other=0.0)
+        av = av * tl.load(s_row[:, None] + c[None, :] // 128, mask=m2, other=0.0)  # [KP, BLOCK_K]
+        acc += tl.sum(wv.to(tl.float32) * av[:, None, :], 2)
+        wv = w_next
+    tw = tl.load(tw_ptr + pair, mask=ok, other=0.0)
+    y = tl.sum(acc * tw[:, None], 0)
+    if HAS_SHARED:
+        g = tl.load(g_ptr + t).to(tl.float32)
+        sv = tl.load(sh_ptr + t.to(tl.int64) * H + rows).to(tl.float32)
+        y += sv / (1.0 + tl.exp(-g))
+    tl.store(out_ptr + t.to(tl.int64) * H + rows, y.to(out_ptr.dtype.element_ty))
+
+
+def _check(w: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int, name: str) -> None:
+    e, n, k = w.shape
+    if w.dtype != torch.float8_e4m3fn or n % SCALE_BLOCK or k % SCALE_BLOCK:
+        raise ValueError(f"{name}: {w.dtype} {tuple(w.shape)}: expected e4m3 [E, N, K] with N, K multiples of 128")
+    if tuple(scale.shape) != (e, n // SCALE_BLOCK, k // SCALE_BLOCK) or scale.dtype != torch.float32:
+        raise ValueError(f"{name}_scale: {scale.dtype} {tuple(scale.shape)}: expected fp32 "
+                         f"{(e, n // SCALE_BLOCK, k // SCALE_BLOCK)}")
+    if block_n < 1 or SCALE_BLOCK % block_n or block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"{name}: block_n={block_n} must divide 128, block_k={block_k} a power of two >= 16")
+
+
+def _out(buf, shape, dtype, device, name):
+    if buf is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if buf.shape != shape or buf.dtype != dtype or not buf.is_contiguous():
+        raise ValueError(f"{name}: {buf.dtype} {tuple(buf.shape)}: expected a contiguous {dtype} {shape}")
+    return buf
+
+
+def gate_up(x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+            expert_offset: int = 0, act: torch.Tensor | None = None, *, block_n: int = BLOCK_N,
+            block_k: int = BLOCK_K, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """x [T, H], topk_ids [T, k] -> act [T * k, I] fp32 (given or new) = silu(x . gate[e]) * (x . up[e])
+    per pair; rows of pairs whose expert is not in [expert_offset, + E_local) are left unwritten."""
+    _check(w13, w13_scale, block_n, block_k, "w13")
+    (t, k), (num_local, two_i, h) = topk_ids.shape, w13.shape
+    if x.shape != (t, h):
+        raise ValueError(f"x.shape={tuple(x.shape)}: expected {(t, h)}")
+    inter = two_i // 2
+    if inter % SCALE_BLOCK:
+        raise ValueError(f"w13.shape={tuple(w13.shape)}: I={inter} must be a multiple of 128 (gate / up scale rows)")
+    act = _out(act, (t * k, inter), torch.float32, x.device, "act")
+    if t:
+        _gate_up_kernel[(t * k, inter // block_n)](
+            x.contiguous(), topk_ids.contiguous(), w13, w13_scale, act, h, inter, num_local, expert_offset, K=k,
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **launch_args(x.device))
+    return act
+
+
+def down(act: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w2: torch.Tensor,
+         w2_scale: torch.Tensor, expert_offset: int = 0, shared: torch.Tensor | None = None,
+         shared_gate: torch.Tensor | None = None, out: torch.Tensor | None = None, *,
+         dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N2, block_k: int = BLOCK_K2,
+         num_warps: int = NUM_WARPS2) -> torch.Tensor:
+    """act [T * k, I] (gate_up's) -> out [T, H] (given, or new in `dtype`) = sum over local slots of
+    topk_weight * (act . w2[e]^T) [+ sigmoid(shared_gate) * shared (shared [T, H], shared_gate [T, 1])],
+    in fp32."""
+    _check(w2, w2_scale, block_n, block_k, "w2")
+    (t, k), (num_local, h, inter) = topk_ids.shape, w2.shape
+    if act.shape != (t * k, inter) or act.dtype != torch.float32 or not act.is_contiguous():
+        raise ValueError(f"act: {act.dtype} {tuple(act.shape)}: expected gate_up's contiguous fp32 {(t * k, inter)}")
+    out = _out(out, (t, h), dtype, act.device, "out")
+    has_shared = shared is not None
+    if t:
+        _down_kernel[(t, h // block_n)](
+            act, topk_ids.contiguous(), topk_weights.float().contiguous(), w2, w2_scale, out,
+            shared.contiguous() if has_shared else out, shared_gate.contiguous() if has_shared else out,
+            h, inter, num_local, expert_offset, K=k, KP=triton.next_power_of_2(k), HAS_SHARED=has_shared,
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **launch_args(act.device))
+    return out
+
+
+def fused_decode(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, expert_offset=0, shared=None,
+                 shared_gate=None, shared_ready=None, out=None, *, block_n=BLOCK_N, block_k=BLOCK_K,
+                 num_warps=NUM_WARPS, block_n2=BLOCK_N2, block_k2=BLOCK_K2, num_warps2=NUM_WARPS2) -> torch.Tensor:
+    """This rank's experts (and the gated shared expert) for a few tokens: `gate_up` then `down`,
+    the second after waiting on `shared_ready` (the event of the stream that computed `shared`)."""
+    act = gate_up(x, topk_ids, w13, w13_scale, expert_offset, block_n=block_n, block_k=block_k, num_warps=num_warps)
+    if shared_ready is not None:
+        torch.cuda.current_stream(x.device).wait_event(shared_ready)
+    return down(act, topk_weights, topk_ids, w2, w2_scale, expert_offset, shared, shared_gate, out, dtype=x.dtype,
+                block_n=block_n2, block_k=block_k2, num_warps=num_warps2)
