@@ -28,8 +28,10 @@ PDL (`aot.pdl`): both kernels wait first. Which expert's weights to read comes f
 the routing kernel writes, so no weight tile is known before the wait (aot.pdl's rule: no load of
 data an earlier kernel wrote before `wait_prior`); after it, each K step's tile is loaded one step
 ahead, as nvl72.model.fused_triton's GEMV does. The early launch still hides launch and block
-scheduling. Grids depend on T only (no size argument changes per step) and the per-step tensors
-are not specialised on alignment, so serving compiles nothing new; no host sync (CUDA-graph safe).
+scheduling. `down(early=True)` (off by default, timed by tests/moe/gpu_fused_decode.sh) reads the
+routing and its first w2 tiles before its wait, while gate_up runs; see `down` for why that holds.
+Grids depend on T only (no size argument changes per step) and the per-step tensors are not
+specialised on alignment, so serving compiles nothing new; no host sync (CUDA-graph safe).
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ SCALE_BLOCK = 128  # the weights' scale block (rows and columns)
 # = 384 programs; down 128 programs, each with a [k, 16, 128] fp8 tile (16 KB) per K step
 BLOCK_N, BLOCK_K, NUM_WARPS = 16, 512, 4
 BLOCK_N2, BLOCK_K2, NUM_WARPS2 = 16, 128, 8
+EARLY_W2 = False  # `down(early=True)`: its routing and first w2 tiles read before the PDL wait
 
 
 @triton.jit(do_not_specialize_on_alignment=["x_ptr", "ids_ptr", "act_ptr"])
@@ -90,17 +93,19 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, H, I, num_local, expe
 @triton.jit(do_not_specialize_on_alignment=["act_ptr", "ids_ptr", "tw_ptr", "out_ptr", "sh_ptr", "g_ptr"])
 def _down_kernel(act_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, out_ptr, sh_ptr, g_ptr, H, I, num_local, expert_offset,
                  K: tl.constexpr, KP: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_K: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     """Program (t, j): out[t, rows [j * BLOCK_N, +BLOCK_N)]. The k slots are the leading axis of one
-    tile (slots of other ranks' experts, and the KP - K padding, masked: no bytes read, weight 0)."""
-    wait_prior(PDL)
+    tile (slots of other ranks' experts, and the KP - K padding, masked: no bytes read, weight 0).
+    EARLY: the routing and the first weight tile are read before waiting (see `down`)."""
+    if not EARLY:
+        wait_prior(PDL)
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     rows = n0 + tl.arange(0, BLOCK_N)
     kc = tl.arange(0, BLOCK_K)
     slot = tl.arange(0, KP)
     pair = t * K + slot
-    e = tl.load(ids_ptr + pair, mask=slot < K, other=-1) - expert_offset
+    e = tl.load(ids_ptr + pair, mask=slot < K, other=-1, cache_modifier=".cg") - expert_offset  # past L1
     ok = (slot < K) & (e >= 0) & (e < num_local)
     e64 = tl.where(ok, e, 0).to(tl.int64)
     nkb = I // 128
@@ -109,6 +114,8 @@ def _down_kernel(act_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, out_ptr, sh_ptr, g_ptr,
     a_row = act_ptr + pair.to(tl.int64) * I
     ok3 = ok[:, None, None]
     wv = tl.load(w_rows + kc[None, None, :], mask=ok3 & (kc[None, None, :] < I), other=0.0)
+    if EARLY:
+        wait_prior(PDL)
     acc = tl.zeros([KP, BLOCK_N], tl.float32)
     for k0 in range(0, I, BLOCK_K):
         c = k0 + kc
@@ -171,10 +178,16 @@ def down(act: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, 
          w2_scale: torch.Tensor, expert_offset: int = 0, shared: torch.Tensor | None = None,
          shared_gate: torch.Tensor | None = None, out: torch.Tensor | None = None, *,
          dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N2, block_k: int = BLOCK_K2,
-         num_warps: int = NUM_WARPS2) -> torch.Tensor:
+         num_warps: int = NUM_WARPS2, early: bool = EARLY_W2) -> torch.Tensor:
     """act [T * k, I] (gate_up's) -> out [T, H] (given, or new in `dtype`) = sum over local slots of
     topk_weight * (act . w2[e]^T) [+ sigmoid(shared_gate) * shared (shared [T, H], shared_gate [T, 1])],
-    in fp32."""
+    in fp32.
+
+    early=True (only right after the `gate_up` of the same routing, as `fused_decode` launches it):
+    topk_ids and the first w2 tiles are read before the PDL wait. gate_up lets this kernel launch only
+    once all its programs have passed their own wait, i.e. once the routing kernel has completed, so
+    the ids are final by then (read past L1, `.cg`); this goes beyond aot.pdl's rule (nothing an
+    earlier kernel wrote before the wait), so it is off by default until timed on the GPU."""
     _check(w2, w2_scale, block_n, block_k, "w2")
     (t, k), (num_local, h, inter) = topk_ids.shape, w2.shape
     if act.shape != (t * k, inter) or act.dtype != torch.float32 or not act.is_contiguous():
@@ -186,17 +199,18 @@ def down(act: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, 
             act, topk_ids.contiguous(), topk_weights.float().contiguous(), w2, w2_scale, out,
             shared.contiguous() if has_shared else out, shared_gate.contiguous() if has_shared else out,
             h, inter, num_local, expert_offset, K=k, KP=triton.next_power_of_2(k), HAS_SHARED=has_shared,
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **launch_args(act.device))
+            BLOCK_N=block_n, BLOCK_K=block_k, EARLY=early, num_warps=num_warps, **launch_args(act.device))
     return out
 
 
 def fused_decode(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, expert_offset=0, shared=None,
                  shared_gate=None, shared_ready=None, out=None, *, block_n=BLOCK_N, block_k=BLOCK_K,
-                 num_warps=NUM_WARPS, block_n2=BLOCK_N2, block_k2=BLOCK_K2, num_warps2=NUM_WARPS2) -> torch.Tensor:
+                 num_warps=NUM_WARPS, block_n2=BLOCK_N2, block_k2=BLOCK_K2, num_warps2=NUM_WARPS2,
+                 early=EARLY_W2) -> torch.Tensor:
     """This rank's experts (and the gated shared expert) for a few tokens: `gate_up` then `down`,
     the second after waiting on `shared_ready` (the event of the stream that computed `shared`)."""
     act = gate_up(x, topk_ids, w13, w13_scale, expert_offset, block_n=block_n, block_k=block_k, num_warps=num_warps)
     if shared_ready is not None:
         torch.cuda.current_stream(x.device).wait_event(shared_ready)
     return down(act, topk_weights, topk_ids, w2, w2_scale, expert_offset, shared, shared_gate, out, dtype=x.dtype,
-                block_n=block_n2, block_k=block_k2, num_warps=num_warps2)
+                block_n=block_n2, block_k=block_k2, num_warps=num_warps2, early=early)

@@ -6,12 +6,12 @@ pipeline of the sm90-fp8 backend, at the Qwen3-30B-A3B expert shape (E=128 local
 Every timed call is a CUDA graph of `--layers` distinct layers back to back (their active experts,
 ~38 MB each, do not stay in the 50 MB L2 between replays), each layer routing (triton_moe.route) then
 running its experts: `pipeline` = Fp8PipelineBackend.run with the fused path off, `fused` = the two
-fused kernels with the given block sizes (k1: BLOCK_N/BLOCK_K/warps of gate_up, k2: of down; each
-swept with the other at its default), `route` = the routing alone. Time = median over replays of one
-replay / layers. GB/s = active expert bytes (fp8 w13 + w2 of the distinct experts routed) / time;
-%cp = that against a device-to-device copy (read + write). Each fused variant is checked against an
-fp32 reference on the dequantized weights first (rel err < 1e-2). Writes fused_decode.json under --out
-and prints the table last.
+fused kernels with the given block sizes (k1: BLOCK_N/BLOCK_K/warps of gate_up, k2: of down, plain or
+`early` = down(early=True); each swept with the other at its default), `route` = the routing alone.
+Time = median over replays of one replay / layers. GB/s = active expert bytes (fp8 w13 + w2 of the
+distinct experts routed) / time; %cp = that against a device-to-device copy (read + write). Each fused
+variant is checked against an fp32 reference on the dequantized weights first (rel err < 1e-2). Writes
+fused_decode.json under --out and prints the table last.
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ from nvl72.cuda_timing import hbm_copy_bandwidth  # noqa: E402
 
 E, H, I, K = 128, 2048, 768, 8
 K1 = [dict(block_n=bn, block_k=bk, num_warps=w) for bn, bk, w in itertools.product([16, 32], [256, 512], [4, 8])]
-K2 = [dict(block_n2=bn, block_k2=bk, num_warps2=w) for bn, bk, w in itertools.product([8, 16, 32], [128, 256], [4, 8])]
+K2 = [dict(block_n2=bn, block_k2=bk, num_warps2=w, early=early)
+      for early, bn, bk, w in itertools.product([False, True], [8, 16], [128, 256], [4, 8])]
 
 
 def capture(fn):
@@ -146,15 +147,16 @@ def main(argv=None) -> int:
     with open(os.path.join(a.out, "fused_decode.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), copy_gbps=bw, rows=rows), f, indent=1)
     print("# per layer, route included (route row: routing alone); median of CUDA-graph replays of "
-          f"{a.layers} layers; best fused config per T and k1 / k2 block sweeps")
+          f"{a.layers} layers; per T the best k1, k2 and k2 early configs of the sweeps")
     print(HEADER)
     for t in sorted({r["tokens"] for r in rows}):
         rt = [r for r in rows if r["tokens"] == t]
         fz = [r for r in rt if r["path"] == "fused"]
         best = min(fz, key=lambda r: r["us"])
         best1 = min((r for r in fz if "block_n" in r["cfg"]), key=lambda r: r["us"], default=best)
-        best2 = min((r for r in fz if "block_n2" in r["cfg"]), key=lambda r: r["us"], default=best)
-        for r in [r2 for r2 in rt if r2["path"] != "fused" or not r2["cfg"]] + [best1, best2]:
+        best2 = [min((r for r in fz if r["cfg"].get("early") is early), key=lambda r: r["us"], default=best)
+                 for early in (False, True)]
+        for r in [r2 for r2 in rt if r2["path"] != "fused" or not r2["cfg"]] + [best1, *best2]:
             print(_fmt(r, bw))
         pipe_us = next(r["us"] for r in rt if r["path"] == "pipeline")
         print(f"# T={t}: best fused {best['us']:.1f} us ({_cfg(best['cfg'])}) vs pipeline {pipe_us:.1f} us: "
@@ -168,7 +170,9 @@ HEADER = f"{'T':>3} {'path':>9} {'config':>24} {'us/layer':>9} {'act':>5} {'GB/s
 def _cfg(c: dict) -> str:
     if not c:
         return "default"
-    return ("k1 " if "block_n" in c else "k2 ") + "/".join(str(v) for v in c.values())
+    if "block_n" in c:
+        return f"k1 {c['block_n']}/{c['block_k']}/{c['num_warps']}"
+    return f"k2 {c['block_n2']}/{c['block_k2']}/{c['num_warps2']}" + (" early" if c["early"] else "")
 
 
 def _fmt(r: dict, bw: float) -> str:

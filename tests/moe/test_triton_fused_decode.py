@@ -64,8 +64,9 @@ def _case(t, k, e, num_local, offset, h, inter, seed):
 @pytest.mark.parametrize("t,k,e,num_local,offset,h,inter,blocks", [
     (1, 8, 16, 16, 0, 256, 128, {}),
     (3, 4, 16, 8, 8, 384, 256, dict(block_n=32, block_k=256, block_n2=8, block_k2=256)),  # partial K tiles
-    (3, 6, 12, 4, 4, 256, 128, dict(block_n=128, block_k=128, block_n2=128, block_k2=64, num_warps2=4)),  # KP 8 > k
-    (1, 4, 8, 4, 0, 256, 128, dict(block_n=8, block_k=64, block_n2=16, block_k2=512)),
+    (3, 6, 12, 4, 4, 256, 128,  # KP 8 > k
+     dict(block_n=128, block_k=128, num_warps=8, block_n2=32, block_k2=64, num_warps2=4)),
+    (1, 4, 8, 4, 0, 256, 128, dict(block_n=8, block_k=64, block_n2=16, block_k2=512, early=True)),
 ])
 @pytest.mark.parametrize("with_shared", [False, True])
 def test_fused_decode_matches_fp32_reference(t, k, e, num_local, offset, h, inter, blocks, with_shared):
@@ -177,18 +178,22 @@ def test_threshold_env(monkeypatch, caplog):
 
 @COMPILES
 @pytest.mark.parametrize("pdl", [True, False])
-def test_kernels_compile_for_hopper(pdl):
-    """Both kernels lower for sm_90 at the Qwen3-30B-A3B defaults without spilling registers, with the
-    griddepcontrol pair exactly when PDL is on."""
+@pytest.mark.parametrize("early", [True, False])
+def test_kernels_compile_for_hopper(pdl, early):
+    """Both kernels lower for sm_90 at the Qwen3-30B-A3B defaults, with the griddepcontrol pair exactly
+    when PDL is on; global loads before the wait only in down's early form."""
     i32 = "i32"
-    compile_pdl(fd._gate_up_kernel, {"x_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
-                                     "act_ptr": "*fp32", "H": i32, "I": i32, "num_local": i32, "expert_offset": i32},
-                {"K": 8, "BLOCK_N": fd.BLOCK_N, "BLOCK_K": fd.BLOCK_K}, pdl)
-    compile_pdl(fd._down_kernel, {"act_ptr": "*fp32", "ids_ptr": "*i64", "tw_ptr": "*fp32", "w_ptr": "*fp8e4nv",
-                                  "s_ptr": "*fp32", "out_ptr": "*bf16", "sh_ptr": "*bf16", "g_ptr": "*bf16", "H": i32,
-                                  "I": i32, "num_local": i32, "expert_offset": i32},
-                {"K": 8, "KP": 8, "HAS_SHARED": True, "BLOCK_N": fd.BLOCK_N2, "BLOCK_K": fd.BLOCK_K2}, pdl)
-
+    k1 = compile_pdl(fd._gate_up_kernel, {
+        "x_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "act_ptr": "*fp32", "H": i32,
+        "I": i32, "num_local": i32, "expert_offset": i32}, {"K": 8, "BLOCK_N": fd.BLOCK_N, "BLOCK_K": fd.BLOCK_K}, pdl)
+    k2 = compile_pdl(fd._down_kernel, {
+        "act_ptr": "*fp32", "ids_ptr": "*i64", "tw_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+        "out_ptr": "*bf16", "sh_ptr": "*bf16", "g_ptr": "*bf16", "H": i32, "I": i32, "num_local": i32,
+        "expert_offset": i32}, {"K": 8, "KP": 8, "HAS_SHARED": True, "BLOCK_N": fd.BLOCK_N2, "BLOCK_K": fd.BLOCK_K2,
+                                "EARLY": early}, pdl)
+    if pdl:
+        assert "ld.global" not in k1[:k1.index("griddepcontrol.wait")]
+        assert ("ld.global" in k2[:k2.index("griddepcontrol.wait")]) == early
 
 @pytest.mark.gpu
 def test_sm90_backend_fused_path_in_a_graph():
