@@ -41,9 +41,10 @@ DECODE_MAX_TOKENS = 256  # at or below this many tokens the masked (no host sync
 # decode GEMMs (the FP8 defaults). The SiLU-quant kernel works on routed rows only, but the GEMMs'
 # grids and the h / y buffers scale with the capacity, so it follows T, not a 128-row M tile.
 DECODE_ALIGN = 32
-# at or below this many tokens an ops set with `fused_decode` runs it instead of the pipeline (a first
-# guess: tests/moe/gpu_fused_decode.sh times both at 1, 2 and 4 tokens)
-FUSED_DECODE_TOKENS = 4
+# at or below this many tokens an ops set with `fused_decode` runs it instead of the pipeline. Off by
+# default: on one H200 (perf/RESULTS.md, 2026-11-22, tests/moe/gpu_fused_decode.sh) its default blocks
+# took 29.2 us a layer at T=1 against the pipeline's 25.2 (best swept config 24.9), 0.75-0.94x at T=2-4
+FUSED_DECODE_TOKENS = 0
 ENV_FUSED_DECODE_TOKENS = "NVL72_MOE_FUSED_DECODE_TOKENS"
 
 
