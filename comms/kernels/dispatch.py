@@ -496,10 +496,38 @@ def _canon(v):
 
 
 @cute.jit
-def _vec_empty(v):
-    """1 if a word of the vector v (4 words) is the sentinel (not yet written this epoch)."""
+def _empty(buf: cute.Tensor):
+    """1 if a word of buf (16 words) is the sentinel: part of the chunk has not arrived."""
     S = Int32(SENTINEL)
-    return Int32((v[0] == S) | (v[1] == S) | (v[2] == S) | (v[3] == S))
+    e = Int32(0)
+    for i in cutlass.range_constexpr(16):
+        e = e | Int32(buf[i] == S)
+    return e
+
+
+@cute.jit
+def _load_chunk(buf: cute.Tensor, src):
+    """buf = this lane's 4 vectors of the chunk at `src` (volatile loads: peers write it)."""
+    for q in cutlass.range_constexpr(4):
+        d = ptx.ld_volatile_v4(src + q * 512)
+        for h in cutlass.range_constexpr(4):
+            buf[4 * q + h] = d[h]
+
+
+@cute.jit
+def _poll_chunk(buf: cute.Tensor, src, err_addr, timeout_ns, code):
+    """Reload buf from `src` until none of its words is the sentinel (buf holds a first load already);
+    on timeout the error word gets `code` (kind | peer) and the data is used as it is."""
+    if _empty(buf) != 0:
+        t0 = ptx.globaltimer()
+        pend = Int32(1)
+        while pend != 0:
+            _load_chunk(buf, src)
+            pend = _empty(buf)
+            if pend != 0:
+                if ptx.globaltimer() - t0 > timeout_ns:
+                    ptx.st_release_sys(err_addr, code)
+                    pend = Int32(0)
 
 
 @cute.jit
@@ -793,10 +821,9 @@ def _pack_unit(me, s, t, c, rank, nlocal, maxt, nvec, epoch, lane, pre: cute.Ten
         v2 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase + 64, rvec - 1)) * 16)
         v3 = ptx.ld_v4_cg(src + _i64(cutlass.min(vbase + 96, rvec - 1)) * 16)
     elif cutlass.const_expr(poll):
-        v0 = ptx.ld_volatile_v4(src + _i64(vbase) * 16)
-        v1 = ptx.ld_volatile_v4(src + _i64(vbase) * 16 + 512)
-        v2 = ptx.ld_volatile_v4(src + _i64(vbase) * 16 + 1024)
-        v3 = ptx.ld_volatile_v4(src + _i64(vbase) * 16 + 1536)
+        words = cute.make_rmem_tensor(cute.make_layout(16), Int32)
+        _load_chunk(words, src + _i64(vbase) * 16)
+        v0, v1, v2, v3 = [[words[4 * q + h] for h in range(4)] for q in range(4)]
     else:
         v0 = ptx.ld_v4_cg(src + _i64(vbase) * 16)
         v1 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 512)
@@ -804,19 +831,8 @@ def _pack_unit(me, s, t, c, rank, nlocal, maxt, nvec, epoch, lane, pre: cute.Ten
         v3 = ptx.ld_v4_cg(src + _i64(vbase) * 16 + 1536)
     if stamp == epoch:
         if cutlass.const_expr(poll):
-            if _vec_empty(v0) | _vec_empty(v1) | _vec_empty(v2) | _vec_empty(v3) != 0:
-                t0 = ptx.globaltimer()
-                pend = Int32(1)
-                while pend != 0:
-                    v0 = ptx.ld_volatile_v4(src + _i64(vbase) * 16)
-                    v1 = ptx.ld_volatile_v4(src + _i64(vbase) * 16 + 512)
-                    v2 = ptx.ld_volatile_v4(src + _i64(vbase) * 16 + 1024)
-                    v3 = ptx.ld_volatile_v4(src + _i64(vbase) * 16 + 1536)
-                    pend = _vec_empty(v0) | _vec_empty(v1) | _vec_empty(v2) | _vec_empty(v3)
-                    if pend != 0:
-                        if ptx.globaltimer() - t0 > timeout_ns:
-                            ptx.st_release_sys(err_addr, ERR_DISPATCH_TIMEOUT | s)
-                            pend = Int32(0)
+            _poll_chunk(words, src + _i64(vbase) * 16, err_addr, timeout_ns, ERR_DISPATCH_TIMEOUT | s)
+            v0, v1, v2, v3 = [[words[4 * q + h] for h in range(4)] for q in range(4)]
         posv = _slot_row(idl, sl, s, rank, nlocal, pre, base, cap, nrows, lane, K)
         m = cute.arch.vote_ballot_sync(posv >= 0)
         for j in cutlass.range_constexpr(K):
@@ -834,7 +850,7 @@ def _pack_unit(me, s, t, c, rank, nlocal, maxt, nvec, epoch, lane, pre: cute.Ten
                     _store_chunk(oxa + pj * row_bytes + _i64(vbase) * 16, v0, v1, v2, v3)
         if cutlass.const_expr(not fp8):  # empty again for the next epoch's sender
             S = Int32(SENTINEL)
-            _store_chunk(src + _i64(vbase) * 16, [S, S, S, S], [S, S, S, S], [S, S, S, S], [S, S, S, S])
+            _store_chunk(src + _i64(vbase) * 16, *[[S, S, S, S]] * 4)
         if c == 0:
             if posv >= 0:
                 o_rank[posv] = s
@@ -895,6 +911,33 @@ def _pack_rows(me, tab: cute.Tensor, tab_off, chs: cute.Tensor, q, world, pre: c
 
 
 @cute.jit
+def _key_count(rstart: cute.Tensor, world, ntok, lane):
+    """Keys of a key-major loop: token indices up to the most tokens this rank or any source has
+    (rstart: the received rows' starts per source)."""
+    nkeys = ntok
+    s0 = Int32(0)
+    while s0 < world:
+        s = s0 + lane
+        if s < world:
+            nkeys = cutlass.max(nkeys, rstart[s + 1] - rstart[s])
+        s0 = s0 + 32
+    return warp_max(nkeys)
+
+
+@cute.jit
+def _key_unit(u, per_key, nw):
+    """(key t, position within the key) of unit u of a key-major loop over nw warps. With at least one
+    warp per unit of a key a warp holds at most one unit per key, so positions rotate by key: each
+    warp then mixes the key's roles (nw % per_key == 0 would otherwise give every warp one role for
+    the whole launch). With fewer warps no rotation: a warp's units of one key keep their order."""
+    t = u // per_key
+    v = u - t * per_key
+    if nw >= per_key:
+        v = (v + t % per_key) % per_key
+    return t, v
+
+
+@cute.jit
 def _send_and_pack(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.Tensor, me, rank, world, maxt,
                    nlocal, ntok, rstart: cute.Tensor, nvec, epoch, lane, gw, nw, pre: cute.Tensor, base: cute.Tensor,
                    cap, nrows, oxa, osa, o_rank: cute.Tensor, o_tok: cute.Tensor, o_w: cute.Tensor,
@@ -909,24 +952,11 @@ def _send_and_pack(x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cu
     a send of key t, which waits for nothing, and a warp takes its keys in increasing order with a
     key's send first (or holds one unit per key); rows are addressed by the tables' row starts."""
     nchunk = nvec // CHUNK_VEC
-    nkeys = ntok
-    s0 = Int32(0)
-    while s0 < world:
-        s = s0 + lane
-        if s < world:
-            nkeys = cutlass.max(nkeys, rstart[s + 1] - rstart[s])
-        s0 = s0 + 32
-    nkeys = warp_max(nkeys)
+    nkeys = _key_count(rstart, world, ntok, lane)
     per_key = world * nchunk
-    rot = Int32(0)
-    if nw >= per_key:
-        rot = Int32(1)
     u = gw
     while u < nkeys * per_key:
-        t = u // per_key
-        v = u - t * per_key
-        if rot != 0:
-            v = (v + t % per_key) % per_key
+        t, v = _key_unit(u, per_key, nw)
         j = v // nchunk
         c = v - j * nchunk
         if j == 0:
@@ -1282,41 +1312,6 @@ def _row_partial(acc: cute.Tensor, ya, row_bytes, coff, posv, wv, ok, K: cutlass
                 acc[8 * q + 2 * h + 1] = hi
 
 
-@cute.jit
-def _empty(buf: cute.Tensor):
-    """1 if a word of buf (16 words) is the sentinel: part of the chunk has not arrived."""
-    S = Int32(SENTINEL)
-    e = Int32(0)
-    for i in cutlass.range_constexpr(16):
-        e = e | Int32(buf[i] == S)
-    return e
-
-
-@cute.jit
-def _load_chunk(buf: cute.Tensor, src):
-    """buf = this lane's 4 vectors of the chunk at `src` (volatile loads: peers write it)."""
-    for q in cutlass.range_constexpr(4):
-        d = ptx.ld_volatile_v4(src + q * 512)
-        for h in cutlass.range_constexpr(4):
-            buf[4 * q + h] = d[h]
-
-
-@cute.jit
-def _poll_chunk(buf: cute.Tensor, src, err_addr, timeout_ns, who):
-    """Reload buf from `src` until none of its words is the sentinel (buf holds a first load already);
-    on timeout the error word gets ERR_COMBINE_TIMEOUT | who and the data is used as it is."""
-    if _empty(buf) != 0:
-        t0 = ptx.globaltimer()
-        pend = Int32(1)
-        while pend != 0:
-            _load_chunk(buf, src)
-            pend = _empty(buf)
-            if pend != 0:
-                if ptx.globaltimer() - t0 > timeout_ns:
-                    ptx.st_release_sys(err_addr, ERR_COMBINE_TIMEOUT | who)
-                    pend = Int32(0)
-
-
 def _make_combine(K: int):
     @cute.kernel
     def kernel(y: cute.Tensor, ids: cute.Tensor, out: cute.Tensor, row_pos: cute.Tensor, rstart: cute.Tensor,
@@ -1342,28 +1337,11 @@ def _make_combine(K: int):
         words = cute.make_rmem_tensor(cute.make_layout(16), Int32)  # a partial's bf16 pairs, this lane's part
         own = cute.make_rmem_tensor(cute.make_layout(16), Int32)
         S = Int32(SENTINEL)
-        # keys: token indices up to the most tokens any source sent (rstart from dispatch, L1-cached)
-        nkeys = ntok
-        s0 = Int32(0)
-        while s0 < world:
-            s = s0 + lane
-            if s < world:
-                nkeys = cutlass.max(nkeys, rstart[s + 1] - rstart[s])
-            s0 = s0 + 32
-        nkeys = warp_max(nkeys)
+        nkeys = _key_count(rstart, world, ntok, lane)  # rstart from dispatch (L1-cached)
         per_key = world * nchunk
-        # with at least one warp per unit of a key, a warp holds at most one unit per key, so positions
-        # may rotate by key: each warp then alternates sends and sums (nw % per_key == 0 would otherwise
-        # give every warp one role for the whole launch, and the sums, which do more, would trail)
-        rot = Int32(0)
-        if nw >= per_key:
-            rot = Int32(1)
         u = gw
         while u < nkeys * per_key:
-            t = u // per_key
-            v = u - t * per_key
-            if rot != 0:
-                v = (v + t % per_key) % per_key
+            t, v = _key_unit(u, per_key, nw)  # rotated: every warp mixes sends and sums
             j = v // nchunk
             coff = _i64((v - j * nchunk) * CHUNK_VEC) * 16 + lane_off
             if j < world - 1:
@@ -1388,9 +1366,8 @@ def _make_combine(K: int):
                             ok = Int32(1)
                         _row_partial(acc, ya, row_bytes, coff, pl, wl, ok, K)
                         _round_words(words, acc)
-                        dst = peers[s] + off_cx + (_i64(rank) * maxt + t) * row_bytes + coff
-                        for q in cutlass.range_constexpr(4):
-                            ptx.st_v4(dst + q * 512, [ptx.canon_word(words[4 * q + h]) for h in range(4)])
+                        _store_chunk(peers[s] + off_cx + (_i64(rank) * maxt + t) * row_bytes + coff,
+                                     *[_canon([words[4 * q + h] for h in range(4)]) for q in range(4)])
             elif t < ntok:
                 # ---- reduce: own token t over its distinct ranks in ascending order (fp32 from 0.0,
                 # add.rn of each rank's bf16 partial: the reference's order); ours computed here
@@ -1421,15 +1398,12 @@ def _make_combine(K: int):
                         src = cx_t + _i64(r) * maxt * row_bytes
                         if r != ra:
                             _load_chunk(words, src)
-                        _poll_chunk(words, src, err_addr, timeout_ns, r)
+                        _poll_chunk(words, src, err_addr, timeout_ns, ERR_COMBINE_TIMEOUT | r)
                         _add_words(acc, words)
-                        for q in cutlass.range_constexpr(4):  # empty again for the next epoch's sender
-                            ptx.st_v4(src + q * 512, [S, S, S, S])
+                        _store_chunk(src, *[[S, S, S, S]] * 4)  # empty again for the next epoch's sender
                     r = _next_rank(dv, r)
                 _round_words(words, acc)
-                dst = oa + _i64(t) * row_bytes + coff
-                for q in cutlass.range_constexpr(4):
-                    ptx.st_v4(dst + q * 512, [words[4 * q + h] for h in range(4)])
+                _store_chunk(oa + _i64(t) * row_bytes + coff, *[[words[4 * q + h] for h in range(4)] for q in range(4)])
             u = u + nw
         if probe != 0:
             cute.arch.sync_threads()  # "done" is the block's last warp
