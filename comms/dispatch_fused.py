@@ -44,10 +44,6 @@ COMBINE_PHASES = ("start", "done")
 _ERR_KINDS = {1: "dispatch wait", 2: "combine wait", 3: "capacity"}
 SENTINEL = -1  # an empty rx / cx word (comms.kernels.dispatch.SENTINEL)
 REGION_ALIGN = 256
-# combine launched with programmatic dependent launch: off. Its 16-warp blocks take a whole SM's registers,
-# and on 2 x H200 (perf/RESULTS.md, 2026-11-22T12:0xZ) dispatch + combine pairs took 288 us at 4096 tokens
-# with it and 253 us without it (combine in kernel ~119 us either way); at 128 tokens 24.2 vs 22.5 us.
-COMBINE_PDL = False
 
 
 @dataclass
@@ -262,7 +258,7 @@ class FusedDispatch:
         y = expert_out.reshape(-1, H)  # [rows, H]
         out = torch.empty(handle.num_tokens, H, dtype=torch.bfloat16, device=self.device)
         self._combine(y, handle.topk_ids, out, self.row_pos, self.rstart, *self._cargs, self._probe(1),
-                      self.blocks_for(handle.num_tokens), int(COMBINE_PDL and pdl_enabled(self.device)))
+                      self.blocks_for(handle.num_tokens), int(pdl_enabled(self.device)))
         return out
 
     def check(self) -> None:
