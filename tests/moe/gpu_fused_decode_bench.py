@@ -27,25 +27,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from moe import backend  # noqa: E402
 from moe.kernels import triton_fused_decode as fd  # noqa: E402
 from nvl72.cuda_timing import hbm_copy_bandwidth  # noqa: E402
+from tests.moe.gpu_layer_profile import capture  # noqa: E402
 
 E, H, I, K = 128, 2048, 768, 8
 K1 = [dict(block_n=bn, block_k=bk, num_warps=w) for bn, bk, w in itertools.product([16, 32], [256, 512], [4, 8])]
 K2 = [dict(block_n2=bn, block_k2=bk, num_warps2=w, early=early)
       for early, bn, bk, w in itertools.product([False, True], [8, 16], [128, 256], [4, 8])]
-
-
-def capture(fn):
-    """A CUDA graph of fn() after warm-up on a side stream (as the engine captures decode steps)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
 
 
 def median_us(g, replays: int) -> float:
