@@ -39,6 +39,11 @@ PIPE_SEND_WARPS = 2  # pipelined dispatch: warps per block sending while the oth
 # unpipelined dispatch: from this many tokens the tables go first and own rows are packed while the
 # sends are on the wire (one more arrival and wait, a few us); below it one arrival and wait (latency)
 OVERLAP_MIN_TOKENS = 1024
+# programmatic dependent launch per kernel (where aot.launch.pdl_enabled allows it): a dispatch
+# launched with PDL after a combine made dispatch + combine pairs slower on 2 x H200 (4096 tokens:
+# 285 vs 255 us, 128 tokens: 26.1 vs 23.0 us; not explained: the extra time lies between the
+# combine's end and the next dispatch's start), the combine gains a little from it
+DISPATCH_PDL, COMBINE_PDL = False, True
 DISPATCH_PHASES = ("start", "tables sent", "tables waited", "tables built", "rows sent", "rows waited", "packed")
 COMBINE_PHASES = ("start", "done")
 _ERR_KINDS = {1: "dispatch wait", 2: "combine wait", 3: "capacity"}
@@ -147,6 +152,7 @@ class FusedDispatch:
         self.phases = None  # send phases of later calls: None = phases_for(tokens); see set_phases
         self.overlap = None  # tables first, own rows packed while sending; see set_overlap
         self.send_warps = PIPE_SEND_WARPS
+        self.pdl = (None, None)  # (dispatch, combine) launch with PDL; None: DISPATCH_PDL / COMBINE_PDL
         name = "dispatch_" + ("mxfp8_" if fp8 else "") + ("pipe_" if self.maxp > 1 else "") + f"k{K}"
         self._dispatch = aot.function("comms.kernels.dispatch", name)
         self._combine = aot.function("comms.kernels.dispatch", f"combine_k{K}")
@@ -196,6 +202,20 @@ class FusedDispatch:
             raise ValueError(f"overlap={overlap!r} must be True, False or None")
         self.overlap = overlap
 
+    def set_pdl(self, dispatch: bool | None = None, combine: bool | None = None) -> None:
+        """Programmatic dependent launch of later dispatch / combine launches: False launches plainly,
+        True with PDL where `aot.launch.pdl_enabled` allows it (True cannot force PDL where the stream
+        or device has none), None as DISPATCH_PDL / COMBINE_PDL. For measuring what PDL does to each
+        kernel."""
+        for v in (dispatch, combine):
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"pdl={v!r} must be True, False or None")
+        self.pdl = (dispatch, combine)
+
+    def _pdl(self, which: int) -> int:
+        on = (DISPATCH_PDL, COMBINE_PDL)[which] if self.pdl[which] is None else self.pdl[which]
+        return int(on and pdl_enabled(self.device))
+
     def overlap_for(self, tokens: int) -> bool:
         """Overlap from OVERLAP_MIN_TOKENS tokens (the extra arrival and wait cost a few us)."""
         if self.overlap is not None:
@@ -212,16 +232,21 @@ class FusedDispatch:
                             for _ in range(2)) if on else None
 
     def phase_times(self) -> dict[str, list[tuple[str, float]]]:
-        """Per kernel of the last probed launch: (phase, us after the first block started), the
-        latest block's time at each boundary ("start": the last block's start, i.e. launch spread)."""
+        """Per kernel of the last probed dispatch and combine: (phase, us after the dispatch's first
+        block started), the latest block's time at each boundary ("start": the last block's start,
+        i.e. launch spread); the combine also has "first", its first block's start, so the gap
+        between the kernels shows."""
         torch.cuda.synchronize(self.device)
-        out = {}
+        out, t0 = {}, None
         for kind, names, buf in (("dispatch", DISPATCH_PHASES, self.probes[0]),
                                  ("combine", COMBINE_PHASES, self.probes[1])):
             st = buf[buf[:, 0] != 0, :len(names)].cpu()  # blocks of the last launch (zeroed before it)
-            t0 = int(st[:, 0].min()) if st.numel() else 0
-            out[kind] = [(n, (int(st[:, i].max()) - t0) / 1e3 if st.numel() else float("nan"))
-                         for i, n in enumerate(names)]
+            if not st.numel():
+                out[kind] = [(n, float("nan")) for n in names]
+                continue
+            t0 = int(st[:, 0].min()) if t0 is None else t0
+            first = [("first", (int(st[:, 0].min()) - t0) / 1e3)] if kind == "combine" else []
+            out[kind] = first + [(n, (int(st[:, i].max()) - t0) / 1e3) for i, n in enumerate(names)]
         return out
 
     def _probe(self, i: int) -> int:
@@ -244,7 +269,7 @@ class FusedDispatch:
         T = x.shape[0]
         self._dispatch(x, ids, w, *self._outs, self.counts, self.offsets, self.o_rank, self.o_tok, self.o_w,
                        self.row_pos, *self._dargs, self._probe(0), self.off["rnph"], self.maxp, self.phases_for(T),
-                       self.send_warps, int(self.overlap_for(T)), self.blocks_for(T), int(pdl_enabled(self.device)))
+                       self.send_warps, int(self.overlap_for(T)), self.blocks_for(T), self._pdl(0))
         recv = DispatchRecv(self.recv_x, self.counts, self.offsets, self.o_rank, self.o_tok, self.o_w, self.recv_s)
         return recv, FusedHandle(x.shape[0], ids)
 
@@ -258,7 +283,7 @@ class FusedDispatch:
         y = expert_out.reshape(-1, H)  # [rows, H]
         out = torch.empty(handle.num_tokens, H, dtype=torch.bfloat16, device=self.device)
         self._combine(y, handle.topk_ids, out, self.row_pos, self.rstart, *self._cargs, self._probe(1),
-                      self.blocks_for(handle.num_tokens), int(pdl_enabled(self.device)))
+                      self.blocks_for(handle.num_tokens), self._pdl(1))
         return out
 
     def check(self) -> None:

@@ -23,9 +23,13 @@ phases from PIPE_MIN_TOKENS tokens on and packs each phase while the next is on 
 packed while the sends are on the wire -- pipelined: each send phase packs its own rows while the
 previous phase's peer rows are packed; auto: from OVERLAP_MIN_TOKENS tokens); payload column
 "<payload>/ov0" or "/ov1" when forced;
+`--pdl auto,none,dispatch,combine,both` runs each row per launch mode (programmatic dependent launch as
+comms.dispatch_fused chooses, on neither kernel, only the one named, or both); payload column
+"<payload>/pdl-<mode>" unless auto;
 `--blocks` sweeps the fused kernels' grid per row ("auto": sized per call from the token count);
 `--phases` adds, per row, when the latest block passed each phase boundary of the last dispatch and
-combine of a probed pair replay (rank 0; us after the first block started; %globaltimer stamps).
+combine of a probed pair replay (rank 0; us after the dispatch's first block started, the combine's
+"first" is its first block's start; %globaltimer stamps).
 A dispatch-only replay loop reuses buffers that a peer one call ahead already rewrites, so its numbers
 are timings only; the pair loop is the real sequence.
 Prints an nccl-tests-style table on rank 0 and writes JSON (`--json`).
@@ -69,6 +73,9 @@ def add_arguments(p):
                    "comma-separated (0: send, then pack)")
     p.add_argument("--overlap", default="auto",
                    help="overlap settings, comma-separated: auto, 0, 1 (see comms.dispatch_fused)")
+    p.add_argument("--pdl", default="auto",
+                   help="programmatic dependent launch per row, comma-separated: auto (comms.dispatch_fused's "
+                        "DISPATCH_PDL / COMBINE_PDL), none, dispatch, combine (only that kernel), both")
     p.add_argument("--skip-nccl", action="store_true", help="leave out the NCCL reference path columns (0)")
     p.add_argument("--heap", default="auto", choices=("auto", "comms", "torch"),
                    help="symmetric memory: comms.SymmetricHeap, torch symmetric memory, or auto (comms if it works)")
@@ -159,6 +166,19 @@ def _overlaps(s):
         if v not in names:
             raise ValueError(f"--overlap value {v!r}: expected auto, 0 or 1")
         out.append(names[v])
+    return out
+
+
+PDL_MODES = {"auto": (None, None), "none": (False, False), "dispatch": (True, False), "combine": (False, True),
+             "both": (True, True)}
+
+
+def _pdls(s):
+    """'auto,none' -> ['auto', 'none'] (keys of PDL_MODES: FusedDispatch.set_pdl's arguments)."""
+    out = [v for v in str(s).split(",") if v]
+    for v in out:
+        if v not in PDL_MODES:
+            raise ValueError(f"--pdl value {v!r}: expected one of {tuple(PDL_MODES)}")
     return out
 
 
@@ -269,10 +289,12 @@ def _worker(rank, world, store, args, out_path):
             wire = staged_row_bytes(H, payload)  # bytes of one row in flight
             sends = _ints(args.send_warps) if pipe > 1 else [0]
             overlaps = _overlaps(args.overlap)
-            for T, blocks, sw, ov in [(T, b, sw, ov) for T in tokens for b in _blocks(args.blocks) for sw in sends
-                                      for ov in overlaps]:
+            for T, blocks, sw, ov, pdl in [(T, b, sw, ov, pdl) for T in tokens for b in _blocks(args.blocks)
+                                           for sw in sends for ov in overlaps for pdl in _pdls(args.pdl)]:
                 label = payload + (f"/p{pipe}w{sw}" if pipe > 1 else "") + ("" if ov is None else f"/ov{int(ov)}")
+                label += "" if pdl == "auto" else f"/pdl-{pdl}"
                 fused._fused.set_overlap(ov)
+                fused._fused.set_pdl(*PDL_MODES[pdl])
                 if pipe > 1:
                     fused._fused.set_phases(None, sw)
                 fused._fused.set_blocks(blocks)
@@ -334,7 +356,7 @@ def _worker(rank, world, store, args, out_path):
                 floor = nbytes / bw
                 rows.append(dict(tokens=T, hidden=H, experts=E, topk=K, world=world, layout=args.layout,
                                  payload=payload, pipeline_phases=pipe, send_phases=fused._fused.phases_for(T), send_warps=sw,
-                                 overlap=fused._fused.overlap_for(T),
+                                 overlap=fused._fused.overlap_for(T), pdl=pdl,
                                  graph=not eager,
                                  blocks=nb, blocks_auto=blocks is None, phases=phases,
                                  fused_dispatch_us=t_d * 1e6, fused_combine_us=t_c * 1e6,

@@ -48,6 +48,9 @@ def test_blocks_and_phase_arguments():
     assert bench._overlaps(args.overlap) == [None] and bench._overlaps("auto,0,1") == [None, False, True]
     with pytest.raises(ValueError, match="'2'"):
         bench._overlaps("0,2")
+    assert bench._pdls(args.pdl) == ["auto"] and bench._pdls("none,dispatch,combine") == ["none", "dispatch", "combine"]
+    with pytest.raises(ValueError, match="'all'"):
+        bench._pdls("auto,all")
     with pytest.raises(ValueError, match="'0'"):
         bench._blocks("0")
     with pytest.raises(ValueError, match="'fp4'"):
@@ -55,3 +58,16 @@ def test_blocks_and_phase_arguments():
     line = bench._phase_line(8, "auto(16)", {"dispatch": [("start", 0.5), ("exit", 9.25)],
                                              "combine": [("start", 0.25), ("exit", 8.0)]})
     assert line == "#   phases T=8 blocks=auto(16): dispatch: start 0.5 exit 9.2 | combine: start 0.2 exit 8.0"
+
+
+def test_pdl_choice_per_kernel():
+    """set_pdl overrides DISPATCH_PDL / COMBINE_PDL per kernel and names a bad value; without a CUDA
+    device nothing launches with PDL whatever is asked."""
+    from comms import dispatch_fused as fd
+
+    f = fd.FusedDispatch.__new__(fd.FusedDispatch)
+    f.device, f.pdl = torch.device("cpu"), (None, None)
+    f.set_pdl(True, False)
+    assert f.pdl == (True, False) and (f._pdl(0), f._pdl(1)) == (0, 0)
+    with pytest.raises(ValueError, match="pdl=1"):
+        f.set_pdl(1, None)
