@@ -138,8 +138,10 @@ def unpermute(
     y [M, H] (masked layouts flattened to [E * cap, H]); row_of, topk_weights [T, k];
     shared [T, H], shared_gate [T, 1] -> out [T, H] in y's dtype (sums in fp32)."""
     valid = row_of >= 0
-    g = y[row_of.clamp(min=0)].float() * (topk_weights.float() * valid)[..., None]  # [T, k, H]
-    out = g.sum(dim=1)
+    g = y[row_of.clamp(min=0)].float() * topk_weights.float()[..., None]  # [T, k, H]
+    # a skipped slot reads some row that may never have been written (NaN in an empty buffer):
+    # select zero instead of multiplying by it
+    out = torch.where(valid[..., None], g, 0.0).sum(dim=1)
     if shared is not None:
         out = out + torch.sigmoid(shared_gate.float()) * shared.float()
     return out.to(y.dtype)

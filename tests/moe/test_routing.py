@@ -60,6 +60,19 @@ def test_permute_unpermute_round_trip(layout):
     assert torch.allclose(out, x * w.sum(-1, keepdim=True), rtol=1e-5, atol=1e-6)
 
 
+def test_unpermute_skips_other_ranks_slots_even_over_nan_rows():
+    """Slots of experts on other EP ranks (row -1) contribute nothing, even where the row they would
+    clamp to was never written (NaN, as in an empty buffer)."""
+    y = torch.randn(6, 16)
+    y[0] = float("nan")
+    row_of = torch.tensor([[-1, 2], [3, -1], [-1, -1]])
+    w = torch.rand(3, 2)
+    out = reference.unpermute(y, row_of, w)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out[0], w[0, 1] * y[2]) and torch.allclose(out[1], w[1, 0] * y[3])
+    assert torch.equal(out[2], torch.zeros(16))
+
+
 def test_empty_experts_and_no_tokens():
     ids = torch.zeros(5, 1, dtype=torch.long)  # everything to expert 0
     p = permute_contiguous(ids, 4, 0, 8)
