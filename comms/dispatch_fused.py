@@ -38,7 +38,7 @@ PIPE_MIN_TOKENS = 512  # pipelined dispatch: calls with fewer tokens send in one
 PIPE_SEND_WARPS = 2  # pipelined dispatch: warps per block sending while the others pack (a guess until timed)
 # unpipelined dispatch: from this many tokens the tables go first and own rows are packed while the
 # sends are on the wire (one more arrival and wait, a few us); below it one arrival and wait (latency)
-OVERLAP_MIN_TOKENS = 1024
+OVERLAP_MIN_TOKENS = 512
 # programmatic dependent launch per kernel (where aot.launch.pdl_enabled allows it): a dispatch
 # launched with PDL after a combine made dispatch + combine pairs slower on 2 x H200 (4096 tokens:
 # 285 vs 255 us, 128 tokens: 26.1 vs 23.0 us; not explained: the extra time lies between the
