@@ -147,6 +147,7 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool):
                     self.outputs[bs] = self.model(batch, self.caches, check=False)
             except RuntimeError as e:
+                end_failed_capture()
                 raise GraphUnavailable(f"capturing batch size {bs} failed: {str(e).splitlines()[0]}") from e
             pool = graph.pool()
             self.graphs[bs] = graph
@@ -185,6 +186,22 @@ class DecodeGraphs:
         li = batch.logits_indices  # the runner ships it to the device itself (no-op `to` then)
         view.logits_indices = None if li is None else li.to(view.input_ids.device, non_blocking=True)
         return self.outputs[bs][:t], view
+
+
+def end_failed_capture() -> None:
+    """After a capture that raised: a capture of one small op on the current device, so the default
+    CUDA generator, left "capturing" by the failed capture's missing epilogue, is released (torch
+    otherwise refuses every later random op on the device: "Offset increment outside graph capture
+    encountered unexpectedly")."""
+    x = torch.zeros(1, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=side):
+            x.add_(1)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
 
 
 def build_decode_graphs(model, caches: ModelCaches, page_size: int, max_model_len: int, batch_sizes,

@@ -190,3 +190,23 @@ def test_graph_sizes_from_env(monkeypatch, caplog):
         _, engine = greedy(tiny("qwen3_moe", "cpu"), "torch")
     assert engine.runner.graphs is None and "CUDA graphs off" in caplog.text
     assert engine.pages.num_used == engine.prefix.num_evictable_pages()  # the scratch page went back
+
+
+@pytest.mark.gpu
+def test_random_ops_work_after_a_failed_capture():
+    """A capture that raises (a host sync inside it) leaves torch's default CUDA generator
+    "capturing"; `end_failed_capture` (run by DecodeGraphs before it reports GraphUnavailable)
+    releases it, so the next random op on the device works (a later model's dummy init did not)."""
+    from nvl72.engine.cuda_graphs import end_failed_capture
+
+    x = torch.ones(1, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with pytest.raises(RuntimeError):
+        with torch.cuda.stream(side):
+            with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=side):
+                torch.randn(4, device="cuda")
+                x.item()
+    torch.cuda.current_stream().wait_stream(side)
+    end_failed_capture()
+    assert torch.randn(1000, device="cuda").std().item() > 0.5
