@@ -39,11 +39,12 @@ PIPE_SEND_WARPS = 2  # pipelined dispatch: warps per block sending while the oth
 # unpipelined dispatch: from this many tokens the tables go first and own rows are packed while the
 # sends are on the wire (one more arrival and wait, a few us); below it one arrival and wait (latency)
 OVERLAP_MIN_TOKENS = 512
-# programmatic dependent launch per kernel (where aot.launch.pdl_enabled allows it): a dispatch
-# launched with PDL after a combine made dispatch + combine pairs slower on 2 x H200 (4096 tokens:
-# 285 vs 255 us, 128 tokens: 26.1 vs 23.0 us; not explained: the extra time lies between the
-# combine's end and the next dispatch's start), the combine gains a little from it
-DISPATCH_PDL, COMBINE_PDL = False, True
+# programmatic dependent launch per kernel (where aot.launch.pdl_enabled allows it). The combine
+# waits for the dispatch but does not let the next kernel launch early: a dispatch launched early
+# behind a combine cost ~30 us a pair at 4096 tokens on 2 x H200 (not explained); with the combine's
+# trigger at its end both kernels gain from PDL (128 tokens: dispatch 11.8-13.0 us against 12.2-13.7
+# launched plainly; perf/RESULTS.md)
+DISPATCH_PDL, COMBINE_PDL = True, True
 DISPATCH_PHASES = ("start", "tables sent", "tables waited", "tables built", "rows sent", "rows waited", "packed")
 COMBINE_PHASES = ("start", "done")
 _ERR_KINDS = {1: "dispatch wait", 2: "combine wait", 3: "capacity"}
