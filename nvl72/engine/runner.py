@@ -159,8 +159,9 @@ class ModelRunner:
                 and g.fits(len(scheduled), len(scheduled) * g.query_len, max(len(s.seq.pages) for s in scheduled)))
 
     def _patch(self, input_ids: torch.Tensor, fill: torch.Tensor, prior: PriorTokens) -> None:
-        """input_ids[dst] = prior tokens[src], on the device (`fill` [2, n]: dst, src, already there)."""
-        input_ids[fill[0]] = prior.token_ids[fill[1]]
+        """input_ids[dst] = prior tokens[src], on the device (`fill` [2, n]: dst, src, already there);
+        index_select + index_copy_: less host time per step than an advanced-indexing put."""
+        input_ids.index_copy_(0, fill[0], prior.token_ids.index_select(0, fill[1]).to(input_ids.dtype))
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq], prior: PriorTokens | None = None, readback: bool = True) -> StepResult:

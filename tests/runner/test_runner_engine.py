@@ -210,3 +210,30 @@ def test_random_ops_work_after_a_failed_capture():
     torch.cuda.current_stream().wait_stream(side)
     end_failed_capture()
     assert torch.randn(1000, device="cuda").std().item() > 0.5
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_staging_moves_as_one_prefix_copy(hybrid):
+    """Every batch tensor is a disjoint view of one flat buffer with the page table last, so the
+    first `prefix_bytes(bs)` bytes carry all a graph of bs sequences reads (what DecodeGraphs.run
+    copies to the device in one go) and no page-table row past bs."""
+    from nvl72.engine.cuda_graphs import _Buffers
+
+    src, dst = (_Buffers(8, 2, 5, hybrid, "cpu", pin=False) for _ in range(2))
+    assert src.page_table.eq(-1).all() and (not hybrid or src.state_write_slots.eq(-1).all())
+    g = torch.Generator().manual_seed(3)
+    for name in src.names():
+        t = getattr(src, name)
+        t.copy_(torch.randint(0, 1000, t.shape, generator=g))
+    for bs in (1, 3, 8):
+        dst.flat.zero_()
+        n = src.prefix_bytes(bs)
+        dst.flat[:n].copy_(src.flat[:n])
+        a, b = src.view(bs, 2), dst.view(bs, 2)
+        for name in src.names():
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert dst.page_table[bs:].eq(0).all()
+    # disjoint views: writing one buffer leaves the others as they were
+    before = {name: getattr(src, name).clone() for name in src.names()}
+    src.seq_lens.fill_(-7)
+    assert all(torch.equal(getattr(src, name), before[name]) for name in src.names() if name != "seq_lens")
