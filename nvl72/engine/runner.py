@@ -188,7 +188,8 @@ class ModelRunner:
             hidden = self.model(batch, self.caches)
         if not rows:
             return StepResult(hidden, batch, rows, None, graphed=graphed)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        # every token row samples (plain decode): the indices are 0..T-1, no gather needed
+        logits = self.model.compute_logits(hidden if len(rows) == hidden.shape[0] else hidden[batch.logits_indices])
         sample_rows = []
         for i, off in rows:
             s = scheduled[i]

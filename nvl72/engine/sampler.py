@@ -145,8 +145,12 @@ class Sampler:
         """Pick one token per row of `logits` [N, V] (fp32) without reading anything back."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"logits has {logits.shape[0]} rows for {len(rows)} sample rows")
-        logits = logits.float()
         want_lp = [r.params.logprobs for r in rows]
+        if all(r.params.greedy and not has_penalty(r.params) and r.params.logprobs is None for r in rows):
+            # the argmax of the model's dtype is the argmax of its exact fp32 upcast (ties: the first
+            # index either way), without a converted copy of the logits
+            return DeviceSample(logits.argmax(-1), want_lp)
+        logits = logits.float()
         raw_lp = logits.log_softmax(-1) if any(n is not None for n in want_lp) else None
         x = apply_penalties(logits, rows) if any(has_penalty(r.params) for r in rows) else logits
         tokens = x.argmax(-1)

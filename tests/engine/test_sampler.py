@@ -77,6 +77,18 @@ def test_greedy_and_logprobs():
         assert [v for _, v in res.top_logprobs[i]] == pytest.approx(vals.tolist(), abs=1e-6)
 
 
+def test_greedy_fast_path_on_bf16_logits_equals_fp32():
+    """All-greedy batches take the argmax of the model's bf16 logits directly: the same tokens as the
+    fp32 path, ties (equal bf16 values) included; a greedy row with a penalty still goes through it."""
+    x = _logits(6, seed=7).to(torch.bfloat16)
+    x[2, 5] = x[2, 9] = x[2].max() + 1  # a tie: the first index wins either way
+    greedy = [SampleRow(SamplingParams(temperature=0.0), [1], 1) for _ in range(6)]
+    res = Sampler()(x, greedy)
+    assert res.token_ids == x.float().argmax(-1).tolist() and res.token_ids[2] == 5 and res.logprobs is None
+    penal = greedy[:2] + [SampleRow(SamplingParams(temperature=0.0, repetition_penalty=5.0), [5], 1)] + greedy[3:]
+    assert Sampler()(x, penal).token_ids[2] == 9  # token 5 (positive) divided by the penalty
+
+
 def test_seed_reproducible_and_distribution():
     x = _logits(1, seed=9)
     p = SamplingParams(temperature=0.8, top_k=12, seed=None)
