@@ -158,15 +158,19 @@ def _blocks(s):
     return out
 
 
+def _choices(s, flag, allowed):
+    """'a,b' -> ['a', 'b'], each checked against `allowed` (the error names --flag and the value)."""
+    out = [v for v in str(s).split(",") if v]
+    for v in out:
+        if v not in allowed:
+            raise ValueError(f"--{flag} value {v!r}: expected one of {tuple(allowed)}")
+    return out
+
+
 def _overlaps(s):
     """'auto,0,1' -> [None, False, True] (None: the fused path decides per call)."""
     names = {"auto": None, "0": False, "1": True}
-    out = []
-    for v in [v for v in str(s).split(",") if v]:
-        if v not in names:
-            raise ValueError(f"--overlap value {v!r}: expected auto, 0 or 1")
-        out.append(names[v])
-    return out
+    return [names[v] for v in _choices(s, "overlap", names)]
 
 
 PDL_MODES = {"auto": (None, None), "none": (False, False), "dispatch": (True, False), "combine": (False, True),
@@ -175,22 +179,14 @@ PDL_MODES = {"auto": (None, None), "none": (False, False), "dispatch": (True, Fa
 
 def _pdls(s):
     """'auto,none' -> ['auto', 'none'] (keys of PDL_MODES: FusedDispatch.set_pdl's arguments)."""
-    out = [v for v in str(s).split(",") if v]
-    for v in out:
-        if v not in PDL_MODES:
-            raise ValueError(f"--pdl value {v!r}: expected one of {tuple(PDL_MODES)}")
-    return out
+    return _choices(s, "pdl", PDL_MODES)
 
 
 def _payloads(s):
     """'bf16,mxfp8' -> ['bf16', 'mxfp8'] (checked against comms.dispatch.PAYLOADS)."""
     from comms.dispatch import PAYLOADS
 
-    out = [v for v in str(s).split(",") if v]
-    for v in out:
-        if v not in PAYLOADS:
-            raise ValueError(f"--payload value {v!r}: expected one of {PAYLOADS}")
-    return out
+    return _choices(s, "payload", PAYLOADS)
 
 
 def _phase_line(T, blocks, times):
