@@ -8,14 +8,14 @@ replays the smallest captured size >= B with the rows past B padded as dummy seq
 from one scratch slot and never written (the engine reserves both), so every kernel sees a
 well-formed batch; their outputs are ignored.
 
-Per step the host fills pinned staging buffers and copies them with non_blocking H2D copies; the
+Per step the host fills pinned staging buffers and moves them with one non_blocking H2D copy; the
 attention metadata of the graph path is computed inside the graph from those buffers (the backend
 must be `graph_safe`, i.e. need no host sync: the Triton backend). Nothing in a replay reads back
 to the host. Logits and sampling stay outside the graph (only the rows that sample).
 
 Capture is tried once at start-up; when it cannot be used (CPU, a backend that plans on the host,
 an op with a host sync inside the forward) the reason is logged and the engine runs eagerly.
-The staging and padding are tested on CPU (replay run eagerly); capture itself is not yet run on a GPU.
+The staging and padding are tested on CPU (replay run eagerly), capture and replay by the `gpu` tests.
 """
 from __future__ import annotations
 
