@@ -58,6 +58,7 @@ class _Buffers:
             if init:
                 v.fill_(init)
             setattr(self, name, v)
+        self._names = [name for name, *_ in specs]
         self._page_table_off, self._row_bytes = offs[-1], max_pages * 4
 
     def prefix_bytes(self, bs: int) -> int:
@@ -66,8 +67,7 @@ class _Buffers:
         return self._page_table_off + bs * self._row_bytes
 
     def names(self) -> list[str]:
-        return [n for n in ("input_ids", "positions", "query_start_loc", "seq_lens", "page_table",
-                            "state_read_slots", "state_write_slots") if getattr(self, n) is not None]
+        return self._names
 
     def view(self, bs: int, query_len: int) -> ForwardBatch:
         t = bs * query_len

@@ -140,6 +140,13 @@ def _gemv_kernel(x, w, bias, out, N, K, stride_w, HAS_BIAS: tl.constexpr, BLOCK_
     tl.store(out + rows, acc.to(out.dtype.element_ty), mask=rows < N)
 
 
+def gemv_blocks(n: int, k: int) -> tuple[int, int]:
+    """(rows per program, K step) of `gemv` for an [n, k] weight: the fastest or within noise of it for
+    the decode projections in tests/runner/gpu_gemv_sweep.py (perf/RESULTS.md, one H200)."""
+    block_n = 4 if n <= 2048 else 8
+    return block_n, min(triton.next_power_of_2(k), 8192 // block_n)
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for one row: x [1, K], weight [N, K] (row-contiguous), bias [N] -> [1, N] in x.dtype,
     accumulated in fp32."""
@@ -148,8 +155,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv: x {tuple(x.shape)} must be one row-contiguous row of weight's K "
                          f"(weight {tuple(weight.shape)})")
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    block_n = 4 if n <= 2048 else 8
-    block_k = min(triton.next_power_of_2(k), 8192 // block_n)
+    block_n, block_k = gemv_blocks(n, k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, weight if bias is None else bias, out, n, k,
                                              weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
                                              BLOCK_K=block_k, **launch_args(x.device))

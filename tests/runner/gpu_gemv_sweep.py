@@ -21,9 +21,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import triton  # noqa: E402
+
 from aot.pdl import launch_args  # noqa: E402
-from nvl72.cuda_timing import hbm_copy_bandwidth  # noqa: E402
+from nvl72.cuda_timing import hbm_copy_bandwidth, time_cuda  # noqa: E402
 from nvl72.model import fused_triton as ft  # noqa: E402
+from tests.moe.gpu_layer_profile import capture  # noqa: E402
 
 SHAPES = {"qkv": (5120, 2048), "o_proj": (2048, 4096)}
 
@@ -35,26 +38,9 @@ def launch(x, w, out, block_n, block_k, warps):
 
 
 def graph_time(fn, calls: int, reps: int = 20) -> float:
-    """Seconds per call of `calls` calls of fn(i) captured in one graph on a side stream (PDL allowed)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(calls):
-            fn(i)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            for i in range(calls):
-                fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(reps):
-        g.replay()
-    e1.record()
-    torch.cuda.synchronize()
-    return e0.elapsed_time(e1) / 1e3 / reps / calls
+    """Seconds per call of `calls` calls of fn(i) captured in one graph (side stream: PDL allowed)."""
+    g = capture(lambda: [fn(i) for i in range(calls)])
+    return time_cuda(g.replay, reps) / calls
 
 
 def main() -> int:
@@ -71,12 +57,11 @@ def main() -> int:
         outs = [torch.full((1, n), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(args.weights)]
         ref = xs[0].float() @ ws[0].float().t()
         nbytes = n * k * 2
-        d_bn = 4 if n <= 2048 else 8
-        default = (d_bn, min(triton_pow2(k), 8192 // d_bn), 4)
+        default = (*ft.gemv_blocks(n, k), 4)
         configs = sorted(set(itertools.product((2, 4, 8, 16, 32), (256, 512, 1024, 2048), (4, 8))) | {default})
         rows = []
         for bn, bk, nw in configs:
-            if bn * bk > 32768 or bk > triton_pow2(k):
+            if bn * bk > 32768 or bk > triton.next_power_of_2(k):
                 continue
             outs[0].fill_(float("nan"))
             launch(xs[0], ws[0], outs[0], bn, bk, nw)
@@ -105,10 +90,6 @@ def main() -> int:
         print(f"MISMATCH: {len(bad)} configs, e.g. {bad[0]}")
         return 1
     return 0
-
-
-def triton_pow2(v: int) -> int:
-    return 1 << (v - 1).bit_length()
 
 
 if __name__ == "__main__":
