@@ -68,7 +68,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from comms.heap import SymmetricHeap
+from comms.heap import DEFAULT_ALIGN, SymmetricHeap
 from aot.launch import stream_allows_pdl
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,26 @@ class AllReduceError(RuntimeError):
 
 class AllReduceTimeoutError(AllReduceError):
     """A kernel's bounded wait on a peer expired (the peer did not arrive in time)."""
+
+
+def heap_regions(world: int, max_bytes: int) -> list[tuple[str, int]]:
+    """(name, bytes) of one AllReduce's heap regions in allocation order: data [2 parity][W][cap] +
+    gather [2][cap]; flags [1 + PUSH_PARTS][MAX_WORLD][MAX_BLOCKS] (phase 1, phase 2, then phase 1
+    of twoshot_push's parts 1..); state; twoshot_pipe's per-tile flags [2 phase][MAX_WORLD][MAX_BLOCKS]
+    (values of their own scale); the Lamport one-shot's 3 rotating buffers [3][W][lam_cap] of
+    sentinel words and its own state [dirty vectors of buffer 0..2, -, per-block epoch copies] (its
+    rotation must not see other calls)."""
+    lam_cap = min(max_bytes, LAMPORT_MAX_BYTES)
+    return [("ws", (2 * world + 2) * max_bytes), ("flag", (1 + PUSH_PARTS) * MAX_WORLD * MAX_BLOCKS * 4),
+            ("state", 64), ("pipe_flag", 2 * MAX_WORLD * MAX_BLOCKS * 4), ("lam", 3 * world * lam_cap),
+            ("lam_state", 4 * (LAMPORT_EPOCHS + MAX_BLOCKS))]
+
+
+def heap_bytes(world: int, max_bytes: int) -> int:
+    """Symmetric-heap bytes one AllReduce of `max_bytes` takes on `world` ranks, wherever the heap's
+    earlier allocations ended (regions aligned as SymmetricHeap.alloc aligns them, the first one's
+    alignment included): what a heap must hold per AllReduce, for any world size."""
+    return DEFAULT_ALIGN + sum(-(-n // DEFAULT_ALIGN) * DEFAULT_ALIGN for _, n in heap_regions(world, max_bytes))
 
 
 def select_algo(nbytes: int, world: int, *, device: str, multicast: bool, max_bytes: int,
@@ -289,19 +309,11 @@ class AllReduce:
         if algo in KERNEL_ALGOS and self.world > MAX_WORLD:
             raise AllReduceError(f"algo={algo!r} supports at most {MAX_WORLD} ranks, group has {self.world}")
         self.algo = algo
-        # heap layout: data [2 parity][W][cap] + gather [2][cap]; flags [1 + PUSH_PARTS][MAX_WORLD][MAX_BLOCKS]
-        # (phase 1, phase 2, then phase 1 of twoshot_push's parts 1..); state
-        self.ws_off = heap.alloc((2 * self.world + 2) * max_bytes)
-        self.flag_off = heap.alloc((1 + PUSH_PARTS) * MAX_WORLD * MAX_BLOCKS * 4)
-        self.state_off = heap.alloc(64)
-        # twoshot_pipe's per-tile flags [2 phase][MAX_WORLD][MAX_BLOCKS] hold values of their own scale
-        self.pipe_flag_off = heap.alloc(2 * MAX_WORLD * MAX_BLOCKS * 4)
-        # Lamport one-shot: 3 rotating buffers [3][W][lam_cap] of sentinel words + its own state
-        # [dirty vectors of buffer 0..2, -, per-block epoch copies] (its rotation must not see other calls)
+        off = {name: heap.alloc(n) for name, n in heap_regions(self.world, max_bytes)}
+        self.ws_off, self.flag_off, self.state_off = off["ws"], off["flag"], off["state"]
+        self.pipe_flag_off, self.lam_off, self.lam_state_off = off["pipe_flag"], off["lam"], off["lam_state"]
         self.lam_cap = min(max_bytes, LAMPORT_MAX_BYTES)
-        self.lam_off = heap.alloc(3 * self.world * self.lam_cap)
         heap.buffer(self.lam_off, (3 * self.world * self.lam_cap // 4,), torch.int32).fill_(LAMPORT_SENTINEL)
-        self.lam_state_off = heap.alloc(4 * (LAMPORT_EPOCHS + MAX_BLOCKS))
         self._lam_state_addr = heap.buffer(self.lam_state_off, (LAMPORT_EPOCHS + MAX_BLOCKS,), torch.int32).data_ptr()
         self._err = torch.zeros(4, dtype=torch.int32, pin_memory=True)  # written by kernels (UVA)
         self._kernels: dict = {}

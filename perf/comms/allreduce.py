@@ -129,12 +129,12 @@ def _worker(rank: int, world: int, init_file: str, cfg_json: str):
     max_bytes = sizes[-1]
     runs = variants(cfg["algos"], cfg["blocks"])
     group = dist.group.WORLD
-    from comms.allreduce import LAMPORT_MAX_BYTES
+    from comms.allreduce import heap_bytes
     labels = {label for label, _, _ in runs}
     # one AllReduce per run of ours; twoshot_symm@b shares twoshot@b's when both run
     n_ours = sum(a in OURS or a == "twoshot_push" or (a == "twoshot_symm" and label.replace("_symm", "") not in labels)
                  for label, a, _ in runs)
-    per_ar = (2 * world + 2) * max_bytes + 3 * world * min(max_bytes, LAMPORT_MAX_BYTES) + (1 << 20)
+    per_ar = heap_bytes(world, max_bytes)
     copy_bytes = 64 << 20  # peer-copy bandwidth region, apart from the all-reduce workspaces
     n_symm = ("twoshot_symm" in cfg["algos"]) * 2 + ("twoshot_push" in cfg["algos"])  # heap buffers of max_bytes
     heap = SymmetricHeap(group, n_ours * per_ar + n_symm * (max_bytes + (1 << 20)) + copy_bytes + (2 << 20), dev,

@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 
 from comms.allreduce import (LAMPORT_MAX_BYTES, MAX_BLOCKS, ONESHOT_MAX_BYTES, PIPE_TILE, PUSH_PARTS, THREADS,
-                             AllReduce, AllReduceError, buffers_in_heap, check_blocks, heap_kernel, pipe_blocks,
+                             AllReduce, AllReduceError, buffers_in_heap, check_blocks, heap_bytes, heap_kernel,
+                             heap_regions, pipe_blocks,
                              pipe_schedule, pipe_tiles, rmsnorm_reference, select_algo, twoshot_blocks, twoshot_grid,
                              twoshot_slices)
 from tests.comms.test_heap import run_ranks
@@ -272,6 +273,28 @@ def _body(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_allreduce_reference_matches_fp32_sum(world):
     run_ranks(_body, world)
+
+
+def _heap_bytes_body(rank, world):
+    from comms import SymmetricHeap
+
+    cases = ((2, 1 << 20), (4, 4096), (8, 3 << 20))
+    heap = SymmetricHeap(dist.group.WORLD, 3 * sum(heap_bytes(*c) + 4097 for c in cases), timeout_s=30)
+    for ranks, max_bytes in cases:
+        for start in (1, 255, 4097):  # whatever earlier allocations left, aligned or not
+            heap.alloc(start, align=1)
+            used = heap.used
+            for _, n in heap_regions(ranks, max_bytes):  # what AllReduce.__init__ allocates
+                heap.alloc(n)
+            assert used < heap.used <= used + heap_bytes(ranks, max_bytes), (ranks, max_bytes, start)
+    heap.destroy()
+
+
+@pytest.mark.mp
+def test_heap_bytes_holds_an_allreduce_after_any_earlier_allocation():
+    """Heaps are sized with heap_bytes for any world size (the 4-GPU tests outgrew fixed sizes)."""
+    assert heap_bytes(4, 1 << 20) > heap_bytes(2, 1 << 20)
+    run_ranks(_heap_bytes_body, 1)
 
 
 def test_perf_graph_pivot_has_a_row_per_size_and_a_column_per_algo():

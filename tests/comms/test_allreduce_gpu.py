@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from comms.allreduce import heap_bytes
 from tests.comms.test_heap import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.mp]
@@ -65,11 +66,15 @@ def _algos_body(rank, world):
     from comms import AllReduce, AllReduceError, SymmetricHeap
 
     dev = torch.device("cuda", rank)
-    heap = SymmetricHeap(dist.group.WORLD, 512 << 20, dev, timeout_s=60)  # 6 AllReduce x 72 MiB + symm
+    # 6 AllReduce + the pdl=False one + the symmetric in-heap buffers
+    heap = SymmetricHeap(dist.group.WORLD, 6 * heap_bytes(world, 8 << 20) + heap_bytes(world, 4 << 20) + (8 << 20),
+                         dev, timeout_s=60)
     assert heap.capabilities.p2p and not heap.capabilities.multicast_enabled
     case = 0
     for algo in ("lamport", "oneshot", "twoshot", "twoshot_pipe", "nccl", "auto"):
+        used = heap.used
         ar = AllReduce(heap, algo, max_bytes=8 << 20, timeout_s=5)
+        assert heap.used - used <= heap_bytes(world, 8 << 20), "AllReduce took more heap than heap_bytes says"
         for dtype in (torch.bfloat16, torch.float32):
             for n in SIZES:
                 case += 1
@@ -126,7 +131,8 @@ def _pipe_body(rank, world):
     from comms.allreduce import AllReduceTimeoutError, pipe_blocks, pipe_schedule
 
     dev = torch.device("cuda", rank)
-    heap = SymmetricHeap(dist.group.WORLD, 480 << 20, dev, timeout_s=60)  # 64 MiB ws: 408 MiB; 1 MiB: 12 MiB
+    heap = SymmetricHeap(dist.group.WORLD, heap_bytes(world, 64 << 20) + heap_bytes(world, 1 << 20) + (4 << 20), dev,
+                         timeout_s=60)
     ar = AllReduce(heap, "twoshot_pipe", max_bytes=64 << 20, timeout_s=5)
     case = 0
     for dtype in (torch.bfloat16, torch.float32):
@@ -171,7 +177,9 @@ def _push_body(rank, world):
     from comms.allreduce import AllReduceTimeoutError
 
     dev = torch.device("cuda", rank)
-    heap = SymmetricHeap(dist.group.WORLD, 608 << 20, dev, timeout_s=60)  # ws 408 MiB, 2 x 64 MiB buffers, 13 MiB
+    # 64 MiB AllReduce, its 2 x 64 MiB buffers, the 1 MiB one and its buffer
+    heap = SymmetricHeap(dist.group.WORLD, heap_bytes(world, 64 << 20) + (128 << 20) + heap_bytes(world, 1 << 20)
+                         + (4 << 20), dev, timeout_s=60)
     ar = AllReduce(heap, "twoshot_push", max_bytes=64 << 20, timeout_s=5)
     xbuf, obuf = ar.symmetric_empty(64 << 20, torch.uint8), ar.symmetric_empty(64 << 20, torch.uint8)
     case = 0
@@ -274,7 +282,7 @@ def _rmsnorm_body(rank, world):
     from comms.allreduce import rmsnorm_reference
 
     dev = torch.device("cuda", rank)
-    heap = SymmetricHeap(dist.group.WORLD, 256 << 20, dev, timeout_s=60)  # 3 AllReduce x 48 MiB
+    heap = SymmetricHeap(dist.group.WORLD, 3 * heap_bytes(world, 4 << 20) + (4 << 20), dev, timeout_s=60)
     case = 0
     for algo, dtype in [(a, d) for a in ("lamport", "oneshot", "auto") for d in (torch.bfloat16, torch.float32)]:
         if dtype == torch.bfloat16:
@@ -300,7 +308,7 @@ def _timeout_body(rank, world):
     from comms.allreduce import AllReduceTimeoutError
 
     dev = torch.device("cuda", rank)
-    heap = SymmetricHeap(dist.group.WORLD, 64 << 20, dev, timeout_s=60)  # 4 AllReduce x 12 MiB
+    heap = SymmetricHeap(dist.group.WORLD, 4 * heap_bytes(world, 1 << 20) + (4 << 20), dev, timeout_s=60)
     for algo in ("oneshot", "lamport", "twoshot", "twoshot_pipe"):
         ar = AllReduce(heap, algo, max_bytes=1 << 20, timeout_s=0.2)
         x = torch.randn(4096, device=dev)
