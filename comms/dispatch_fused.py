@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 # mirrors of comms.kernels.dispatch (that module imports CuTeDSL, absent on bundle-only hosts)
 CHUNK_BYTES = 2048
 MAX_WORLD, MAX_LOCAL, MAX_PAIRS = 128, 512, 1024
+COUNT_MASK = 0xFFFF  # table counts share a word with the epoch tag: max_tokens at most this
 TOPK_VARIANTS = (1, 2, 4, 6, 8, 10)
 THREADS, PROBE_PHASES = 256, 8
 ARRIVAL_STEP = 1024  # arrival counter units per source and epoch: bounds the grid
@@ -73,7 +74,8 @@ def heap_regions(world: int, num_experts: int, top_k: int, hidden: int, max_toke
     counters per source: the tables arrival, then the rows arrival of each send phase."""
     rows, L = world * max_tokens, num_experts // world
     return [("rx", rows * staged_row_bytes(hidden, payload)), ("rid", rows * top_k * 4), ("rw", rows * top_k * 4),
-            ("rslot", rows * top_k * 4), ("rstamp", rows * 4), ("rntok", world * 4), ("recnt", world * L * 4),
+            ("rslot", rows * top_k * 4), ("rstamp", rows * 4), ("rntok", 2 * world * 4),
+            ("recnt", 2 * world * L * 4),
             ("dcnt", (1 + phases) * world * 4), ("cx", rows * hidden * 2), ("state", 16),
             ("rnph", world * 4)]
 
@@ -106,6 +108,8 @@ class FusedDispatch:
         if R > MAX_WORLD or L > MAX_LOCAL or R * L > MAX_PAIRS:
             raise ValueError(f"world={R}, local experts={L} exceed the kernel tables "
                              f"(<= {MAX_WORLD} ranks, {MAX_LOCAL} local experts, {MAX_PAIRS} pairs)")
+        if M > COUNT_MASK:
+            raise ValueError(f"max_tokens={M} exceeds the kernel tables' counts (<= {COUNT_MASK})")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be positive")
         if not 1 <= cfg.pipeline_phases <= PIPE_MAX:

@@ -22,7 +22,10 @@ M = max tokens per rank, K = top-k, L = local experts):
   rstamp int32 [R, M]    dispatch epoch of row (s, t)'s metadata (rid, rw; written in A1 with the
                          tables with overlap, else with the rows): the row comes this epoch iff it
                          equals the epoch
-  rntok int32 [R]        tokens of source s this epoch;  recnt int32 [R, L] entries per (s, expert)
+  rntok int32 [2, R]     tokens of source s this epoch;  recnt int32 [2, R, L] entries per (s, expert).
+                         Both tables alternate by epoch parity and each word is count | tag, the tag the
+                         epoch's low 16 bits above the count (so counts < 2**16): a receiver polls them
+                         until they carry its epoch's tag, with no arrival counter (_load_tables)
   dcnt  int32 [1 + P, R] dispatch arrival counters (source s adds ARRIVAL_STEP per epoch to each;
                          a rank at epoch e waits for cnt - e * ARRIVAL_STEP >= 0 modulo 2**32:
                          wrap-safe). dcnt[0] the tables arrival (rslot, recnt, rntok, rnph written;
@@ -37,7 +40,7 @@ M = max tokens per rank, K = top-k, L = local experts):
 
 dispatch (one launch; `overlap` chosen per call and per rank, ranks may differ):
   A1. slot scan: per global expert, each hit's index among this rank's tokens of that expert
-     (rslot) and the per-(rank, expert) count (recnt) go to the expert's owner (ballot + popc); with
+     (rslot) and the per-(rank, expert) count (recnt, tagged) go to the expert's owner (ballot + popc); with
      overlap the scan of a token's first expert on an owner also writes the row's ids, weights and
      stamp there (to this rank too: combine reads them); block 0 also stores rntok[me] on every rank
      with its arrival.
@@ -45,16 +48,18 @@ dispatch (one launch; `overlap` chosen per call and per rank, ranks may differ):
      distinct peer rank of the token (once per rank, not per expert); without overlap with ids,
      weights and stamp on chunk 0 (to this rank too). No row goes to this rank's own rx: own rows
      are packed straight from x (MXFP8: quantized in registers the same way).
-  C. pack: tables first -- per local expert the exclusive prefix of recnt over sources, the expert
+  C. pack: tables first -- polled from the tagged words into shared memory (all loads in flight at
+     once), then per local expert the exclusive prefix of recnt over sources, the expert
      bases, the sources' row starts in shared memory (block 0 writes the row starts to `rstart` for
      combine) -- then each (row, chunk) unit is loaded once and stored to every local expert slot of
      the row at base[e] + prefix[s, e] + rslot. Output order (per expert: source rank, then token)
      equals the torch reference's.
   overlap = 0 (latency; small batches): A1 runs on the last E warps (one global expert each) while
      A2 starts at warp 0; block barrier; lane d of warp 0 releases the block's arrival into dcnt[0]
-     and dcnt[1] (rank me) on rank d (`_arrive`); wait for dcnt[1] of every source (acquire, bounded;
-     warp 0, convergent: `_wait_all`); barrier; block 0 stores the epoch (`_store_epoch`); tables;
-     C over own tokens (from x) and the peers' received rows in one loop.
+     and dcnt[1] (rank me) on rank d (`_arrive`); tables (polled: no wait); own tokens packed from x
+     while the peers' rows are still arriving; wait for dcnt[1] of every source (acquire, bounded;
+     warp 0, convergent: `_wait_all`); barrier; block 0 stores the epoch (`_store_epoch`); C over
+     the peers' received rows (the units continue the own rows' round robin over the warps).
   overlap = 1 (large batches): A1 with a block per expert (8 warps split the tokens: count, block
      prefix, write) so it is short; arrive on dcnt[0]; wait for dcnt[0] of every source; tables
      (which now say which rows will arrive). bf16: epoch; then one key-major loop (_send_and_pack)
@@ -114,7 +119,8 @@ Phase probe: a non-zero `probe` address makes thread 0 of every block store %glo
 each phase boundary into probe[block, phase] (PROBE_PHASES per block; DISPATCH_PHASES /
 COMBINE_PHASES name them), for `perf.comms dispatch --phases`; off (0) it costs one uniform branch.
 Dispatch with overlap = 0 (and the pipelined one) has one arrival and one wait: it stamps "tables
-sent" and "rows sent" together after A, "tables waited" and "rows waited" after its wait.
+sent" and "rows sent" together after A, "tables waited" and "rows waited" after its wait (unpipelined
+that wait comes after "tables built" and the own rows' pack).
 K is a compile-time constant (one export per top-k in TOPK_VARIANTS) so the per-slot loads are
 unrolled and in flight together.
 """
@@ -135,6 +141,10 @@ CHUNK_VEC = 128      # 16-byte vectors per work unit: 4 per lane, 2 KiB of a row
 MAX_WORLD = 128      # shared-memory table bounds (checked on the host)
 MAX_LOCAL = 512
 MAX_PAIRS = 1024     # R * L (source rank, local expert) pairs
+TABLE_LOADS = MAX_PAIRS // THREADS  # recnt words per thread, loaded together (_load_tables)
+POLL_BACKOFF_NS = 200  # table poll: pause between rounds
+TAG_SHIFT = 16       # rntok / recnt words: the epoch's low bits above the count
+COUNT_MASK = (1 << TAG_SHIFT) - 1  # so a count (tokens per rank) is at most this (checked on the host)
 TOPK_VARIANTS = (1, 2, 4, 6, 8, 10)
 SCAN_UNROLL = 4      # slot scan: 32-token groups whose id loads are issued together
 PIPE_MAX = 8         # pipelined dispatch: phase counters per source at most
@@ -411,10 +421,87 @@ def _warp_inclusive_scan(v, lane):
     return v
 
 
+def _tag(epoch):
+    """This launch's tag of the rntok / recnt words: the epoch's low bits above the count."""
+    return (epoch & COUNT_MASK) << TAG_SHIFT
+
+
 @cute.jit
-def _row_starts(my_base, rntok_off, lane, active, world, rstart: cute.Tensor):
-    """rstart[s] = sum of rntok[< s] (received rows of earlier sources), rstart[world] = total.
-    The warp with `active` set scans 32 sources per step; the caller's bar.sync publishes it."""
+def _store_count(addr, word, own):
+    """A tagged table word (A1's recnt). To this rank itself (`own`) a release at GPU scope after the
+    caller's warp or block barrier: the own rows' pack reads the rslot words stored before it with no
+    arrival counter in between, ordered by the table poll's acquire alone (_load_tables). To a peer
+    a plain store: it reads only the count before the rows arrival, which covers the rslot words."""
+    if own:
+        ptx.st_release_gpu(addr, word)
+    else:
+        st_b32(addr, word)
+
+
+@cute.jit
+def _load_tagged(vals: cute.Tensor, my_base, rntok_off, recnt_off, tid, npairs, world, tag, stale_only):
+    """vals[k] = recnt word tid + THREADS k (pairs s * L + e, clamped), vals[TABLE_LOADS] = rntok word
+    tid (clamped): relaxed loads, all in flight at once (acquire loads would each wait for the last);
+    with `stale_only` only the words still without `tag` are reloaded."""
+    for k in cutlass.range_constexpr(TABLE_LOADS):
+        if (stale_only == 0) | (((vals[k] ^ tag) >> TAG_SHIFT) != 0):
+            vals[k] = ptx.ld_relaxed_sys(my_base + recnt_off + _i64(cutlass.min(tid + k * THREADS, npairs - 1)) * 4)
+    if (stale_only == 0) | (((vals[TABLE_LOADS] ^ tag) >> TAG_SHIFT) != 0):
+        vals[TABLE_LOADS] = ptx.ld_relaxed_sys(my_base + rntok_off + _i64(cutlass.min(tid, world - 1)) * 4)
+
+
+@cute.jit
+def _stale_source(vals: cute.Tensor, tag, tid, nlocal, npairs, world):
+    """1 + the source rank of a word of vals this thread needs that lacks `tag` (0: none)."""
+    src = Int32(0)
+    for k in cutlass.range_constexpr(TABLE_LOADS):
+        i = tid + k * THREADS
+        if (i < npairs) & (((vals[k] ^ tag) >> TAG_SHIFT) != 0):
+            src = i // nlocal + 1
+    if (tid < world) & (((vals[TABLE_LOADS] ^ tag) >> TAG_SHIFT) != 0):
+        src = tid + 1
+    return src
+
+
+@cute.jit
+def _load_tables(my_base, rntok_off, recnt_off, tag, tid, world, nlocal, pre: cute.Tensor, rstart: cute.Tensor,
+                 err_addr, timeout_ns):
+    """Every thread of the block: poll this launch's recnt words (pair s * L + e) and rntok words
+    (source s) until each carries `tag`, then the counts go to pre[s * L + e] and rstart[s + 1]; the
+    caller's bar.sync publishes them (and the fence, with it, the own rank's rslot words to every
+    thread of the block). Needs no arrival counter (data as its own flag): a source stores
+    its tables before its arrivals and rewrites this parity's buffer only two epochs later, after
+    this launch ended (its next dispatch waits for ours). Bounded, and warp-convergent as _wait_all
+    (every loop condition a warp vote); on expiry the error word names a late source."""
+    npairs = world * nlocal
+    vals = cute.make_rmem_tensor(cute.make_layout(TABLE_LOADS + 1), Int32)
+    _load_tagged(vals, my_base, rntok_off, recnt_off, tid, npairs, world, tag, Int32(0))
+    src = _stale_source(vals, tag, tid, nlocal, npairs, world)
+    if cute.arch.vote_ballot_sync(src != 0) != 0:
+        t0 = ptx.globaltimer()
+        late = Int32(0)
+        while (cute.arch.vote_ballot_sync(src != 0) != 0) & (late == 0):
+            if cute.arch.vote_ballot_sync(ptx.globaltimer() - t0 > timeout_ns) != 0:
+                late = Int32(1)
+                if src != 0:
+                    ptx.st_release_sys(err_addr, ERR_DISPATCH_TIMEOUT | (src - 1))
+            ptx.nanosleep(POLL_BACKOFF_NS)  # every block polls: back off, or the polls crowd the rows arriving
+            _load_tagged(vals, my_base, rntok_off, recnt_off, tid, npairs, world, tag, Int32(1))
+            src = _stale_source(vals, tag, tid, nlocal, npairs, world)
+    # the relaxed reads that saw the tags + this fence: an acquire of the own rank's release (_store_count)
+    cute.arch.fence_acq_rel_gpu()
+    for k in cutlass.range_constexpr(TABLE_LOADS):
+        if tid + k * THREADS < npairs:
+            pre[tid + k * THREADS] = vals[k] & COUNT_MASK
+    if tid < world:
+        rstart[tid + 1] = vals[TABLE_LOADS] & COUNT_MASK
+
+
+@cute.jit
+def _row_starts(lane, active, world, rstart: cute.Tensor):
+    """rstart[1 + s] (source s's received rows, from _load_tables) becomes the sum over sources <= s,
+    rstart[0] = 0 (so rstart[world] = total). The warp with `active` set scans 32 sources per step;
+    the caller's bar.sync publishes it."""
     if active:
         carry = Int32(0)
         s0 = Int32(0)
@@ -422,7 +509,7 @@ def _row_starts(my_base, rntok_off, lane, active, world, rstart: cute.Tensor):
             s = s0 + lane
             n = Int32(0)
             if s < world:
-                n = ld_b32_cg(my_base + rntok_off + _i64(s) * 4)
+                n = rstart[s + 1]
             incl = _warp_inclusive_scan(n, lane)
             if s < world:
                 rstart[s + 1] = carry + incl
@@ -445,7 +532,7 @@ def _phase_tables(my_base, rntok_off, rnph_off, lane, active, world, rstq: cute.
         while s0 < world:
             s = s0 + lane
             if s < world:
-                n = ld_b32_cg(my_base + rntok_off + _i64(s) * 4)
+                n = ld_b32_cg(my_base + rntok_off + _i64(s) * 4) & COUNT_MASK
                 ps = cutlass.max(cutlass.min(ld_b32_cg(my_base + rnph_off + _i64(s) * 4), Int32(PIPE_MAX)), Int32(1))
                 chs[s] = (n + ps - 1) // ps
                 pm = cutlass.max(pm, ps)
@@ -460,7 +547,7 @@ def _phase_tables(my_base, rntok_off, rnph_off, lane, active, world, rstq: cute.
                 s = s0 + lane
                 n = Int32(0)
                 if s < world:
-                    ntot = ld_b32_cg(my_base + rntok_off + _i64(s) * 4)
+                    ntot = ld_b32_cg(my_base + rntok_off + _i64(s) * 4) & COUNT_MASK
                     n = cutlass.max(cutlass.min(ntot - q * chs[s], chs[s]), Int32(0))
                 incl = _warp_inclusive_scan(n, lane)
                 if s < world:
@@ -872,50 +959,36 @@ def _pack_unit(me, s, t, c, rank, nlocal, maxt, nvec, epoch, lane, pre: cute.Ten
 def _pack_rows(me, tab: cute.Tensor, tab_off, chs: cute.Tensor, q, world, pre: cute.Tensor, base: cute.Tensor, cap,
                nrows, rank, nlocal, maxt, nvec, epoch, lane, gw, nw, oxa, osa, o_rank: cute.Tensor,
                o_tok: cute.Tensor, o_w: cute.Tensor, row_pos: cute.Tensor, off_rx, off_rid, off_rw, off_rslot,
-               off_rstamp, x: cute.Tensor, ids: cute.Tensor, wts: cute.Tensor, peers: cute.Tensor, own_tokens,
-               skip_own, err_addr, timeout_ns, K: cutlass.Constexpr, fp8: cutlass.Constexpr, pipe: cutlass.Constexpr):
+               off_rstamp, skip_own, err_addr, timeout_ns, K: cutlass.Constexpr, fp8: cutlass.Constexpr,
+               pipe: cutlass.Constexpr):
     """Dispatch C over received rows: tab[tab_off + s] = first row of source s among them,
     tab[tab_off + world] = their count (pipe: phase q's rows, token t = q * chs[s] + index; else
     every row, t = index). Each (row, 2 KiB of the staged row) unit is loaded once and stored to
     every local expert slot of the row. `skip_own` != 0 (unpipelined, and pipelined with overlap):
-    this rank's own rows are not in rx; they are skipped here. Unpipelined, the first
-    own_tokens * (H / 1024) units of the loop are instead the own rows' (token, chunk) units packed
-    from x (_token_unit; own_tokens = 0 when A2 packed them already)."""
+    this rank's own rows are not in rx (packed from x: _token_unit); they are skipped here."""
     rx_row = _i64(nvec) * 16
     if cutlass.const_expr(fp8):
         rx_row = _i64(nvec) * 8 + _i64(nvec // 4)
     rvec = Int32(rx_row // 16)
     rchunk = (rvec + CHUNK_VEC - 1) // CHUNK_VEC
-    nchunk = nvec // CHUNK_VEC
     total = tab[tab_off + world]
-    nown = Int32(0)
     sk0 = Int32(0)
     nskip = Int32(0)
-    if cutlass.const_expr(not pipe):
-        nown = own_tokens * nchunk
     if skip_own != 0:
         sk0 = tab[tab_off + rank]
         nskip = tab[tab_off + rank + 1] - sk0
     u = gw
-    while u < nown + (total - nskip) * rchunk:
-        if u < nown:
-            if cutlass.const_expr(not pipe):
-                t = u // nchunk
-                _token_unit(x, ids, wts, peers, me, rank, maxt, nlocal, t, u - t * nchunk, nvec, epoch, lane,
-                            Int32(0), Int32(1), pre, base, cap, nrows, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx,
-                            off_rid, off_rw, off_rslot, off_rstamp, K, fp8, False, Int32(0))
-        else:
-            rr = (u - nown) // rchunk
-            c = (u - nown) - rr * rchunk
-            if rr >= sk0:  # past this rank's own rows (none skipped without skip_own)
-                rr = rr + nskip
-            s = _find_source(tab, tab_off, world, rr)
-            t = rr - tab[tab_off + s]
-            if cutlass.const_expr(pipe):
-                t = t + q * chs[s]
-            _pack_unit(me, s, t, c, rank, nlocal, maxt, nvec, epoch, lane, pre, base, cap, nrows, oxa, osa, o_rank,
-                       o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp, err_addr, timeout_ns, K, fp8,
-                       False)
+    while u < (total - nskip) * rchunk:
+        rr = u // rchunk
+        c = u - rr * rchunk
+        if rr >= sk0:  # past this rank's own rows (none skipped without skip_own)
+            rr = rr + nskip
+        s = _find_source(tab, tab_off, world, rr)
+        t = rr - tab[tab_off + s]
+        if cutlass.const_expr(pipe):
+            t = t + q * chs[s]
+        _pack_unit(me, s, t, c, rank, nlocal, maxt, nvec, epoch, lane, pre, base, cap, nrows, oxa, osa, o_rank, o_tok,
+                   o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp, err_addr, timeout_ns, K, fp8, False)
         u = u + nw
 
 
@@ -1012,6 +1085,10 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
         _stamp(probe, tid, bid, PH_START)
         me = peers[rank]
         epoch = ptx.ld_relaxed_gpu(me + off_state) + 1
+        tag = _tag(epoch)
+        # the tables (rntok, recnt) alternate between two buffers by epoch parity (see _load_tables)
+        off_rntok = off_rntok + _i64(epoch & 1) * world * 4
+        off_recnt = off_recnt + _i64(epoch & 1) * world * nlocal * 4
         oxa = out_x.iterator.toint()
         osa = out_s.iterator.toint()
         nrows = out_x.shape[0]
@@ -1061,9 +1138,9 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
                     tot = tot + ci
                 _scan_expert(ids, wts, g, tb, te, before, dbase, row0, lane, nlocal, epoch, off_rslot, off_rid, off_rw,
                              off_rstamp, K, True, True)
+                cute.arch.sync_threads()  # the block's rslot stores before the count; segcnt is rewritten next
                 if tid == 0:
-                    st_b32(dbase + off_recnt + (_i64(rank) * nlocal + (g - d * nlocal)) * 4, tot)
-                cute.arch.sync_threads()  # segcnt is rewritten for the next expert
+                    _store_count(dbase + off_recnt + (_i64(rank) * nlocal + (g - d * nlocal)) * 4, tot | tag, d == rank)
                 g = g + nb
         else:
             # the last warps, one global expert each, so they overlap the row copies of A2, which
@@ -1073,8 +1150,10 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
                 d = g // nlocal
                 running = _scan_expert(ids, wts, g, Int32(0), ntok, Int32(0), peers[d], row0, lane, nlocal, epoch,
                                        off_rslot, off_rid, off_rw, off_rstamp, K, True, False)
+                cute.arch.sync_warp()  # the warp's rslot stores before the count
                 if lane == 0:
-                    st_b32(peers[d] + off_recnt + (_i64(rank) * nlocal + (g - d * nlocal)) * 4, running)
+                    _store_count(peers[d] + off_recnt + (_i64(rank) * nlocal + (g - d * nlocal)) * 4, running | tag,
+                                 d == rank)
                 g = g + nw
             # ---- A2. token rows (pipe: the first send phase's), once per destination rank
             _send_rows(x, ids, wts, peers, me, rank, maxt, nlocal, 0, cutlass.min(ch, ntok), nvec, epoch, lane, gw, nw,
@@ -1086,38 +1165,46 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
             ncnt0 = Int32(1)
             if early == 0:
                 ncnt0 = cutlass.select_(nphase == 1, maxp + 1, Int32(2))
-            _arrive(peers, tid, bid, nb, world, off_dcnt, rank, off_rntok, ntok, True, ncnt0, off_rnph, nphase)
+            _arrive(peers, tid, bid, nb, world, off_dcnt, rank, off_rntok, ntok | tag, True, ncnt0, off_rnph, nphase)
         else:  # the tables counter; without overlap the rows counter too (A2 is done)
-            _arrive(peers, tid, bid, nb, world, off_dcnt, rank, off_rntok, ntok, True, Int32(2 - early))
+            _arrive(peers, tid, bid, nb, world, off_dcnt, rank, off_rntok, ntok | tag, True, Int32(2 - early))
         _stamp(probe, tid, bid, PH_TABLES_SENT)
         if early == 0:
             _stamp(probe, tid, bid, PH_ROWS_SENT)
 
         # ---- B. wait for every block of every source (ARRIVAL_STEP per source and epoch): the tables
-        # with overlap, else the rows (their arrival follows the tables', so it covers them)
-        wait_off = off_dcnt
-        if early == 0:
-            wait_off = rows_cnt
-        _wait_all(me, tid, world, wait_off, wrap_mul(epoch, ARRIVAL_STEP), err_addr, timeout_ns,
-                  ERR_DISPATCH_TIMEOUT)
-        cute.arch.sync_threads()
-        if early == 0:
-            _store_epoch(me, off_state, tid, bid, epoch)
-            _stamp(probe, tid, bid, PH_ROWS_WAITED)
-        _stamp(probe, tid, bid, PH_TABLES_WAITED)
+        # with overlap, else the rows (their arrival follows the tables', so it covers them). Unpipelined
+        # without overlap the wait comes after the tables and the own rows' pack (below).
+        late_wait = Int32(0)
+        if cutlass.const_expr(not pipe):
+            late_wait = 1 - early
+        if late_wait == 0:
+            wait_off = off_dcnt
+            if early == 0:
+                wait_off = rows_cnt
+            _wait_all(me, tid, world, wait_off, wrap_mul(epoch, ARRIVAL_STEP), err_addr, timeout_ns,
+                      ERR_DISPATCH_TIMEOUT)
+            cute.arch.sync_threads()
+            if early == 0:
+                _store_epoch(me, off_state, tid, bid, epoch)
+                _stamp(probe, tid, bid, PH_ROWS_WAITED)
+            _stamp(probe, tid, bid, PH_TABLES_WAITED)
 
-        # ---- C. pack into per-local-expert rows. Tables first: per local expert (one thread each)
-        # the exclusive prefix of recnt over sources and the total; the last warp scans the sources'
-        # row starts meanwhile. Masked: bases e * cap are known, one barrier; contiguous: warp 0 then
+        # ---- C. pack into per-local-expert rows. Tables first: every thread polls its share of the
+        # tagged counts into shared memory (_load_tables); then per local expert (one thread each)
+        # the exclusive prefix of recnt over sources and the total, while the last warp scans the
+        # sources' row starts. Masked: bases e * cap are known, one barrier; contiguous: warp 0 then
         # scans the totals into bases (second barrier).
-        _row_starts(me, off_rntok, lane, w == WARPS - 1, world, rstart)
+        _load_tables(me, off_rntok, off_recnt, tag, tid, world, nlocal, pre, rstart, err_addr, timeout_ns)
+        cute.arch.sync_threads()
+        _row_starts(lane, w == WARPS - 1, world, rstart)
         if cutlass.const_expr(pipe):
             _phase_tables(me, off_rntok, off_rnph, lane, w == WARPS - 1, world, rstq, chs, qmax)
         e = tid
         while e < nlocal:
             acc = Int32(0)
             for s in cutlass.range(world):
-                cnt = ld_b32_cg(me + off_recnt + (_i64(s) * nlocal + e) * 4)
+                cnt = pre[s * nlocal + e]
                 pre[s * nlocal + e] = acc
                 acc = acc + cnt
             if contiguous != 0:
@@ -1192,15 +1279,29 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
                     cute.arch.sync_threads()
                     _store_epoch(me, off_state, tid, bid, epoch)
                     _stamp(probe, tid, bid, PH_ROWS_WAITED)
-            # the peers' received rows after the wait (bf16 with overlap: packed in the loop above);
-            # without overlap the own rows (from x) first, in the same loop
+            gwp = gw
+            if late_wait != 0:
+                # ---- without overlap: the own rows (from x) while the peers' rows are still arriving,
+                # then the rows wait; the peers' pack below takes its units on from where this loop
+                # left off, so every warp's share of both loops together stays even
+                _send_rows(x, ids, wts, peers, me, rank, maxt, nlocal, 0, ntok, nvec, epoch, lane, gw, nw, Int32(0),
+                           Int32(1), pre, base, cap, nrows, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid,
+                           off_rw, off_rslot, off_rstamp, K, fp8, Int32(0), Int32(0))
+                _wait_all(me, tid, world, rows_cnt, wrap_mul(epoch, ARRIVAL_STEP), err_addr, timeout_ns,
+                          ERR_DISPATCH_TIMEOUT)
+                cute.arch.sync_threads()
+                _store_epoch(me, off_state, tid, bid, epoch)
+                _stamp(probe, tid, bid, PH_ROWS_WAITED)
+                _stamp(probe, tid, bid, PH_TABLES_WAITED)
+                gwp = (gw + nw - (ntok * (nvec // CHUNK_VEC)) % nw) % nw
+            # the peers' received rows after the wait (bf16 with overlap: packed in the loop above)
             pack_after = Int32(1)
             if cutlass.const_expr(not fp8):
                 pack_after = 1 - early
             if pack_after != 0:
                 _pack_rows(me, rstart, 0, chs, 0, world, pre, base, cap, nrows, rank, nlocal, maxt, nvec, epoch, lane,
-                           gw, nw, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp,
-                           x, ids, wts, peers, ntok * (1 - early), Int32(1), err_addr, timeout_ns, K, fp8, False)
+                           gwp, nw, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp,
+                           Int32(1), err_addr, timeout_ns, K, fp8, False)
         else:
             if early != 0:
                 # ---- send phase 0 with the own rows' pack fused (as unpipelined A2 with overlap), arrive
@@ -1239,8 +1340,8 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
                     else:
                         _pack_rows(me, rstq, tq, chs, q, world, pre, base, cap, nrows, rank, nlocal, maxt, nvec, epoch,
                                    lane, bid * (WARPS - swarps) + w - swarps, nb * (WARPS - swarps), oxa, osa, o_rank,
-                                   o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp, x, ids, wts,
-                                   peers, Int32(0), early, err_addr, timeout_ns, K, fp8, True)
+                                   o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot, off_rstamp, early,
+                                   err_addr, timeout_ns, K, fp8, True)
                 else:
                     if q + 1 < nphase:
                         _send_rows(x, ids, wts, peers, me, rank, maxt, nlocal, tb, te, nvec, epoch, lane, gw, nw,
@@ -1248,7 +1349,7 @@ def _make_dispatch(K: int, fp8: bool = False, pipe: bool = False):
                                    off_rx, off_rid, off_rw, off_rslot, off_rstamp, K, fp8, own_copy, own_copy)
                     _pack_rows(me, rstq, tq, chs, q, world, pre, base, cap, nrows, rank, nlocal, maxt, nvec, epoch,
                                lane, gw, nw, oxa, osa, o_rank, o_tok, o_w, row_pos, off_rx, off_rid, off_rw, off_rslot,
-                               off_rstamp, x, ids, wts, peers, Int32(0), early, err_addr, timeout_ns, K, fp8, True)
+                               off_rstamp, early, err_addr, timeout_ns, K, fp8, True)
                 cute.arch.sync_threads()
                 if q + 1 < nphase:
                     _arrive(peers, tid, bid, nb, world, off_dcnt + _i64(q + 2) * world * 4, rank, off_rntok, ntok,

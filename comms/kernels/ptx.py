@@ -87,6 +87,12 @@ def ld_acquire_sys(addr, *, loc=None, ip=None) -> cutlass.Int32:
 
 
 @dsl_user_op
+def ld_relaxed_sys(addr, *, loc=None, ip=None) -> cutlass.Int32:
+    return cutlass.Int32(_asm(T.i32(), [_i64(addr, loc, ip)], "ld.relaxed.sys.global.b32 $0, [$1];",
+                              "=r,l,~{memory}", loc, ip))
+
+
+@dsl_user_op
 def ld_relaxed_gpu(addr, *, loc=None, ip=None) -> cutlass.Int32:
     return cutlass.Int32(_asm(T.i32(), [_i64(addr, loc, ip)], "ld.relaxed.gpu.global.b32 $0, [$1];",
                               "=r,l,~{memory}", loc, ip))
@@ -95,6 +101,12 @@ def ld_relaxed_gpu(addr, *, loc=None, ip=None) -> cutlass.Int32:
 @dsl_user_op
 def st_release_sys(addr, val, *, loc=None, ip=None) -> None:
     _asm(None, [_i64(addr, loc, ip), _i32(val, loc, ip)], "st.release.sys.global.b32 [$0], $1;",
+         "l,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def st_release_gpu(addr, val, *, loc=None, ip=None) -> None:
+    _asm(None, [_i64(addr, loc, ip), _i32(val, loc, ip)], "st.release.gpu.global.b32 [$0], $1;",
          "l,r,~{memory}", loc, ip)
 
 
@@ -113,6 +125,13 @@ def atom_add_acq_rel_gpu(addr, val, *, loc=None, ip=None) -> cutlass.Int32:
 @dsl_user_op
 def fence_acq_rel_sys(*, loc=None, ip=None) -> None:
     _asm(None, [], "fence.acq_rel.sys;", "~{memory}", loc, ip)
+
+
+@dsl_user_op
+def nanosleep(ns: int, *, loc=None, ip=None) -> None:
+    """Suspend the thread about `ns` nanoseconds (a poll's back-off: fewer loads on the memory system
+    it waits on)."""
+    _asm(None, [], f"nanosleep.u32 {int(ns)};", "~{memory}", loc, ip)
 
 
 @dsl_user_op

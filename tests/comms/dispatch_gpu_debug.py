@@ -54,9 +54,11 @@ def _inspect(rank, world, fused, x, M, tag):
     """Heap bookkeeping after one dispatch: what every later phase indexes with."""
     f = fused._fused
     heap, L = f.heap, fused.num_local
-    rntok = heap.buffer(f.off["rntok"], world, torch.int32).cpu()
-    recnt = heap.buffer(f.off["recnt"], (world, L), torch.int32).cpu()
     state = heap.buffer(f.off["state"], 4, torch.int32).cpu()
+    # the tables of the last epoch: its parity's buffer, counts below the epoch tag
+    parity, mask = int(state[0]) & 1, 0xFFFF
+    rntok = heap.buffer(f.off["rntok"], (2, world), torch.int32).cpu()[parity] & mask
+    recnt = heap.buffer(f.off["recnt"], (2, world, L), torch.int32).cpu()[parity] & mask
     dcnt = heap.buffer(f.off["dcnt"], (max(f.maxp, 2), world), torch.int32).cpu()  # tables, rows (or phases)
     toks = torch.tensor([x.shape[0]], device=x.device)
     allt = [torch.zeros_like(toks) for _ in range(world)]

@@ -122,7 +122,9 @@ def emulate(world, E, K, H, M, toks, layout, ids=None, cap=None, gen=None, paylo
             rslot[d][row, torch.nonzero(sel)[:, 1]] = order[sel]
             e = ids_s[sel] - d * L
             recnt[d, s] = torch.bincount(e, minlength=L)
-            heap["recnt"].check((s * L + torch.arange(L)) * 4 + heap["recnt"].lo, 4, "A1 recnt")
+            for parity in (0, 1):  # the tables alternate by epoch parity
+                heap["recnt"].check(((parity * world + s) * L + torch.arange(L)) * 4 + heap["recnt"].lo, 4,
+                                    "A1 recnt")
             n += int(sel.sum()) + L
     # ---- dispatch A2: x rows read, rx written once per destination rank (bf16: read back and emptied by
     # the pack at the same addresses)
@@ -146,10 +148,17 @@ def emulate(world, E, K, H, M, toks, layout, ids=None, cap=None, gen=None, paylo
             for name in ("rid", "rw"):
                 heap[name].check(heap[name].lo + ((row[:, None] * K + torch.arange(K)) * 4), 4, f"A1 {name}")
             heap["rstamp"].check(heap["rstamp"].lo + row * 4, 4, "A1 rstamp")
-            heap["rntok"].check(heap["rntok"].lo + torch.tensor([s * 4]), 4, "A2 rntok")
+            heap["rntok"].check(heap["rntok"].lo + torch.tensor([s * 4, (world + s) * 4]), 4, "A2 rntok")
             heap["dcnt"].check(heap["dcnt"].lo + torch.tensor([s * 4, (world + s) * 4]), 4, "tables / rows dcnt")
             n += row.numel() * (nchunk * 128 + 2 * K + 1)
     # ---- dispatch C and combine, per receiving rank
+    # the table poll (_load_tables): thread tid's recnt words tid + THREADS k and rntok word tid, clamped
+    tid, loads = torch.arange(host.THREADS), host.MAX_PAIRS // host.THREADS
+    pair = torch.clamp(tid[:, None] + host.THREADS * torch.arange(loads), max=world * L - 1)
+    for parity in (0, 1):
+        heap["recnt"].check(heap["recnt"].lo + (parity * world * L + pair) * 4, 4, "table poll recnt")
+        heap["rntok"].check(heap["rntok"].lo + (parity * world + torch.clamp(tid, max=world - 1)) * 4, 4,
+                            "table poll rntok")
     for r in range(world):
         heap["state"].check(heap["state"].lo + torch.arange(4) * 4, 4, "epoch state")
         rstart = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(rntok, 0)])

@@ -33,6 +33,7 @@ def test_host_mirrors_kernel_constants():
 
     assert host.CHUNK_BYTES == k.CHUNK_VEC * 16
     assert (host.MAX_WORLD, host.MAX_LOCAL, host.MAX_PAIRS) == (k.MAX_WORLD, k.MAX_LOCAL, k.MAX_PAIRS)
+    assert host.COUNT_MASK == k.COUNT_MASK and k.MAX_PAIRS % k.THREADS == 0
     assert host.TOPK_VARIANTS == k.TOPK_VARIANTS
     assert host.SENTINEL == k.SENTINEL
     assert (host.ARRIVAL_STEP, host.PIPE_MAX) == (k.ARRIVAL_STEP, k.PIPE_MAX)

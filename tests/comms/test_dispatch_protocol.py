@@ -90,14 +90,19 @@ def test_auto_grid_fits_the_work():
 def _block_program(P, nq, maxp, overlap):
     """Arrivals and waits of one block of the dispatch (comms/kernels/dispatch.py) sending in P of at
     most maxp phases (unpipelined: P = nq = maxp = 1) while the most phases of any source is nq: a
-    list of ("arrive", first counter, count) / ("wait", counter) in program order. Counter 0 is the
-    tables arrival, 1 + q the rows of send phase q. Without overlap the first arrival (after phase 0's
-    sends) covers the tables counter and phase counter 0 (every phase counter if P == 1); with overlap
-    the tables go alone and are waited for before phase 0 is sent (its own rows packed meanwhile)."""
+    list of ("arrive", first counter, count) / ("wait", counter) / ("tables",) in program order. Counter
+    0 is the tables arrival, 1 + q the rows of send phase q. Without overlap the first arrival (after
+    phase 0's sends) covers the tables counter and phase counter 0 (every phase counter if P == 1); with
+    overlap the tables go alone and are waited for before phase 0 is sent (its own rows packed
+    meanwhile). Every block's first step (A1) stores its share of the tagged tables; ("tables",) polls
+    every source's (_load_tables): unpipelined without overlap right after the arrival, before any
+    wait, else after the first wait."""
     if overlap:
-        prog = [("arrive", 0, 1), ("wait", 0), ("arrive", 1, maxp if P == 1 else 1), ("wait", 1)]
+        prog = [("arrive", 0, 1), ("wait", 0), ("tables",), ("arrive", 1, maxp if P == 1 else 1), ("wait", 1)]
+    elif maxp == 1:
+        prog = [("arrive", 0, 2), ("tables",), ("wait", 1)]
     else:
-        prog = [("arrive", 0, 1 + (maxp if P == 1 else 1)), ("wait", 1)]
+        prog = [("arrive", 0, 1 + (maxp if P == 1 else 1)), ("wait", 1), ("tables",)]
     for q in range(nq):
         if q + 1 < P:
             prog.append(("arrive", q + 2, maxp - q - 1 if q + 2 == P else 1))
@@ -131,7 +136,11 @@ def test_pipelined_phases_never_pass_early_nor_deadlock(world, maxp, start):
             runnable = []
             for r, b in live:
                 op = progs[r, b][pc[r, b]]
-                if op[0] == "arrive" or all(_wrap_sub(cnt[r][op[1]][s], target) >= 0 for s in range(world)):
+                if op[0] == "tables":  # the poll passes once every block of every source has stored its share
+                    ok = covered[0] == grids
+                else:
+                    ok = op[0] == "arrive" or all(_wrap_sub(cnt[r][op[1]][s], target) >= 0 for s in range(world))
+                if ok:
                     runnable.append((r, b))
             assert runnable, f"deadlock in epoch {e}: P={P}, overlap={ov}, blocks at {[(k, progs[k][pc[k]]) for k in live]}"
             r, b = rng.choice(runnable)
@@ -143,7 +152,7 @@ def test_pipelined_phases_never_pass_early_nor_deadlock(world, maxp, start):
                     for d in range(world):
                         cnt[d][p][r] = _i32(cnt[d][p][r] + inc)
                     covered[p][r] += 1
-            else:  # the wait passed: every block of every source has arrived on this counter
+            elif op[0] == "wait":  # the wait passed: every block of every source has arrived on this counter
                 q = op[1]
                 assert all(covered[q][s] == grids[s] for s in range(world)), (e, r, q, covered[q], grids)
                 assert covered[0] == grids, "a rows wait passed before every source's tables were out"
@@ -165,7 +174,20 @@ def test_tables_and_rows_counters_in_mixed_modes(world, maxp, start):
     counter only once every block has made its rows arrival (rows, ids, weights, stamps out; the
     tables arrival precedes it in each block); no deadlock; each counter gets ARRIVAL_STEP per source
     and epoch, and a counter a rank does not wait on in an epoch never drifts more than one step
-    from its target (wrap-safe when it is waited on later)."""
+    from its target (wrap-safe when it is waited on later). The table poll (tagged words, two buffers
+    by epoch parity) passes only once every source's tables of its epoch are out, and before any
+    source rewrites that buffer."""
+    _mixed_modes(world, maxp, start)
+
+
+def test_single_table_buffer_would_be_overwritten():
+    """The model catches a source rewriting the tables before a late poll when they had one buffer
+    (hence two, by epoch parity)."""
+    with pytest.raises(AssertionError, match="rewrote the tables"):
+        _mixed_modes(2, 4, 0, buffers=1)
+
+
+def _mixed_modes(world, maxp, start, buffers=2):
     rng = random.Random(world * 131 + maxp * 17 + start)
     epochs = 6
     nc = 1 + maxp  # counters: tables, then one per send phase
@@ -192,7 +214,11 @@ def test_tables_and_rows_counters_in_mixed_modes(world, maxp, start):
                 continue
             op = prog[pc[r, b]]
             target = _i32((start + epoch[r] + 1) * STEP)
-            if op[0] == "arrive" or all(_wrap_sub(cnt[r][op[1]][s], target) >= 0 for s in range(world)):
+            if op[0] == "tables":  # every block of every source has stored its share (with its first arrival)
+                ok = covered[epoch[r]][0] == grids[epoch[r]]
+            else:
+                ok = op[0] == "arrive" or all(_wrap_sub(cnt[r][op[1]][s], target) >= 0 for s in range(world))
+            if ok:
                 runnable.append((r, b))
         assert runnable, (f"deadlock: epochs {epoch}, modes {[modes[min(e, epochs - 1)] for e in epoch]}, "
                           f"phases {[phases[min(e, epochs - 1)] for e in epoch]}")
@@ -207,6 +233,9 @@ def test_tables_and_rows_counters_in_mixed_modes(world, maxp, start):
                 for d in range(world):
                     cnt[d][k][r] = _i32(cnt[d][k][r] + inc)
                 covered[e][k][r] += 1
+        elif op[0] == "tables":  # this epoch's buffer is rewritten from epoch e + buffers on: not yet
+            assert e + buffers >= epochs or not any(covered[e + buffers][0]), \
+                "a source rewrote the tables before the poll"
         else:
             k = op[1]
             assert all(covered[e][k][s] == grids[e][s] for s in range(world)), (e, r, k, covered[e][k], grids[e])
