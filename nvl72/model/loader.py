@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from nvl72.config import ModelConfig
 from nvl72.model.parallel_layout import ParallelLayout
 from nvl72.model.qwen import QwenMoeForCausalLM, build_model
-from nvl72.model.weights import LazyTensor, WeightLoadError, default_weight_loader
+from nvl72.model.weights import LazyTensor, WeightLoadError
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,8 @@ def load_model(
     seed: int = 0,
 ) -> QwenMoeForCausalLM:
     """Config from `path` (unless given), build, load. `load_format="dummy"` needs only a config.
-    Under `parallel` each rank reads only its slices of the checkpoint; dummy weights are drawn
-    per rank (they equal no other layout's)."""
+    Under `parallel` each rank reads only its slices of the checkpoint (of the dummy weights: the
+    same model in every layout, see init_dummy_weights)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not one of {LOAD_FORMATS}")
     if config is None:
@@ -195,17 +195,46 @@ def init_dummy_weights(model: QwenMoeForCausalLM, seed: int = 0, std: float = 0.
     """Random weights with the real shapes (vLLM's `--load-format dummy`), seeded and small enough
     that activations and logits stay O(1): matrices ~ N(0, std); norm weights ~ 1 (zero-centred
     ones ~ 0) with a little noise; GDN decay parameters in their trained ranges
-    (A_log = log U(1, 16), dt_bias ~ 1). Each parameter draws from its own generator seeded by
-    (seed, name), plus the rank's TP/EP place for the sliced ones: the parameters the ranks
-    replicate (embedding, norms, router) agree, the slices differ."""
+    (A_log = log U(1, 16), dt_bias ~ 1). The same model in every layout: each checkpoint-level
+    tensor (a parameter's full, unsliced shape; one routed expert's gate / up / down matrix) is
+    drawn from its own generator seeded by (seed, its name) and handed to the parameter's weight
+    loader, which keeps this rank's TP / EP slice as it would of a checkpoint's. So a TP / EP / DP+EP
+    instance on dummy weights computes what one rank does (greedy outputs comparable across
+    layouts); a rank draws only the experts it holds."""
     zero_centered = model.config.zero_centered_norm
-    place = f"@tp{model.parallel.tp_rank}/ep{model.parallel.ep_rank}"
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            dev = p.device
-            key = name if p.weight_loader is default_weight_loader else name + place
-            g = torch.Generator(device=dev).manual_seed((seed << 32) + zlib.crc32(key.encode()))
-            x = torch.empty(p.shape, dtype=torch.float32, device=dev)
+
+    def draw(key: str, name: str, shape, device) -> _DummyTensor:
+        return _DummyTensor(shape, device, (seed << 32) + zlib.crc32(key.encode()), name, std, zero_centered)
+
+    for name, p in model.named_parameters():
+        if hasattr(p, "num_experts"):  # routed experts: one matrix per (expert, shard), local experts only
+            hidden = p.shape[2] if p.is_w13 else p.shape[1]
+            for e in range(p.expert_offset, p.expert_offset + p.shape[0]):
+                for shard in ("gate", "up") if p.is_w13 else ("down",):
+                    shape = (p.inter_full, hidden) if shard != "down" else (hidden, p.inter_full)
+                    p.weight_loader(p, draw(f"{name}.{e}.{shard}", name, shape, p.device), expert_id=e, shard=shard)
+        else:
+            shape = list(p.shape)
+            full = getattr(p.weight_loader, "full_dim", None)  # a tensor-parallel slice of (dim, length)
+            if full is not None:
+                shape[full[0]] = full[1]
+            p.weight_loader(p, draw(name, name, shape, p.device))
+
+
+class _DummyTensor:
+    """A dummy checkpoint tensor: its full shape, drawn on the first read (a loader may read it in
+    slices, each from the same values) by the rules of init_dummy_weights for parameter `name`."""
+
+    def __init__(self, shape, device, seed: int, name: str, std: float, zero_centered: bool):
+        self.shape = tuple(shape)
+        self._args = (device, seed, name, std, zero_centered)
+        self._t = None
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        if self._t is None:
+            device, seed, name, std, zero_centered = self._args
+            g = torch.Generator(device=device).manual_seed(seed)
+            x = torch.empty(self.shape, dtype=torch.float32, device=device)
             leaf = name.rsplit(".", 1)[-1]
             if leaf == "A_log":
                 x.uniform_(1.0, 16.0, generator=g).log_()
@@ -217,4 +246,5 @@ def init_dummy_weights(model: QwenMoeForCausalLM, seed: int = 0, std: float = 0.
                 x.normal_(0.0 if centred else 1.0, 0.05, generator=g)
             else:
                 x.normal_(0.0, std, generator=g)
-            p.copy_(x.to(p.dtype))
+            self._t = x
+        return self._t[idx]

@@ -62,6 +62,7 @@ def shard_loader(dim: int, segments: list[tuple[int, int]], full: int) -> Callab
             _copy(param.data.narrow(dim, offset, n), loaded[idx], f" (rows {start}:{start + n} of dim {dim})")
             offset += n
 
+    load.full_dim = (dim, full)  # the unsliced shape, for init_dummy_weights
     return load
 
 

@@ -3,6 +3,10 @@
 #   bash tests/dist/gpu_disagg.sh
 #   KV_TRANSPORT=p2p bash tests/dist/gpu_disagg.sh            # launch's --kv-transport (default sendrecv)
 #   KV_TRANSPORT=p2p SKIP_SERVE=1 bash tests/dist/gpu_disagg.sh   # the transport step alone (no carry, ~1 min)
+#   PREFILL_TP=2 DECODE_SIZE=2 DTYPE=float32 bash tests/dist/gpu_disagg.sh   # 4 GPUs: TP2 prefill, DP2/EP2 decode
+# PREFILL_TP / DECODE_SIZE / DTYPE / OUTPUT_LEN / PROMPT_LENS go to perf.disagg (--prefill-tp ...); with
+# DTYPE=float32 the experts run NVL72_MOE_BACKEND=torch-grouped (the FP8 kernels take bf16) and every
+# request's greedy tokens must equal the colocated engine's (the table's last column).
 # With KV_TRANSPORT set, a transport step runs first: tests/dist/transport_worker.py under torchrun,
 # TP1 -> TP1, for sendrecv and p2p: the bit-exact transfer (rings of 4 x 512 bytes: chunked, wrapping),
 # then timed transfers of a Qwen3-30B-A3B-shaped KV cache (8 layers, 1K and 8K tokens, receiver posted
@@ -33,6 +37,8 @@ fi
 timeout 90 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .gpucarry-server/*.whl 2>&1 | grep -v "Running pip as the 'root' user"
 export PYTHONPATH=/tmp/site:$PWD
+DTYPE=${DTYPE:-bfloat16}
+if [ "$DTYPE" = float32 ]; then export NVL72_MOE_BACKEND=${NVL72_MOE_BACKEND:-torch-grouped}; fi
 export NVL72_MOE_BACKEND=${NVL72_MOE_BACKEND:-sm90-fp8}
 if [ "$NVL72_MOE_BACKEND" = sm90-fp8 ]; then
   source .gpucarry-all/sm_90a/setup_device.sh || exit 1; export NVL72_KERNEL_BUNDLE=$PWD/.gpucarry-all
@@ -42,12 +48,14 @@ timeout 20 nvidia-smi topo -m | head -4
 timeout 60 python3 -c "import torch, fastapi, uvicorn, zmq, openai, msgpack
 print('torch', torch.__version__, torch.cuda.device_count(), 'GPUs, peer access 0->1:', torch.cuda.can_device_access_peer(0, 1))" \
   || { echo "IMPORTS FAILED"; exit 1; }
-timeout -k 20 220 python3 -m perf.disagg --device cuda --layers 8 --prompt-lens 1024,4096,8192 --requests 3 \
-  --start-timeout 90 --request-timeout 30 --peer-timeout 40 --out-dir /tmp/disagg-run --json "$OUT/disagg.json" \
-  --kv-transport "${KV_TRANSPORT:-sendrecv}" > "$OUT/disagg.log" 2>&1
-echo "perf.disagg rc=$? (MoE $NVL72_MOE_BACKEND, --kv-transport ${KV_TRANSPORT:-sendrecv})"
+timeout -k 20 260 python3 -m perf.disagg --device cuda --layers 8 --prompt-lens "${PROMPT_LENS:-1024,4096,8192}" \
+  --requests 3 --start-timeout 90 --request-timeout 30 --peer-timeout 40 --out-dir /tmp/disagg-run \
+  --json "$OUT/disagg.json" --kv-transport "${KV_TRANSPORT:-sendrecv}" --prefill-tp "${PREFILL_TP:-1}" \
+  --decode-size "${DECODE_SIZE:-1}" --dtype "$DTYPE" --output-len "${OUTPUT_LEN:-4}" > "$OUT/disagg.log" 2>&1
+echo "perf.disagg rc=$? (MoE $NVL72_MOE_BACKEND, --kv-transport ${KV_TRANSPORT:-sendrecv}, $DTYPE," \
+  "prefill TP${PREFILL_TP:-1}, decode ${DECODE_SIZE:-1} rank(s))"
 grep -hE "KV transport" /tmp/disagg-run/*.log | sort | uniq -c | head -4
 grep -hE "MoE expert backend|attention backend|KV transfer failed|Traceback|Error" /tmp/disagg-run/*.log | sort | uniq -c | head -12
-grep -hE "KV transfer of" /tmp/disagg-run/disagg-rank1.log | tail -3
+grep -hE "KV transfer of" /tmp/disagg-run/disagg-rank*.log | tail -3
 grep -A6 "^DISAGG" "$OUT/disagg.log" || tail -40 "$OUT/disagg.log"
 for f in /tmp/disagg-run/*.log; do echo "=== $f"; tail -n 80 "$f"; done > "$OUT/rank_logs.txt" 2>&1

@@ -168,6 +168,26 @@ def test_bad_layouts_name_the_value():
         build_model(q35, torch.float32, "meta", ep_rank=1, ep_size=2, parallel=_layout(0))
 
 
+@pytest.mark.parametrize("tp_size,ep_size", [(2, 2), (2, 1), (4, 2)])
+def test_dummy_weights_are_one_model_in_every_layout(tmp_path, tp_size, ep_size):
+    """Each TP / EP rank's dummy weights are its slices of the single-rank model's: the single
+    model saved as a checkpoint and loaded by the rank gives the same parameters."""
+    hf = {**hf_config("qwen3_next").to_dict(), "mtp_num_hidden_layers": 1, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "linear_num_key_heads": 4, "linear_num_value_heads": 4}
+    cfg = ModelConfig.from_dict(hf)
+    single = load_model(None, config=cfg, dtype=torch.float32, device="cpu", load_format="dummy", seed=5)
+    fused = {".w13": ".experts.gate_up_proj", ".w2": ".experts.down_proj"}
+    _write(tmp_path / "ck", {next((n[: -len(k)] + v for k, v in fused.items() if n.endswith(k)), n): p.detach()
+                             for n, p in single.named_parameters()}, hf)
+    for r in range(tp_size):
+        layout = ParallelLayout(r, tp_size, r // (tp_size // ep_size), ep_size, _no_reduce)
+        dummy = load_model(None, config=cfg, dtype=torch.float32, device="cpu", load_format="dummy", seed=5,
+                           parallel=layout)
+        ck = dict(load_model(tmp_path / "ck", dtype=torch.float32, device="cpu", parallel=layout).named_parameters())
+        for name, p in dummy.named_parameters():
+            assert torch.equal(p, ck[name]), (r, name)
+
+
 def test_dummy_weights_agree_where_ranks_replicate():
     cfg = ModelConfig.from_dict({**hf_config("qwen3_next").to_dict(), "mtp_num_hidden_layers": 1})
     ranks = [load_model(None, config=cfg, dtype=torch.float32, device="cpu", load_format="dummy", seed=2,
