@@ -430,7 +430,8 @@ def _tag(epoch):
 def _store_count(addr, word, own):
     """A tagged table word (A1's recnt). To this rank itself (`own`) a release at GPU scope after the
     caller's warp or block barrier: the own rows' pack reads the rslot words stored before it with no
-    arrival counter in between, ordered by the table poll's acquire alone (_load_tables). To a peer
+    arrival counter in between, ordered by the table poll alone (relaxed reads that see the tag, then a
+    fence: an acquire pattern, _load_tables). To a peer
     a plain store: it reads only the count before the rows arrival, which covers the rslot words."""
     if own:
         ptx.st_release_gpu(addr, word)

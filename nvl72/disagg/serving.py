@@ -364,7 +364,7 @@ def _dp_ep_engine(ctx, opts: ServingOptions):
 
     from nvl72.config import ModelConfig
     from nvl72.engine.core import _DTYPES
-    from nvl72.model.dp_ep import PassSync, dp_ep_layout
+    from nvl72.model.dp_ep import PassSync, serving_dp_ep_layout
 
     args = opts.engine_args
     if args.get("model") is None:
@@ -378,8 +378,8 @@ def _dp_ep_engine(ctx, opts: ServingOptions):
         raise ServingError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
     # Per rank and step: the scheduler's token budget (verify rows included), as build_engine sizes it.
     max_tokens = max(args.get("max_num_batched_tokens", 2048), 1 + args.get("num_speculative_tokens", 0))
-    layout = dp_ep_layout(ctx.groups.ep, ModelConfig.from_pretrained(args["model"]), max_tokens, _DTYPES[dtype],
-                          ctx.timeout)
+    layout = serving_dp_ep_layout(ctx.groups.ep, ModelConfig.from_pretrained(args["model"]), max_tokens,
+                                  _DTYPES[dtype], device, ctx.timeout)
     core = _engine(opts, layout)
     sync = PassSync(core.engine.model, ctx.groups.ep, ctx.timeout, "cuda" if device.startswith("cuda") else "cpu")
     core.engine.set_pass_sync(sync)

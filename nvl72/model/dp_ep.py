@@ -11,9 +11,12 @@ what runs: a step with MTP drafts on one rank needs MTP drafts (or an idle MTP p
 `PassSync` matches the ranks' passes of one engine step when their counts differ.
 
 The expert GEMMs run through the layer's backend on the contiguous packed rows (host-side counts:
-the torch.distributed reference path; not CUDA-graph capturable as written).
+not CUDA-graph capturable as written). Serving ranks on CUDA in bf16 dispatch and combine through
+the fused NVLink kernels (`serving_dp_ep_layout`), elsewhere through the torch.distributed reference.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -21,6 +24,8 @@ from comms import DispatchCombine
 from moe import MoE
 from nvl72.config import ModelConfig
 from nvl72.model.parallel_layout import ParallelLayout
+
+log = logging.getLogger(__name__)
 
 
 def dp_ep_layout(group, config: ModelConfig, max_tokens_per_rank: int, dtype: torch.dtype,
@@ -33,6 +38,34 @@ def dp_ep_layout(group, config: ModelConfig, max_tokens_per_rank: int, dtype: to
                          config.hidden_size, max_tokens_per_rank, mode="dp_ep", dtype=dtype,
                          layout="contiguous", timeout_s=timeout_s)
     return ParallelLayout(ep_rank=dc.rank, ep_size=dc.world, dispatch=dc)
+
+
+def serving_dp_ep_layout(group, config: ModelConfig, max_tokens_per_rank: int, dtype: torch.dtype, device: str,
+                         timeout_s: float = 10.0) -> ParallelLayout:
+    """dp_ep_layout with the fused NVLink dispatch/combine kernels where they apply: on CUDA in
+    bf16, over a `comms.SymmetricHeap` of `group` (every rank takes the same branch: the conditions
+    are the same on all of them). Where the kernels refuse the shape (hidden not a multiple of
+    1024, a top-k without a compiled kernel, ...) or the bundle lacks them, the torch.distributed
+    reference, with the reason logged; also on CPU and in fp32 (the kernels move bf16)."""
+    if torch.device(device).type != "cuda" or dtype != torch.bfloat16:
+        return dp_ep_layout(group, config, max_tokens_per_rank, dtype, timeout_s)
+    import torch.distributed as dist
+
+    from aot import BundleError
+    from comms import SymmetricHeap
+
+    dev = torch.device(device)
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    nbytes = DispatchCombine.heap_size_hint(dist.get_world_size(group), config.num_experts,
+                                            config.num_experts_per_tok, config.hidden_size, max_tokens_per_rank)
+    heap = SymmetricHeap(group, nbytes, dev, timeout_s=timeout_s)
+    try:
+        return dp_ep_layout(group, config, max_tokens_per_rank, dtype, timeout_s, heap=heap)
+    except (ValueError, BundleError) as e:
+        log.warning("DP+EP dispatch/combine: the fused kernels do not apply (%s); torch.distributed reference", e)
+        heap.destroy()
+        return dp_ep_layout(group, config, max_tokens_per_rank, dtype, timeout_s)
 
 
 def run_local_experts(mlp: MoE, recv) -> torch.Tensor:
