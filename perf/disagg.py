@@ -84,7 +84,7 @@ def _peer_worker(rank: int, device: str, init_file: str, sizes: list[int], out_p
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60), **({"device_id": dev} if cuda else {}))
     res: dict = {"backend": dist.get_backend(), "send_recv": {},
-                 "device": f"2 x {torch.cuda.get_device_name(dev)}" if cuda else "cpu"}
+                 "device": torch.cuda.get_device_name(dev) if cuda else "cpu"}
     if cuda and rank == 0:  # what the KV transfer could reach: a plain peer copy over NVLink
         from nvl72.cuda_timing import time_cuda
 
@@ -357,7 +357,9 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         peer = peer_bandwidth(args.device, [COPY_BYTES, 256 << 20 if args.device == "cuda" else 4 << 20],
                               args.peer_timeout)
-        res = {"device": peer.pop("device"), "shape": args.shape, "layers": args.layers, "requests": args.requests,
+        gpus = max(2, args.prefill_tp + args.decode_size)  # the peer step's two, or one a rank
+        name = peer.pop("device")
+        res = {"device": name if args.device == "cpu" else f"{gpus} x {name}", "shape": args.shape, "layers": args.layers, "requests": args.requests,
                "dtype": args.dtype, "prefill_tp": args.prefill_tp, "decode_size": args.decode_size,
                "output_len": args.output_len, "peer": peer}
         _stage(res, "peer", t0, args.json)
