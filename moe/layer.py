@@ -98,6 +98,18 @@ class MoE(nn.Module):
             self.prepare()
         return self._backend
 
+    def fp8_weights(self) -> backends.ExpertWeights | None:
+        """The prepared expert weights when the backend keeps them in FP8 (e4m3 with fp32 128 x 128
+        block scales: the sm90-fp8 and mxfp8-emulated backends), for kernels that read them
+        directly; None for the other backends."""
+        self._ready()
+        w = self._weights
+        return w if w.w13.dtype == torch.float8_e4m3fn and w.w13_scale is not None else None
+
+    def backend_label(self) -> str:
+        """The expert backend's name (after choosing it), for logs and errors."""
+        return getattr(self._ready(), "name", type(self._backend).__name__)
+
     def route(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64). `router_logits` [T, E]:
         self.gate(x) computed by the caller (the service folds it into its norm kernel)."""

@@ -57,50 +57,71 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, H, I, num_local, expe
     p = tl.program_id(0)
     e = tl.load(ids_ptr + p) - expert_offset
     if (e >= 0) & (e < num_local):
-        t = p // K
         n0 = tl.program_id(1) * BLOCK_N
-        rows = n0 + tl.arange(0, BLOCK_N)
-        kc = tl.arange(0, BLOCK_K)
-        nkb = H // 128
-        e64 = e.to(tl.int64)
-        g_rows = w_ptr + (e64 * 2 * I + rows[:, None]) * H
-        u_rows = g_rows + I * H
-        sg = s_ptr + (e64 * (2 * I // 128) + n0 // 128) * nkb  # this row block's scales along K
-        su = s_ptr + (e64 * (2 * I // 128) + (I + n0) // 128) * nkb
-        xr = x_ptr + t.to(tl.int64) * H
-        m = kc[None, :] < H
-        gv = tl.load(g_rows + kc[None, :], mask=m, other=0.0)
-        uv = tl.load(u_rows + kc[None, :], mask=m, other=0.0)
-        acc_g = tl.zeros([BLOCK_N], tl.float32)
-        acc_u = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            c = k0 + kc
-            cm = c < H
-            nc = c + BLOCK_K  # the next step's columns (all masked after the last step)
-            nm = nc[None, :] < H
-            g_next = tl.load(g_rows + nc[None, :], mask=nm, other=0.0)
-            u_next = tl.load(u_rows + nc[None, :], mask=nm, other=0.0)
-            xv = tl.load(xr + c, mask=cm, other=0.0).to(tl.float32)
-            xg = xv * tl.load(sg + c // 128, mask=cm, other=0.0)
-            xu = xv * tl.load(su + c // 128, mask=cm, other=0.0)
-            acc_g += tl.sum(gv.to(tl.float32) * xg[None, :], 1)
-            acc_u += tl.sum(uv.to(tl.float32) * xu[None, :], 1)
-            gv, uv = g_next, u_next
-        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        tl.store(act_ptr + p.to(tl.int64) * I + rows, act)
+        act = gate_up_rows(x_ptr + (p // K).to(tl.int64) * H, e.to(tl.int64), w_ptr, s_ptr, H, I, n0, BLOCK_N, BLOCK_K)
+        tl.store(act_ptr + p.to(tl.int64) * I + n0 + tl.arange(0, BLOCK_N), act)
+
+
+@triton.jit
+def gate_up_rows(xr, e64, w_ptr, s_ptr, H, I, n0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """silu(x . gate) * (x . up) [BLOCK_N] fp32 for rows [n0, n0 + BLOCK_N) of local expert e64,
+    x the row at `xr` (H values). Shared with the batch-1 decode-layer kernel (nvl72.model.decode_layer)."""
+    rows = n0 + tl.arange(0, BLOCK_N)
+    kc = tl.arange(0, BLOCK_K)
+    nkb = H // 128
+    g_rows = w_ptr + (e64 * 2 * I + rows[:, None]) * H
+    u_rows = g_rows + I * H
+    sg = s_ptr + (e64 * (2 * I // 128) + n0 // 128) * nkb  # this row block's scales along K
+    su = s_ptr + (e64 * (2 * I // 128) + (I + n0) // 128) * nkb
+    m = kc[None, :] < H
+    gv = tl.load(g_rows + kc[None, :], mask=m, other=0.0)
+    uv = tl.load(u_rows + kc[None, :], mask=m, other=0.0)
+    acc_g = tl.zeros([BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        c = k0 + kc
+        cm = c < H
+        nc = c + BLOCK_K  # the next step's columns (all masked after the last step)
+        nm = nc[None, :] < H
+        g_next = tl.load(g_rows + nc[None, :], mask=nm, other=0.0)
+        u_next = tl.load(u_rows + nc[None, :], mask=nm, other=0.0)
+        xv = tl.load(xr + c, mask=cm, other=0.0).to(tl.float32)
+        xg = xv * tl.load(sg + c // 128, mask=cm, other=0.0)
+        xu = xv * tl.load(su + c // 128, mask=cm, other=0.0)
+        acc_g += tl.sum(gv.to(tl.float32) * xg[None, :], 1)
+        acc_u += tl.sum(uv.to(tl.float32) * xu[None, :], 1)
+        gv, uv = g_next, u_next
+    return acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
 
 
 @triton.jit(do_not_specialize_on_alignment=["act_ptr", "ids_ptr", "tw_ptr", "out_ptr", "sh_ptr", "g_ptr"])
 def _down_kernel(act_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, out_ptr, sh_ptr, g_ptr, H, I, num_local, expert_offset,
                  K: tl.constexpr, KP: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
-    """Program (t, j): out[t, rows [j * BLOCK_N, +BLOCK_N)]. The k slots are the leading axis of one
-    tile (slots of other ranks' experts, and the KP - K padding, masked: no bytes read, weight 0).
-    EARLY: the routing and the first weight tile are read before waiting (see `down`)."""
+    """Program (t, j): out[t, rows [j * BLOCK_N, +BLOCK_N)]. EARLY: the routing and the first weight
+    tile are read before waiting (see `down`)."""
     if not EARLY:
         wait_prior(PDL)
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
+    y = down_rows(act_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, t, n0, H, I, num_local, expert_offset, K, KP, BLOCK_N,
+                  BLOCK_K, EARLY, PDL)
+    rows = n0 + tl.arange(0, BLOCK_N)
+    if HAS_SHARED:
+        g = tl.load(g_ptr + t).to(tl.float32)
+        sv = tl.load(sh_ptr + t.to(tl.int64) * H + rows).to(tl.float32)
+        y += sv / (1.0 + tl.exp(-g))
+    tl.store(out_ptr + t.to(tl.int64) * H + rows, y.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def down_rows(act_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, t, n0, H, I, num_local, expert_offset, K: tl.constexpr,
+              KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT_AFTER_FIRST: tl.constexpr,
+              PDL: tl.constexpr):
+    """sum over token t's local slots of topk_weight * (act[pair] . w2[e] rows [n0, +BLOCK_N)) [BLOCK_N]
+    fp32. The k slots are the leading axis of one tile (slots of other ranks' experts, and the
+    KP - K padding, masked: no bytes read, weight 0). WAIT_AFTER_FIRST: `wait_prior(PDL)` after
+    the routing and the first weight tile are read. Shared with nvl72.model.decode_layer."""
     rows = n0 + tl.arange(0, BLOCK_N)
     kc = tl.arange(0, BLOCK_K)
     slot = tl.arange(0, KP)
@@ -114,7 +135,7 @@ def _down_kernel(act_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, out_ptr, sh_ptr, g_ptr,
     a_row = act_ptr + pair.to(tl.int64) * I
     ok3 = ok[:, None, None]
     wv = tl.load(w_rows + kc[None, None, :], mask=ok3 & (kc[None, None, :] < I), other=0.0)
-    if EARLY:
+    if WAIT_AFTER_FIRST:
         wait_prior(PDL)
     acc = tl.zeros([KP, BLOCK_N], tl.float32)
     for k0 in range(0, I, BLOCK_K):
@@ -127,12 +148,7 @@ def _down_kernel(act_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, out_ptr, sh_ptr, g_ptr,
         acc += tl.sum(wv.to(tl.float32) * av[:, None, :], 2)
         wv = w_next
     tw = tl.load(tw_ptr + pair, mask=ok, other=0.0)
-    y = tl.sum(acc * tw[:, None], 0)
-    if HAS_SHARED:
-        g = tl.load(g_ptr + t).to(tl.float32)
-        sv = tl.load(sh_ptr + t.to(tl.int64) * H + rows).to(tl.float32)
-        y += sv / (1.0 + tl.exp(-g))
-    tl.store(out_ptr + t.to(tl.int64) * H + rows, y.to(out_ptr.dtype.element_ty))
+    return tl.sum(acc * tw[:, None], 0)
 
 
 def _check(w: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int, name: str) -> None:

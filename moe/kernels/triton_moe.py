@@ -206,13 +206,23 @@ def _unpermute_kernel(
 @triton.jit
 def _topk_softmax_kernel(logit_ptr, w_ptr, id_ptr, E, K: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr,
                          BLOCK_E: tl.constexpr, PDL: tl.constexpr):
-    """One token per program. Each top-k step is one int64 max over keys (bits of p << 32 | the
-    reversed index: p >= 0, so its bits order as p does, and the lowest index wins ties, as
-    torch.topk); the k picks stay in registers and are stored once."""
+    """One token per program."""
     wait_prior(PDL)
     t = tl.program_id(0)
+    wv, iv = topk_softmax(logit_ptr + t.to(tl.int64) * E, E, K, KP, BLOCK_E, RENORM)
+    kk = tl.arange(0, KP)
+    tl.store(w_ptr + t * K + kk, wv, mask=kk < K)
+    tl.store(id_ptr + t * K + kk, iv, mask=kk < K)
+
+
+@triton.jit
+def topk_softmax(row, E, K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
+    """(weights [KP] fp32, expert ids [KP] int64; entries past K are 0) of one token's E logits at
+    `row`: softmax in fp32, top k, optional renormalisation. Each top-k step is one int64 max over
+    keys (bits of p << 32 | the reversed index: p >= 0, so its bits order as p does, and the lowest
+    index wins ties, as torch.topk). Shared with nvl72.model.decode_layer."""
     offs = tl.arange(0, BLOCK_E)
-    x = tl.load(logit_ptr + t.to(tl.int64) * E + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
+    x = tl.load(row + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
     key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - offs).to(tl.int64)
@@ -230,8 +240,7 @@ def _topk_softmax_kernel(logit_ptr, w_ptr, id_ptr, E, K: tl.constexpr, KP: tl.co
         key = tl.where(key == best, -1, key)
     if RENORM:
         wv = wv / total
-    tl.store(w_ptr + t * K + kk, wv, mask=kk < K)
-    tl.store(id_ptr + t * K + kk, iv, mask=kk < K)
+    return wv, iv
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

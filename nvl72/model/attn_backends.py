@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 ENV = "NVL72_ATTN_BACKEND"
 GEMV_ENV = "NVL72_TRITON_GEMV"
+DECODE_LAYER_ENV = "NVL72_DECODE_LAYER"
+DECODE_LAYER_DEFAULT = "0"
 
 
 class BackendUnavailable(RuntimeError):
@@ -63,6 +65,7 @@ class AttentionBackend:
     # the decoder's residual add + RMSNorm and the RoPE table as Triton kernels (add_rms_norm(),
     # rope_cos_sin()) instead of the torch references
     fused_ops = False
+    decode_layer = None  # "fused" / "phased": one-token layers in nvl72.model.decode_layer's kernel
 
     def qk_norm_rope(self, q_raw, k_raw, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, head_dim, eps,
                      zero_centered, gated, v=None, kv_cache=None, meta=None):
@@ -155,6 +158,14 @@ class TritonBackend(AttentionBackend):
         self.gemv = flag == "1"
         log.info("attention projections: %s for single-token steps ($%s=%s)",
                  "Triton GEMV" if self.gemv else "cuBLAS", GEMV_ENV, flag)
+        # One-token steps of the layers nvl72.model.decode_layer serves in one persistent kernel
+        # ("fused"), or in its six phases as separate launches ("phased"); "0": the per-op kernels.
+        mode = os.environ.get(DECODE_LAYER_ENV, DECODE_LAYER_DEFAULT)
+        if mode not in ("0", "fused", "phased"):
+            raise ValueError(f"${DECODE_LAYER_ENV}={mode!r}: expected 0, fused or phased")
+        self.decode_layer = None if mode == "0" else mode
+        log.info("one-token decoder layers: %s ($%s=%s)",
+                 "per-op kernels" if mode == "0" else f"one kernel a layer ({mode})", DECODE_LAYER_ENV, mode)
 
     def linear(self, x, weight, bias=None):
         if self.gemv and x.shape[0] == 1:

@@ -363,83 +363,98 @@ def _paged_attention_kernel(q, kv_cache, out, part_acc, part_ml, counters, qsl, 
     q_start = tl.load(qsl + seq)
     qlen = tl.load(qsl + seq + 1) - q_start
     if mblk * BLOCK_M < qlen:
-        seq_len = tl.load(seq_lens + seq)
-        rows = tl.arange(0, BLOCK_M * GROUP_PAD)  # row r: query token r // GROUP_PAD, head r % GROUP_PAD
-        m = mblk * BLOCK_M + rows // GROUP_PAD
-        g = rows % GROUP_PAD
-        row_ok = (m < qlen) & (g < GROUP)
-        qpos = seq_len - qlen + m  # [R] position of each row's token
-        d = tl.arange(0, D)
-        tok = (q_start + m).to(tl.int64)
-        head = kvh * GROUP + g
-        qv = tl.load(q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None],
-                     other=0.0)  # [R, D]
-        m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
-        acc = tl.zeros([BLOCK_M * GROUP_PAD, D], tl.float32)
-        kv_end = tl.minimum(seq_len, seq_len - qlen + (mblk + 1) * BLOCK_M)  # keys the block's last token sees
-        # split `split` of NSPLIT takes whole BLOCK_N blocks [lo, hi) of the keys (maybe none)
-        chunk = tl.cdiv(tl.cdiv(kv_end, NSPLIT), BLOCK_N) * BLOCK_N
-        lo = split * chunk
-        hi = tl.minimum(kv_end, lo + chunk)
-        pt_row = page_table + seq.to(tl.int64) * stride_pt
-        for start in range(lo, hi, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            n_ok = n < hi
-            page = tl.load(pt_row + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-            base = page * stride_page + kvh * stride_head + (n % PAGE_SIZE) * stride_tok  # [N]
-            kt = tl.load(kv_cache + base[None, :] + d[:, None], mask=n_ok[None, :], other=0.0)  # [D, N]
-            if IEEE:
-                s = tl.dot(qv, kt, input_precision="ieee")
-            else:
-                s = tl.dot(qv, kt)
-            s = s * scale  # [R, N] fp32
-            s = tl.where(n_ok[None, :] & (n[None, :] <= qpos[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet (split > 0)
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            vt = tl.load(kv_cache + stride_kind + base[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)  # [N, D]
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-            m_i = m_new
-        if NSPLIT == 1:
-            o = acc / l_i[:, None]
+        attend_block(q, kv_cache, out, part_acc, part_ml, counters + seq * tl.num_programs(1) + kvh, q_start, qlen,
+                     tl.load(seq_lens + seq), page_table + seq.to(tl.int64) * stride_pt, kvh, tl.num_programs(1),
+                     mblk, split, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_kind,
+                     stride_head, stride_tok, GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D, PAGE_SIZE, IEEE, NSPLIT)
+
+
+@triton.jit
+def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_len, pt_row, kvh, num_kv_heads, mblk,
+                 split, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_kind, stride_head,
+                 stride_tok, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr,
+                 NSPLIT: tl.constexpr):
+    """One (sequence, KV head, query block, key split) of `paged_attention`: the sequence's query
+    tokens start at row `q_start` of q/out, `qlen` of them, `seq_len` keys, page-table row `pt_row`;
+    `cnt` is the (sequence, KV head)'s arrival counter of the splits (unused when NSPLIT is 1).
+    Shared with the batch-1 decode-layer kernel (`nvl72.model.decode_layer`)."""
+    rows = tl.arange(0, BLOCK_M * GROUP_PAD)  # row r: query token r // GROUP_PAD, head r % GROUP_PAD
+    m = mblk * BLOCK_M + rows // GROUP_PAD
+    g = rows % GROUP_PAD
+    row_ok = (m < qlen) & (g < GROUP)
+    qpos = seq_len - qlen + m  # [R] position of each row's token
+    d = tl.arange(0, D)
+    tok = (q_start + m).to(tl.int64)
+    head = kvh * GROUP + g
+    qv = tl.load(q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None],
+                 other=0.0)  # [R, D]
+    m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_PAD, D], tl.float32)
+    kv_end = tl.minimum(seq_len, seq_len - qlen + (mblk + 1) * BLOCK_M)  # keys the block's last token sees
+    # split `split` of NSPLIT takes whole BLOCK_N blocks [lo, hi) of the keys (maybe none)
+    chunk = tl.cdiv(tl.cdiv(kv_end, NSPLIT), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(kv_end, lo + chunk)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        page = tl.load(pt_row + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+        base = page * stride_page + kvh * stride_head + (n % PAGE_SIZE) * stride_tok  # [N]
+        kt = tl.load(kv_cache + base[None, :] + d[:, None], mask=n_ok[None, :], other=0.0)  # [D, N]
+        # V now, beside K: both wait on the page ids only (after the softmax it was one more round trip)
+        vt = tl.load(kv_cache + stride_kind + base[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)  # [N, D]
+        if IEEE:
+            s = tl.dot(qv, kt, input_precision="ieee")
+        else:
+            s = tl.dot(qv, kt)
+        s = s * scale  # [R, N] fp32
+        s = tl.where(n_ok[None, :] & (n[None, :] <= qpos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet (split > 0)
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        m_i = m_new
+    if NSPLIT == 1:
+        o = acc / l_i[:, None]
+        tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out.dtype.element_ty), mask=row_ok[:, None])
+    else:  # partial (max, sum, unnormalised acc) per row and split; an empty split writes l = 0 only
+        base = (tok * (num_kv_heads * GROUP) + head) * NSPLIT  # [R] the row's split 0
+        tl.store(part_ml + (base + split) * 2, m_i, mask=row_ok)
+        tl.store(part_ml + (base + split) * 2 + 1, l_i, mask=row_ok)
+        if lo < hi:
+            tl.store(part_acc + (base + split)[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
+        # the last of the NSPLIT programs of (sequence, KV head) to finish combines the partials:
+        # every thread's stores precede the barrier, the counter's acq_rel add publishes them
+        tl.debug_barrier()
+        if tl.atomic_add(cnt, 1) == NSPLIT - 1:
+            sp = tl.arange(0, NSPLIT)
+            ml = part_ml + (base[:, None] + sp[None, :]) * 2  # [R, NSPLIT]
+            l_all = tl.load(ml + 1, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+            m_all = tl.load(ml, mask=row_ok[:, None], other=float("-inf"), cache_modifier=".cg")  # (beside l_all)
+            used = l_all > 0.0
+            m_all = tl.where(used, m_all, float("-inf"))
+            mx = tl.max(m_all, 1)
+            mx = tl.where(mx == float("-inf"), 0.0, mx)
+            w = tl.where(used, tl.exp(m_all - mx[:, None]), 0.0)  # [R, NSPLIT]
+            den = tl.sum(l_all * w, 1)
+            o = tl.zeros([BLOCK_M * GROUP_PAD, D], tl.float32)
+            for j in range(0, tl.cdiv(kv_end, tl.maximum(chunk, 1))):  # the splits that saw keys (the others: w = 0)
+                wj = tl.sum(tl.where(sp[None, :] == j, w, 0.0), 1)
+                aj = tl.load(part_acc + (base + j)[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0,
+                             cache_modifier=".cg")
+                o += aj * wj[:, None]
+            o = o / tl.where(den > 0.0, den, 1.0)[:, None]
             tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                      o.to(out.dtype.element_ty), mask=row_ok[:, None])
-        else:  # partial (max, sum, unnormalised acc) per row and split; an empty split writes l = 0 only
-            base = (tok * (tl.num_programs(1) * GROUP) + head) * NSPLIT  # [R] the row's split 0
-            tl.store(part_ml + (base + split) * 2, m_i, mask=row_ok)
-            tl.store(part_ml + (base + split) * 2 + 1, l_i, mask=row_ok)
-            if lo < hi:
-                tl.store(part_acc + (base + split)[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
-            # the last of the NSPLIT programs of (sequence, KV head) to finish combines the partials:
-            # every thread's stores precede the barrier, the counter's acq_rel add publishes them
-            tl.debug_barrier()
-            cnt = counters + seq * tl.num_programs(1) + kvh
-            if tl.atomic_add(cnt, 1) == NSPLIT - 1:
-                sp = tl.arange(0, NSPLIT)
-                ml = part_ml + (base[:, None] + sp[None, :]) * 2  # [R, NSPLIT]
-                l_all = tl.load(ml + 1, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-                used = l_all > 0.0
-                m_all = tl.load(ml, mask=row_ok[:, None] & used, other=float("-inf"), cache_modifier=".cg")
-                mx = tl.max(m_all, 1)
-                mx = tl.where(mx == float("-inf"), 0.0, mx)
-                w = tl.where(used, tl.exp(m_all - mx[:, None]), 0.0)  # [R, NSPLIT]
-                den = tl.sum(l_all * w, 1)
-                o = tl.zeros([BLOCK_M * GROUP_PAD, D], tl.float32)
-                for j in range(0, tl.cdiv(kv_end, tl.maximum(chunk, 1))):  # the splits that saw keys (the others: w = 0)
-                    wj = tl.sum(tl.where(sp[None, :] == j, w, 0.0), 1)
-                    aj = tl.load(part_acc + (base + j)[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0,
-                                 cache_modifier=".cg")
-                    o += aj * wj[:, None]
-                o = o / tl.where(den > 0.0, den, 1.0)[:, None]
-                tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                         o.to(out.dtype.element_ty), mask=row_ok[:, None])
-                tl.atomic_xchg(cnt, 0)  # ready for the next launch (graph replays included)
+            tl.atomic_xchg(cnt, 0)  # ready for the next launch (graph replays included)
 
 
 _SM_COUNT: dict[int, int] = {}

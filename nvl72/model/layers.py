@@ -8,6 +8,7 @@ tensor, and `DecoderLayer.forward` makes the two all-reduces of the layer explic
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,8 @@ from nvl72.model.batch import ForwardBatch, ModelCaches
 from nvl72.model.gdn import GatedDeltaNet
 from nvl72.model.parallel_layout import SINGLE, ParallelLayout
 from nvl72.model.weights import expert_weight_loader, first_rank_loader, shard_loader
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -112,9 +115,9 @@ class Attention(nn.Module):
             if self.o_proj.bias is not None:
                 self.o_proj.bias.weight_loader = first_rank_loader(parallel.tp_rank)
 
-    def _qkv(self, x: torch.Tensor, backend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q_proj(x), k_proj(x), v_proj(x) [T, rows] as one GEMM (at batch 1 three GEMVs were three
-        launches). The first call packs the three weights (and biases) into one tensor and makes
+    def packed_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight [q + k + v rows, H], bias or None): q_proj, k_proj and v_proj packed into one
+        tensor (at batch 1 three GEMVs were three launches). The first call packs them and makes
         the parameters views of it, so loaders still write them in place; a later `.to()` that
         gives them their own storage again is noticed and packed anew."""
         lins = (self.q_proj, self.k_proj, self.v_proj)
@@ -131,8 +134,12 @@ class Attention(nn.Module):
                         p.data = packed[start : start + p.shape[0]]
                         start += p.shape[0]
             self._packed_ptrs = tuple(p.data_ptr() for lin in lins for p in lin.parameters())
-        y = backend.linear(x, self._qkv_weight, self._qkv_bias)
-        return y.split([lin.out_features for lin in lins], dim=1)
+        return self._qkv_weight, self._qkv_bias
+
+    def _qkv(self, x: torch.Tensor, backend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q_proj(x), k_proj(x), v_proj(x) [T, rows] as one GEMM over `packed_qkv`."""
+        y = backend.linear(x, *self.packed_qkv())
+        return y.split([lin.out_features for lin in (self.q_proj, self.k_proj, self.v_proj)], dim=1)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
@@ -247,16 +254,35 @@ class DecoderLayer(nn.Module):
         else:
             self.linear_attn = GatedDeltaNet(config, cache_idx, parallel, dtype=dtype, device=device)
         self.mlp = make_mlp(config, sparse, parallel, dtype=dtype, device=device)
+        self._one_kernel_reason: str | None = None  # see _one_kernel
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, delta = self.forward_residual(x, None, ctx)
         return x + delta
+
+    def _one_kernel(self, ctx: ForwardContext) -> bool:
+        """Whether a one-token step of this layer runs as `nvl72.model.decode_layer`'s single kernel:
+        the attention backend enables it and the layer is one it serves (checked once, the reason
+        logged when not)."""
+        if getattr(ctx.backend, "decode_layer", None) is None:
+            return False
+        if self._one_kernel_reason is None:
+            from nvl72.model import decode_layer
+
+            self._one_kernel_reason = decode_layer.unsupported(self) or ""
+            if self._one_kernel_reason:
+                log.info("layer %d: one-token steps not in one kernel: %s", self.cache_idx, self._one_kernel_reason)
+        return not self._one_kernel_reason
 
     def forward_residual(self, x: torch.Tensor, delta: torch.Tensor | None,
                          ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer on x + delta, where delta (or None) is the previous layer's MLP output not yet
         added, so that the add runs in this layer's input-norm kernel. Returns (residual, this
         layer's MLP output): their sum is the layer's output."""
+        if x.shape[0] == 1 and self._one_kernel(ctx):
+            from nvl72.model import decode_layer
+
+            return decode_layer.run(self, x, delta, ctx, ctx.backend.decode_layer)
         x, h = add_norm(self.input_layernorm, x, delta, ctx)
         if self.layer_type == FULL_ATTENTION:
             h = self.self_attn(h, ctx)

@@ -4,6 +4,9 @@
 #   bash tests/runner/gpu_decode_b1.sh --gemv    (no tests: perf.serve with cuBLAS, then Triton GEMV, the default)
 #   bash tests/runner/gpu_decode_b1.sh --pdl     (<= 300 s: tests, then perf.serve with PDL off / on / on +
 #                                                 Triton GEMV)
+#   bash tests/runner/gpu_decode_b1.sh --layer   (<= 460 s: tests, then perf.serve with NVL72_DECODE_LAYER=0,
+#                                                 fused, phased: one-token layers in one kernel, see
+#                                                 nvl72/model/decode_layer.py)
 # 1) the @gpu tests of tests/runner (fused residual add + RMSNorm [+ MoE router logits], RoPE
 #    table and slot-mapping kernels, K/V store inside q/k norm + RoPE, split-key decode attention,
 #    packed q/k/v GEMM, Triton GEMV; greedy tokens equal to the torch reference, graphs on == off,
@@ -29,27 +32,31 @@ source .gpucarry-all/sm_90a/setup_device.sh || exit 1
 export NVL72_KERNEL_BUNDLE=$PWD/.gpucarry-all
 nvidia-smi -L
 mode=${1:-}
-budget=300  # seconds for the whole call; a run gets what is left, at most $per_run
+budget=${BUDGET:-300}  # seconds for the whole call; a run gets what is left, at most $per_run
 case "$mode" in
-  --gemv) runs="cublas:1:0 gemv:1:1"; per_run=85; sizes="" ;;  # name:NVL72_PDL:NVL72_TRITON_GEMV
+  --gemv) runs="cublas:1:0 gemv:1:1"; per_run=85; sizes="" ;;  # name:NVL72_PDL:NVL72_TRITON_GEMV[:NVL72_DECODE_LAYER]
   --pdl) runs="plain:0:0 pdl:1:0 pdl_gemv:1:1"; per_run=80; sizes="--graph-batch-sizes 1,64"
     timeout -k 5 80 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/runner \
       "tests/moe/test_gpu_kernels.py::test_triton_route_and_quant_ops" 2>&1 | tee "$OUT/pytest.log" | tail -15
+    echo "pytest rc=${PIPESTATUS[0]}" ;;
+  --layer) runs="ops:1:1:0 fused:1:1:fused phased:1:1:phased"; per_run=110; budget=${BUDGET:-460}; sizes="--graph-batch-sizes 1,64"
+    timeout -k 5 120 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/runner/test_decode_layer.py \
+      tests/runner/test_pdl.py tests/runner/test_runner_engine.py tests/runner/test_fused_triton.py 2>&1 | tee "$OUT/pytest.log" | tail -15
     echo "pytest rc=${PIPESTATUS[0]}" ;;
   "") runs="default:1:1"; per_run=85; sizes=""
     timeout -k 5 100 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/runner \
       tests/engine/test_engine_async.py "tests/moe/test_gpu_kernels.py::test_triton_route_and_quant_ops" 2>&1 | tee "$OUT/pytest.log" | tail -15
     echo "pytest rc=${PIPESTATUS[0]}" ;;
-  *) echo "unknown option $mode (expected --gemv, --pdl or nothing)"; exit 2 ;;
+  *) echo "unknown option $mode (expected --gemv, --pdl, --layer or nothing)"; exit 2 ;;
 esac
 for run in $runs; do
-  IFS=: read -r name pdl gemv <<< "$run"
+  IFS=: read -r name pdl gemv layer <<< "$run"
   left=$((budget - 10 - SECONDS))
   limit=$((left < per_run ? left : per_run))
   if [ "$limit" -lt 20 ]; then echo "perf.serve $name skipped: ${left} s left"; continue; fi
-  NVL72_PDL=$pdl NVL72_TRITON_GEMV=$gemv timeout -k 5 "$limit" python3 -m perf.serve --layers 8 --modes graphs \
+  NVL72_PDL=$pdl NVL72_TRITON_GEMV=$gemv NVL72_DECODE_LAYER=${layer:-0} timeout -k 5 "$limit" python3 -m perf.serve --layers 8 --modes graphs \
     --no-ttft --decode-out 64 $sizes --profile "/tmp/prof_$name" --json "$OUT/serve_$name.json" > "$OUT/serve_$name.log" 2>&1
-  echo "perf.serve $name (NVL72_PDL=$pdl NVL72_TRITON_GEMV=$gemv, limit ${limit} s) rc=$?"
+  echo "perf.serve $name (NVL72_PDL=$pdl NVL72_TRITON_GEMV=$gemv NVL72_DECODE_LAYER=${layer:-0}, limit ${limit} s) rc=$?"
   gzip -c "/tmp/prof_$name/decode_b1.json" > "$OUT/decode_b1_$name.json.gz" 2>/dev/null
 done
 for run in $runs; do
@@ -61,17 +68,17 @@ done
 for run in $runs; do
   name=${run%%:*}
   echo "== $name"
-  awk '/^PROFILE/{p=1} /^SERVE/{p=0} p' "$OUT/serve_$name.log" | cut -c1-160 | if [ "$mode" = --pdl ]; then
+  awk '/^PROFILE/{p=1} /^SERVE/{p=0} p' "$OUT/serve_$name.log" | cut -c1-160 | if [ -n "$sizes" ]; then
     awk '/^PROFILE decode b=1/{p=1} /^PROFILE decode b=64/{p=0} p' | head -32; else cat; fi
 done
-if [ "$mode" = --pdl ]; then
+if [ -n "$sizes" ]; then
   echo "== decode step (perf.serve, graphs, no profiler) and profiled GPU ops per step, by run"
-  printf "%-9s %-5s %-5s %10s %7s %11s %9s\n" run PDL GEMV "b=1 ms" "% bound" "b=64 ms" "b=1 ops"
+  printf "%-9s %-5s %-5s %-7s %10s %7s %11s %9s\n" run PDL GEMV LAYER "b=1 ms" "% bound" "b=64 ms" "b=1 ops"
   for run in $runs; do
-    IFS=: read -r name pdl gemv <<< "$run"
-    python3 - "$OUT/serve_$name.json" "$OUT/serve_$name.log" "$name" "$pdl" "$gemv" <<'EOF'
+    IFS=: read -r name pdl gemv layer <<< "$run"
+    python3 - "$OUT/serve_$name.json" "$OUT/serve_$name.log" "$name" "$pdl" "$gemv" "${layer:-0}" <<'EOF'
 import json, re, sys
-path, log, name, pdl, gemv = sys.argv[1:]
+path, log, name, pdl, gemv, layer = sys.argv[1:]
 try:
     rows = {r["what"]: r for r in json.load(open(path))["rows"]}
 except (OSError, ValueError, KeyError):
@@ -81,7 +88,7 @@ ops = re.search(r"PROFILE decode b=1: .*?(\d+) GPU ops", open(log).read()) if b1
 ms1 = "%.3f" % b1["step_ms"] if b1 else "-"
 pct = "%.1f%%" % (100 * b1["bound_step_ms"] / b1["step_ms"]) if b1 else "-"
 ms64 = "%.3f" % b64["step_ms"] if b64 else "-"
-print("%-9s %-5s %-5s %10s %7s %11s %9s" % (name, pdl, gemv, ms1, pct, ms64, ops.group(1) if ops else "-"))
+print("%-9s %-5s %-5s %-7s %10s %7s %11s %9s" % (name, pdl, gemv, layer, ms1, pct, ms64, ops.group(1) if ops else "-"))
 EOF
   done
 fi
