@@ -356,7 +356,7 @@ def _paged_attention_kernel(q, kv_cache, out, part_acc, part_ml, counters, qsl, 
                             stride_tok, stride_pt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                             PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
-                            PDL: tl.constexpr):
+                            MIN_KEYS: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)
     seq, kvh = tl.program_id(0), tl.program_id(1)
     mblk, split = tl.program_id(2) // NSPLIT, tl.program_id(2) % NSPLIT
@@ -366,7 +366,14 @@ def _paged_attention_kernel(q, kv_cache, out, part_acc, part_ml, counters, qsl, 
         attend_block(q, kv_cache, out, part_acc, part_ml, counters + seq * tl.num_programs(1) + kvh, q_start, qlen,
                      tl.load(seq_lens + seq), page_table + seq.to(tl.int64) * stride_pt, kvh, tl.num_programs(1),
                      mblk, split, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_kind,
-                     stride_head, stride_tok, GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D, PAGE_SIZE, IEEE, NSPLIT)
+                     stride_head, stride_tok, GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D, PAGE_SIZE, IEEE, NSPLIT, MIN_KEYS)
+
+
+@triton.jit
+def split_chunk(kv_end, NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, MIN_KEYS: tl.constexpr):
+    """Keys per split of `kv_end`: an equal share in whole BLOCK_N blocks, but at least MIN_KEYS (a
+    short context in one program: no partials, no combine) and one block."""
+    return tl.maximum(tl.maximum(tl.cdiv(tl.cdiv(kv_end, NSPLIT), BLOCK_N) * BLOCK_N, MIN_KEYS), BLOCK_N)
 
 
 @triton.jit
@@ -374,7 +381,7 @@ def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_le
                  split, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_kind, stride_head,
                  stride_tok, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr,
-                 NSPLIT: tl.constexpr):
+                 NSPLIT: tl.constexpr, MIN_KEYS: tl.constexpr):
     """One (sequence, KV head, query block, key split) of `paged_attention`: the sequence's query
     tokens start at row `q_start` of q/out, `qlen` of them, `seq_len` keys, page-table row `pt_row`;
     `cnt` is the (sequence, KV head)'s arrival counter of the splits (unused when NSPLIT is 1).
@@ -393,70 +400,76 @@ def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_le
     l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_PAD, D], tl.float32)
     kv_end = tl.minimum(seq_len, seq_len - qlen + (mblk + 1) * BLOCK_M)  # keys the block's last token sees
-    # split `split` of NSPLIT takes whole BLOCK_N blocks [lo, hi) of the keys (maybe none)
-    chunk = tl.cdiv(tl.cdiv(kv_end, NSPLIT), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(kv_end, lo + chunk)
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        page = tl.load(pt_row + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-        base = page * stride_page + kvh * stride_head + (n % PAGE_SIZE) * stride_tok  # [N]
-        kt = tl.load(kv_cache + base[None, :] + d[:, None], mask=n_ok[None, :], other=0.0)  # [D, N]
-        # V now, beside K: both wait on the page ids only (after the softmax it was one more round trip)
-        vt = tl.load(kv_cache + stride_kind + base[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)  # [N, D]
-        if IEEE:
-            s = tl.dot(qv, kt, input_precision="ieee")
-        else:
-            s = tl.dot(qv, kt)
-        s = s * scale  # [R, N] fp32
-        s = tl.where(n_ok[None, :] & (n[None, :] <= qpos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet (split > 0)
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-        m_i = m_new
-    if NSPLIT == 1:
-        o = acc / l_i[:, None]
-        tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 o.to(out.dtype.element_ty), mask=row_ok[:, None])
-    else:  # partial (max, sum, unnormalised acc) per row and split; an empty split writes l = 0 only
-        base = (tok * (num_kv_heads * GROUP) + head) * NSPLIT  # [R] the row's split 0
-        tl.store(part_ml + (base + split) * 2, m_i, mask=row_ok)
-        tl.store(part_ml + (base + split) * 2 + 1, l_i, mask=row_ok)
-        if lo < hi:
-            tl.store(part_acc + (base + split)[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
-        # the last of the NSPLIT programs of (sequence, KV head) to finish combines the partials:
-        # every thread's stores precede the barrier, the counter's acq_rel add publishes them
-        tl.debug_barrier()
-        if tl.atomic_add(cnt, 1) == NSPLIT - 1:
-            sp = tl.arange(0, NSPLIT)
-            ml = part_ml + (base[:, None] + sp[None, :]) * 2  # [R, NSPLIT]
-            l_all = tl.load(ml + 1, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-            m_all = tl.load(ml, mask=row_ok[:, None], other=float("-inf"), cache_modifier=".cg")  # (beside l_all)
-            used = l_all > 0.0
-            m_all = tl.where(used, m_all, float("-inf"))
-            mx = tl.max(m_all, 1)
-            mx = tl.where(mx == float("-inf"), 0.0, mx)
-            w = tl.where(used, tl.exp(m_all - mx[:, None]), 0.0)  # [R, NSPLIT]
-            den = tl.sum(l_all * w, 1)
-            o = tl.zeros([BLOCK_M * GROUP_PAD, D], tl.float32)
-            for j in range(0, tl.cdiv(kv_end, tl.maximum(chunk, 1))):  # the splits that saw keys (the others: w = 0)
-                wj = tl.sum(tl.where(sp[None, :] == j, w, 0.0), 1)
-                aj = tl.load(part_acc + (base + j)[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0,
-                             cache_modifier=".cg")
-                o += aj * wj[:, None]
-            o = o / tl.where(den > 0.0, den, 1.0)[:, None]
+    # split `split` takes whole BLOCK_N blocks [lo, hi) of the keys, at least MIN_KEYS of them: the
+    # `active` first splits hold keys, the others return at once (no partial, no arrival)
+    chunk = split_chunk(kv_end, NSPLIT, BLOCK_N, MIN_KEYS)
+    active = tl.maximum(tl.cdiv(kv_end, chunk), 1)
+    if split < active:
+        lo = split * chunk
+        hi = tl.minimum(kv_end, lo + chunk)
+        for start in range(lo, hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < hi
+            page = tl.load(pt_row + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+            base = page * stride_page + kvh * stride_head + (n % PAGE_SIZE) * stride_tok  # [N]
+            kt = tl.load(kv_cache + base[None, :] + d[:, None], mask=n_ok[None, :], other=0.0)  # [D, N]
+            # V now, beside K: both wait on the page ids only (after the softmax it was one more round trip)
+            vt = tl.load(kv_cache + stride_kind + base[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)  # [N, D]
+            if IEEE:
+                s = tl.dot(qv, kt, input_precision="ieee")
+            else:
+                s = tl.dot(qv, kt)
+            s = s * scale  # [R, N] fp32
+            s = tl.where(n_ok[None, :] & (n[None, :] <= qpos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet (split > 0)
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m_i = m_new
+        if (NSPLIT == 1) | (active == 1):  # the whole context in one program: no partials
+            o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
             tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                      o.to(out.dtype.element_ty), mask=row_ok[:, None])
-            tl.atomic_xchg(cnt, 0)  # ready for the next launch (graph replays included)
+        else:  # partial (max, sum, unnormalised acc) per row and split
+            base = (tok * (num_kv_heads * GROUP) + head) * NSPLIT  # [R] the row's split 0
+            tl.store(part_ml + (base + split) * 2, m_i, mask=row_ok)
+            tl.store(part_ml + (base + split) * 2 + 1, l_i, mask=row_ok)
+            tl.store(part_acc + (base + split)[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
+            # the last of the active programs of (sequence, KV head) to finish combines the partials:
+            # every thread's stores precede the barrier, the counter's acq_rel add publishes them
+            tl.debug_barrier()
+            if tl.atomic_add(cnt, 1) == active - 1:
+                sp = tl.arange(0, NSPLIT)
+                ml = part_ml + (base[:, None] + sp[None, :]) * 2  # [R, NSPLIT]
+                mine = row_ok[:, None] & (sp[None, :] < active)  # (the others wrote nothing)
+                l_all = tl.load(ml + 1, mask=mine, other=0.0, cache_modifier=".cg")
+                m_all = tl.load(ml, mask=mine, other=float("-inf"), cache_modifier=".cg")  # (beside l_all)
+                used = l_all > 0.0
+                m_all = tl.where(used, m_all, float("-inf"))
+                mx = tl.max(m_all, 1)
+                mx = tl.where(mx == float("-inf"), 0.0, mx)
+                w = tl.where(used, tl.exp(m_all - mx[:, None]), 0.0)  # [R, NSPLIT]
+                den = tl.sum(l_all * w, 1)
+                o = tl.zeros([BLOCK_M * GROUP_PAD, D], tl.float32)
+                for j in range(0, active):
+                    wj = tl.sum(tl.where(sp[None, :] == j, w, 0.0), 1)
+                    aj = tl.load(part_acc + (base + j)[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0,
+                                 cache_modifier=".cg")
+                    o += aj * wj[:, None]
+                o = o / tl.where(den > 0.0, den, 1.0)[:, None]
+                tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                         o.to(out.dtype.element_ty), mask=row_ok[:, None])
+                tl.atomic_xchg(cnt, 0)  # ready for the next launch (graph replays included)
 
 
+# a split of a single-token query's keys holds at least this many (a few BLOCK_N steps, pipelined): a
+# short context runs in one program per KV head, without partials, the arrival counter or the combine
+SPLIT_MIN_KEYS = 256
 _SM_COUNT: dict[int, int] = {}
 _SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -495,13 +508,15 @@ def attention_shape_ok(num_heads: int, num_kv_heads: int, head_dim: int) -> bool
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     page_table: torch.Tensor, max_query_len: int, scale: float,
-                    out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, splits: int | None = None,
+                    min_split_keys: int = SPLIT_MIN_KEYS) -> torch.Tensor:
     """Twin of `ops.paged_attention` from raw batch tensors (no metadata object, no host sync).
 
     q [T, Hq, D]; kv_cache [P, 2, Hkv, ps, D]; query_start_loc [B+1]; seq_lens [B]; page_table
     [B, max_pages] -> [T, Hq, D]. A sequence with no query tokens is skipped. Decode batches
     (max_query_len 1) split each sequence's keys over `splits` programs (default
-    `decode_splits`); the last of a (sequence, KV head)'s programs to finish combines them."""
+    `decode_splits`), each at least `min_split_keys` keys (a multiple of 64, or 0): the splits past the
+    keys do nothing, the last of a (sequence, KV head)'s others to finish combines them."""
     t, hq, d = q.shape
     hkv, page_size = kv_cache.shape[2], kv_cache.shape[3]
     if not attention_shape_ok(hq, hkv, d):
@@ -534,5 +549,5 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             q.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
             kv_cache.stride(3), page_table.stride(0), GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m,
             BLOCK_N=block_n, D=d, PAGE_SIZE=page_size, IEEE=q.dtype == torch.float32, NSPLIT=splits,
-            **launch_args(q.device))
+            MIN_KEYS=min_split_keys, **launch_args(q.device))
     return out
