@@ -431,10 +431,13 @@ def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_le
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
             m_i = m_new
-        if (NSPLIT == 1) | (active == 1):  # the whole context in one program: no partials
-            o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-            tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                     o.to(out.dtype.element_ty), mask=row_ok[:, None])
+        o_ptr = out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        if NSPLIT == 1:  # (constexpr: the atomics below need an int32 counter, which prefill does not pass)
+            tl.store(o_ptr, (acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]).to(out.dtype.element_ty),
+                     mask=row_ok[:, None])
+        elif active == 1:  # the whole context in this program: no partials
+            tl.store(o_ptr, (acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]).to(out.dtype.element_ty),
+                     mask=row_ok[:, None])
         else:  # partial (max, sum, unnormalised acc) per row and split
             base = (tok * (num_kv_heads * GROUP) + head) * NSPLIT  # [R] the row's split 0
             tl.store(part_ml + (base + split) * 2, m_i, mask=row_ok)
@@ -462,8 +465,7 @@ def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_le
                                  cache_modifier=".cg")
                     o += aj * wj[:, None]
                 o = o / tl.where(den > 0.0, den, 1.0)[:, None]
-                tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                         o.to(out.dtype.element_ty), mask=row_ok[:, None])
+                tl.store(o_ptr, o.to(out.dtype.element_ty), mask=row_ok[:, None])
                 tl.atomic_xchg(cnt, 0)  # ready for the next launch (graph replays included)
 
 
