@@ -43,7 +43,7 @@ import triton.language as tl
 from aot.pdl import launch_args, wait_prior
 from moe.kernels.triton_fused_decode import down_rows, gate_up_rows
 from moe.kernels.triton_moe import topk_softmax
-from nvl72.model.fused_triton import SPLIT_MIN_KEYS, _norm_rope_row, _round, attend_block, decode_splits, split_chunk
+from nvl72.model.fused_triton import _norm_rope_row, _round, attend_block, decode_splits, split_chunk
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def _decode_layer_kernel(
         H: tl.constexpr, BLOCK_H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
         R: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
         KP: tl.constexpr, RENORM: tl.constexpr, HAS_DELTA: tl.constexpr, ZC: tl.constexpr,
-        PAGE_SIZE: tl.constexpr, NSPLIT: tl.constexpr, MIN_KEYS: tl.constexpr, GROUP_PAD: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, NSPLIT: tl.constexpr, GROUP_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_KV: tl.constexpr, IEEE: tl.constexpr, BN_QKV: tl.constexpr, BK_QKV: tl.constexpr,
         BN_O: tl.constexpr, BK_O: tl.constexpr, BN_R: tl.constexpr, BK_R: tl.constexpr,
@@ -167,7 +167,7 @@ def _decode_layer_kernel(
         GROUP: tl.constexpr = HQ // HKV
         seq_len = tl.load(seq_lens)
         # the split whose keys end with the new token's (attend_block's chunking) stores its K/V first
-        last = (seq_len - 1) // split_chunk(seq_len, NSPLIT, BLOCK_KV, MIN_KEYS)
+        last = (seq_len - 1) // split_chunk(seq_len, NSPLIT, BLOCK_KV)
         for item in range(pid, HKV * NSPLIT, nprog):
             kvh = item // NSPLIT
             split = item % NSPLIT
@@ -182,8 +182,7 @@ def _decode_layer_kernel(
             tl.debug_barrier()
             attend_block(hr - kvh * GROUP * D, kv_cache, attn, part_acc, part_ml, cnt + kvh, 0, 1, seq_len,
                          page_table, kvh, HKV, 0, split, scale, HQ * D, D, HQ * D, D, stride_page, stride_kind,
-                         stride_head, stride_tok, GROUP, GROUP_PAD, BLOCK_M, BLOCK_KV, D, PAGE_SIZE, IEEE, NSPLIT,
-                         MIN_KEYS)
+                         stride_head, stride_tok, GROUP, GROUP_PAD, BLOCK_M, BLOCK_KV, D, PAGE_SIZE, IEEE, NSPLIT)
             tl.debug_barrier()
         wv = _tile(wo, pid, 0, H, HQ * D, BN_O, BK_O)
         if PHASE == 0:
@@ -386,7 +385,7 @@ def run(layer, x: torch.Tensor, delta: torch.Tensor | None, ctx, mode: str = "fu
     const = dict(H=h, BLOCK_H=block_h, HQ=hq, HKV=hkv, D=d, R=ctx.cos.shape[1], E=e,
                  BLOCK_E=triton.next_power_of_2(e), I=inter, K=k, KP=triton.next_power_of_2(k),
                  RENORM=moe.norm_topk_prob, HAS_DELTA=delta is not None, ZC=layer.input_layernorm.zero_centered,
-                 PAGE_SIZE=page_size, NSPLIT=nsplit, MIN_KEYS=SPLIT_MIN_KEYS, GROUP_PAD=group_pad,
+                 PAGE_SIZE=page_size, NSPLIT=nsplit, GROUP_PAD=group_pad,
                  BLOCK_M=max(16 // group_pad, 1),
                  BLOCK_KV=BLOCK_KV, IEEE=x.dtype == torch.float32, BN_QKV=bn_qkv, BK_QKV=bk_qkv, BN_O=bn_o,
                  BK_O=bk_o, BN_R=1, BK_R=bk_r, BN_UP=BN_UP, BK_UP=BK_UP, BN_DN=BN_DN, BK_DN=BK_DN,

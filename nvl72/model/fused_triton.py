@@ -356,7 +356,7 @@ def _paged_attention_kernel(q, kv_cache, out, part_acc, part_ml, counters, qsl, 
                             stride_tok, stride_pt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                             PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
-                            MIN_KEYS: tl.constexpr, PDL: tl.constexpr):
+                            PDL: tl.constexpr):
     wait_prior(PDL)
     seq, kvh = tl.program_id(0), tl.program_id(1)
     mblk, split = tl.program_id(2) // NSPLIT, tl.program_id(2) % NSPLIT
@@ -366,14 +366,13 @@ def _paged_attention_kernel(q, kv_cache, out, part_acc, part_ml, counters, qsl, 
         attend_block(q, kv_cache, out, part_acc, part_ml, counters + seq * tl.num_programs(1) + kvh, q_start, qlen,
                      tl.load(seq_lens + seq), page_table + seq.to(tl.int64) * stride_pt, kvh, tl.num_programs(1),
                      mblk, split, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_kind,
-                     stride_head, stride_tok, GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D, PAGE_SIZE, IEEE, NSPLIT, MIN_KEYS)
+                     stride_head, stride_tok, GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D, PAGE_SIZE, IEEE, NSPLIT)
 
 
 @triton.jit
-def split_chunk(kv_end, NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, MIN_KEYS: tl.constexpr):
-    """Keys per split of `kv_end`: an equal share in whole BLOCK_N blocks, but at least MIN_KEYS (a
-    short context in one program: no partials, no combine) and one block."""
-    return tl.maximum(tl.maximum(tl.cdiv(tl.cdiv(kv_end, NSPLIT), BLOCK_N) * BLOCK_N, MIN_KEYS), BLOCK_N)
+def split_chunk(kv_end, NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys per split of `kv_end` keys: an equal share in whole BLOCK_N blocks (at least one)."""
+    return tl.maximum(tl.cdiv(tl.cdiv(kv_end, NSPLIT), BLOCK_N) * BLOCK_N, BLOCK_N)
 
 
 @triton.jit
@@ -381,7 +380,7 @@ def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_le
                  split, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_kind, stride_head,
                  stride_tok, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr,
-                 NSPLIT: tl.constexpr, MIN_KEYS: tl.constexpr):
+                 NSPLIT: tl.constexpr):
     """One (sequence, KV head, query block, key split) of `paged_attention`: the sequence's query
     tokens start at row `q_start` of q/out, `qlen` of them, `seq_len` keys, page-table row `pt_row`;
     `cnt` is the (sequence, KV head)'s arrival counter of the splits (unused when NSPLIT is 1).
@@ -400,9 +399,9 @@ def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_le
     l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_PAD, D], tl.float32)
     kv_end = tl.minimum(seq_len, seq_len - qlen + (mblk + 1) * BLOCK_M)  # keys the block's last token sees
-    # split `split` takes whole BLOCK_N blocks [lo, hi) of the keys, at least MIN_KEYS of them: the
-    # `active` first splits hold keys, the others return at once (no partial, no arrival)
-    chunk = split_chunk(kv_end, NSPLIT, BLOCK_N, MIN_KEYS)
+    # split `split` takes whole BLOCK_N blocks [lo, hi) of the keys: the `active` first splits hold
+    # keys, the others return at once (no partial, no arrival)
+    chunk = split_chunk(kv_end, NSPLIT, BLOCK_N)
     active = tl.maximum(tl.cdiv(kv_end, chunk), 1)
     if split < active:
         lo = split * chunk
@@ -469,9 +468,6 @@ def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_le
                 tl.atomic_xchg(cnt, 0)  # ready for the next launch (graph replays included)
 
 
-# a split of a single-token query's keys holds at least this many (a few BLOCK_N steps, pipelined): a
-# short context runs in one program per KV head, without partials, the arrival counter or the combine
-SPLIT_MIN_KEYS = 256
 _SM_COUNT: dict[int, int] = {}
 _SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -510,15 +506,14 @@ def attention_shape_ok(num_heads: int, num_kv_heads: int, head_dim: int) -> bool
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     page_table: torch.Tensor, max_query_len: int, scale: float,
-                    out: torch.Tensor | None = None, splits: int | None = None,
-                    min_split_keys: int = SPLIT_MIN_KEYS) -> torch.Tensor:
+                    out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
     """Twin of `ops.paged_attention` from raw batch tensors (no metadata object, no host sync).
 
     q [T, Hq, D]; kv_cache [P, 2, Hkv, ps, D]; query_start_loc [B+1]; seq_lens [B]; page_table
     [B, max_pages] -> [T, Hq, D]. A sequence with no query tokens is skipped. Decode batches
     (max_query_len 1) split each sequence's keys over `splits` programs (default
-    `decode_splits`), each at least `min_split_keys` keys (a multiple of 64, or 0): the splits past the
-    keys do nothing, the last of a (sequence, KV head)'s others to finish combines them."""
+    `decode_splits`): the splits past the keys do nothing, the last of a (sequence, KV head)'s others
+    to finish combines them (a context within one split: that program writes the output)."""
     t, hq, d = q.shape
     hkv, page_size = kv_cache.shape[2], kv_cache.shape[3]
     if not attention_shape_ok(hq, hkv, d):
@@ -551,5 +546,5 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             q.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
             kv_cache.stride(3), page_table.stride(0), GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m,
             BLOCK_N=block_n, D=d, PAGE_SIZE=page_size, IEEE=q.dtype == torch.float32, NSPLIT=splits,
-            MIN_KEYS=min_split_keys, **launch_args(q.device))
+            **launch_args(q.device))
     return out
