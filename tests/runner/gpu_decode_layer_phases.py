@@ -25,21 +25,14 @@ from nvl72.model import attn_backends, decode_layer
 from nvl72.model.batch import ForwardBatch
 from nvl72.model.loader import load_model
 from perf.serve import QWEN3_30B_A3B
+from tests.moe.gpu_layer_profile import capture
 
 PAGE = 16
 
 
 def graph_ms(fn, replays: int = 200) -> float:
     """Median ms of one replay of `fn` captured in a CUDA graph (after warm-up runs)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g = capture(fn)
     for _ in range(20):
         g.replay()
     times = []
