@@ -2,9 +2,9 @@
 
 At batch 1 a decoder layer was 14 kernels of a few microseconds each (perf/RESULTS.md, 2026-11-22
 16:08Z): launch, block scheduling and the dependent first loads cost more than the ~38 MB of weights
-the layer reads. Here one program per SM runs the layer's six phases, separated by grid-wide
-barriers (an arrival counter in global memory; the grid is never larger than the SMs, so every
-program is resident):
+the layer reads. Here a grid of up to CTAS_PER_SM programs per SM runs the layer's six phases,
+separated by grid-wide barriers (an arrival counter in global memory; the grid never holds more
+programs than the SMs can hold at once, see `grid_size`, so every program is resident):
 
   1  residual add + RMSNorm (each program norms the row itself: 2 x H values) and the packed q/k/v
      GEMV, rows in blocks over the programs
@@ -18,9 +18,13 @@ program is resident):
      (`triton_fused_decode.gate_up_rows`, FP8 weights read directly) per (slot, row block)
   6  down + the weighted sum over the k slots (`triton_fused_decode.down_rows`) per row block
 
-Every weight tile a phase starts with is loaded before that phase's barrier (before the PDL wait
-for phase 1): constant, so its stream overlaps the previous phase's tail. The layer returns
+The first weight tile of the GEMV phases (1, 3, 4) is loaded before their barrier (before the PDL
+wait for phase 1): constant, so its stream overlaps the previous phase's tail. The layer returns
 (residual, MLP output) as `DecoderLayer.forward_residual` does; their sum is the layer's output.
+
+Measured slower than the per-op kernels on an H200 (perf/RESULTS.md, 2026-11-23: 69.0 us a layer
+fused, 60.2 phased, 52.8 per-op; the barriers cost more than PDL launches and the phases stream at
+20-50% of the bandwidth), hence off by default.
 
 Numerics follow the triton backend's kernels (`fused_triton`): activations rounded to the model
 dtype where the references round; experts in fp32 on the FP8 weights (as the fused decode path,
@@ -55,7 +59,7 @@ BN_DN, BK_DN = 16, 128  # down rows per item, K step
 BLOCK_KV = 64  # keys per attention step (paged_attention's for head_dim <= 128)
 NUM_WARPS = 8
 CTAS_PER_SM = 4  # programs per SM: each keeps its weight tiles in flight, so more of them stream faster
-SPIN_LIMIT = tl.constexpr(1 << 24)  # polls of a grid barrier before giving up (seconds: a barrier takes microseconds)
+SPIN_LIMIT = tl.constexpr(1 << 24)  # polls of a grid barrier before giving up (seconds; a barrier takes us)
 
 
 @triton.jit
