@@ -160,9 +160,11 @@ class TritonBackend(AttentionBackend):
                  "Triton GEMV" if self.gemv else "cuBLAS", GEMV_ENV, flag)
         # One-token steps of the layers nvl72.model.decode_layer serves in one persistent kernel
         # ("fused"), or in its six phases as separate launches ("phased"); "0": the per-op kernels.
+        from nvl72.model.decode_layer import MODES
+
         mode = os.environ.get(DECODE_LAYER_ENV, DECODE_LAYER_DEFAULT)
-        if mode not in ("0", "fused", "phased"):
-            raise ValueError(f"${DECODE_LAYER_ENV}={mode!r}: expected 0, fused or phased")
+        if mode != "0" and mode not in MODES:
+            raise ValueError(f"${DECODE_LAYER_ENV}={mode!r}: expected 0 or one of {', '.join(MODES)}")
         self.decode_layer = None if mode == "0" else mode
         log.info("one-token decoder layers: %s ($%s=%s)",
                  "per-op kernels" if mode == "0" else f"one kernel a layer ({mode})", DECODE_LAYER_ENV, mode)

@@ -47,7 +47,8 @@ import triton.language as tl
 from aot.pdl import launch_args, wait_prior
 from moe.kernels.triton_fused_decode import down_rows, gate_up_rows
 from moe.kernels.triton_moe import topk_softmax
-from nvl72.model.fused_triton import _norm_rope_row, _round, attend_block, decode_splits, split_chunk
+from nvl72.model.fused_triton import (_norm_rope_row, _round, attend_block, decode_splits, rms_norm_row,
+                                      split_chunk)
 
 log = logging.getLogger(__name__)
 
@@ -122,13 +123,7 @@ def _add_norm(x, delta, w, eps, H: tl.constexpr, BLOCK_H: tl.constexpr, HAS_DELT
     v = tl.load(x + c, mask=ok, other=0.0).to(tl.float32)
     if HAS_DELTA:
         v = _round(v + tl.load(delta + c, mask=ok, other=0.0).to(tl.float32), DT)
-    rstd = tl.rsqrt(tl.sum(v * v, 0) / H + eps)
-    wv = tl.load(w + c, mask=ok, other=0.0).to(tl.float32)
-    if ZC:
-        y = _round(v * rstd * (1.0 + wv), DT)
-    else:
-        y = _round(_round(v * rstd, DT) * wv, DT)
-    return v, y
+    return v, rms_norm_row(v, tl.load(w + c, mask=ok, other=0.0).to(tl.float32), eps, H, ZC, DT)
 
 
 @triton.jit(do_not_specialize_on_alignment=["x", "delta", "cos", "sin", "slots", "seq_lens", "page_table"])
@@ -276,6 +271,7 @@ def gemv_blocks(n: int, k: int) -> tuple[int, int]:
 
 
 _SCRATCH: dict[tuple, dict[str, torch.Tensor]] = {}
+_ROWS: dict[tuple, torch.Tensor] = {}
 _GRIDS: dict[tuple, int] = {}
 
 
@@ -303,10 +299,10 @@ def _scratch(device: torch.device, dtype: torch.dtype, dims: tuple) -> dict[str,
 def _rows(device: torch.device, dtype: torch.dtype, nprog: int, block_h: int) -> torch.Tensor:
     """[nprog, block_h]: each program's private row (its normed input, then its q heads)."""
     key = (device, dtype, nprog, block_h)
-    rows = _SCRATCH.get(key)
+    rows = _ROWS.get(key)
     if rows is None:
         _no_capture(device)
-        rows = _SCRATCH[key] = torch.empty(nprog, block_h, dtype=dtype, device=device)
+        rows = _ROWS[key] = torch.empty(nprog, block_h, dtype=dtype, device=device)
     return rows
 
 
@@ -319,7 +315,7 @@ def check_errors() -> None:
     """Raise if a launch's grid barrier gave up waiting (a program not resident: the grid must
     not exceed the SMs the kernel can hold at once). Reads the flags back: a host sync."""
     for (device, *_), buf in _SCRATCH.items():
-        if isinstance(buf, dict) and int(buf["bar"][1]):
+        if int(buf["bar"][1]):
             raise RuntimeError(f"decode_layer on {device}: a grid barrier timed out (flag set); results are wrong")
 
 
@@ -377,6 +373,7 @@ def run(layer, x: torch.Tensor, delta: torch.Tensor | None, ctx, mode: str = "fu
     bn_qkv, bk_qkv = gemv_blocks(wqkv.shape[0], h)
     bn_o, bk_o = gemv_blocks(h, hq * d)
     bk_r = gemv_blocks(e, h)[1]
+
     def args(hrows):
         return (x, x if delta is None else delta, res_out, mlp_out,
                 layer.input_layernorm.weight, wqkv, attn.q_norm.weight, attn.k_norm.weight, attn.o_proj.weight,

@@ -186,15 +186,21 @@ def _add_rms_norm_kernel(x, delta, w, sum_out, norm_out, router, logits, rms_eps
         v = _round(v + tl.load(delta + t * stride_d + c, mask=ok, other=0.0).to(tl.float32), DT)
         if j == 0:
             tl.store(sum_out + t * H + c, v.to(DT), mask=ok)
-    rstd = tl.rsqrt(tl.sum(v * v, 0) / H + rms_eps)
-    if ZC:
-        y = _round(v * rstd * (1.0 + wv), DT)
-    else:
-        y = _round(_round(v * rstd, DT) * wv, DT)
+    y = rms_norm_row(v, wv, rms_eps, H, ZC, DT)
     if j == 0:
         tl.store(norm_out + t * H + c, y.to(DT), mask=ok)
     if BLOCK_E > 0:  # logits = normed @ router.T, rounded to the activation dtype as nn.Linear's output
         tl.store(logits + t * E + e, tl.sum(r.to(tl.float32) * y[None, :], 1).to(DT), mask=e_ok)
+
+
+@triton.jit
+def rms_norm_row(v, wv, rms_eps, H, ZC: tl.constexpr, DT: tl.constexpr):
+    """RMSNorm of the fp32 row v (zeros past H) with weight wv, rounded as `ops.rms_norm` rounds in
+    the activation dtype DT; fp32 result. Shared with nvl72.model.decode_layer."""
+    rstd = tl.rsqrt(tl.sum(v * v, 0) / H + rms_eps)
+    if ZC:
+        return _round(v * rstd * (1.0 + wv), DT)
+    return _round(_round(v * rstd, DT) * wv, DT)
 
 
 ROUTER_BLOCK_E = 4  # router rows per program of the fused norm + router kernel
