@@ -41,10 +41,12 @@ DECODE_MAX_TOKENS = 256  # at or below this many tokens the masked (no host sync
 # decode GEMMs (the FP8 defaults). The SiLU-quant kernel works on routed rows only, but the GEMMs'
 # grids and the h / y buffers scale with the capacity, so it follows T, not a 128-row M tile.
 DECODE_ALIGN = 32
-# at or below this many tokens an ops set with `fused_decode` runs it instead of the pipeline. Off by
-# default: on one H200 (perf/RESULTS.md, 2026-11-22, tests/moe/gpu_fused_decode.sh) its default blocks
-# took 29.2 us a layer at T=1 against the pipeline's 25.2 (best swept config 24.9), 0.75-0.94x at T=2-4
-FUSED_DECODE_TOKENS = 0
+# at or below this many tokens an ops set with `fused_decode` runs it instead of the pipeline: one token.
+# perf/RESULTS.md: per layer (tests/moe/gpu_fused_decode.sh, route included) 25.9-26.4 us against the
+# pipeline's 29.5-30.1 on an H100 (2026-11-28; 24.9 against 25.2 on an H200, 2026-11-22), the engine's
+# batch-1 step 0.713 against 0.741 ms (H100, 28 runs each); at T=2 46.3 against 45.8 us, so two tokens
+# stay on the pipeline
+FUSED_DECODE_TOKENS = 1
 ENV_FUSED_DECODE_TOKENS = "NVL72_MOE_FUSED_DECODE_TOKENS"
 
 

@@ -43,8 +43,10 @@ from aot.pdl import launch_args, wait_prior
 
 SCALE_BLOCK = 128  # the weights' scale block (rows and columns)
 # defaults for Qwen3-30B-A3B (H=2048, I=768, k=8) at one token: gate_up 8 pairs x 48 row blocks
-# = 384 programs; down 128 programs, each with a [k, 16, 128] fp8 tile (16 KB) per K step
-BLOCK_N, BLOCK_K, NUM_WARPS = 16, 512, 4
+# = 384 programs of 8 warps with a [16, 256] gate and up tile per K step (the fastest of the sweeps on
+# an H200, 2026-11-22, and an H100, 2026-11-28: perf/RESULTS.md); down 128 programs, each with a
+# [k, 16, 128] fp8 tile (16 KB) per K step
+BLOCK_N, BLOCK_K, NUM_WARPS = 16, 256, 8
 BLOCK_N2, BLOCK_K2, NUM_WARPS2 = 16, 128, 8
 EARLY_W2 = False  # `down(early=True)`: its routing and first w2 tiles read before the PDL wait
 

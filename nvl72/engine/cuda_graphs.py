@@ -11,7 +11,10 @@ well-formed batch; their outputs are ignored.
 Per step the host fills pinned staging buffers and moves them with one non_blocking H2D copy; the
 attention metadata of the graph path is computed inside the graph from those buffers (the backend
 must be `graph_safe`, i.e. need no host sync: the Triton backend). Nothing in a replay reads back
-to the host. Logits and sampling stay outside the graph (only the rows that sample).
+to the host. Every row of a decode step samples, so the graph also computes the logits of every
+row (in the model's dtype) and their argmax: a greedy step launches nothing after the replay but
+the copy of its tokens (lm_head and argmax outside the graph cost more host time per step than
+their GPU time at batch 1); other sampling runs on the replay's logits.
 
 Capture is tried once at start-up; when it cannot be used (CPU, a backend that plans on the host,
 an op with a host sync inside the forward) the reason is logged and the engine runs eagerly.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -117,6 +121,17 @@ class Staging:
             dst[n:m] = getattr(self.pad, name)[n:m]
 
 
+@dataclass
+class Replay:
+    """A step's outputs, views of static buffers (valid until the next `DecodeGraphs.run`): hidden
+    [T, H], the batch on the device, logits [T, V] in the model's dtype, their argmax [T]."""
+
+    hidden: torch.Tensor
+    batch: ForwardBatch
+    logits: torch.Tensor
+    tokens: torch.Tensor
+
+
 class DecodeGraphs:
     """CUDA graphs of `model.forward` for decode batches of `batch_sizes` sequences x `query_len` tokens."""
 
@@ -143,7 +158,7 @@ class DecodeGraphs:
             getattr(self.dev, name).copy_(getattr(self.staging.pad, name))
         self.copied = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # hidden, logits, tokens
         self.replays = 0
         self._capture_all()
 
@@ -156,12 +171,12 @@ class DecodeGraphs:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):  # warm-up: lazy inits, autotuning and allocations outside the capture
-                    self.model(batch, self.caches, check=False)
+                    self._step(batch)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[bs] = self.model(batch, self.caches, check=False)
+                    self.outputs[bs] = self._step(batch)
             except RuntimeError as e:
                 end_failed_capture()
                 raise GraphUnavailable(f"capturing batch size {bs} failed: {str(e).splitlines()[0]}") from e
@@ -171,17 +186,21 @@ class DecodeGraphs:
         log.info("CUDA graphs: decode captured for batch sizes %s x %d token(s), %d pages per sequence",
                  self.batch_sizes, self.query_len, self.max_pages)
 
+    def _step(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a replay runs: the forward, every row's logits (model dtype) and their argmax."""
+        hidden = self.model(batch, self.caches, check=False)
+        logits = self.model.compute_logits(hidden, fp32=False)
+        return hidden, logits, logits.argmax(-1)
+
     def fits(self, num_seqs: int, num_tokens: int, max_pages: int) -> bool:
         """Whether a step of `num_seqs` sequences x query_len tokens can replay a graph."""
         return (0 < num_seqs <= self.batch_sizes[-1] and num_tokens == num_seqs * self.query_len
                 and max_pages <= self.max_pages)
 
-    def run(self, batch: ForwardBatch, patch=None) -> tuple[torch.Tensor, ForwardBatch]:
-        """Replay for a host-side (CPU) batch; returns (hidden [T, H], the batch on the device).
-        `patch(input_ids)` edits the device input ids before the replay (async scheduling writes
-        the previous step's sampled tokens there, never read back to the host).
-
-        The returned tensors are views of static buffers: valid until the next `run`."""
+    def run(self, batch: ForwardBatch, patch=None) -> Replay:
+        """Replay for a host-side (CPU) batch. `patch(input_ids)` edits the device input ids before
+        the replay (async scheduling writes the previous step's sampled tokens there, never read
+        back to the host)."""
         b, t = batch.num_seqs, batch.num_tokens
         if not self.fits(b, t, batch.page_table.shape[1]):
             raise ValueError(f"batch of {b} sequences / {t} tokens / {batch.page_table.shape[1]} pages does not fit "
@@ -200,7 +219,8 @@ class DecodeGraphs:
         view = self.dev.view(b, self.query_len)
         li = batch.logits_indices  # the runner ships it to the device itself (no-op `to` then)
         view.logits_indices = None if li is None else li.to(view.input_ids.device, non_blocking=True)
-        return self.outputs[bs][:t], view
+        hidden, logits, tokens = self.outputs[bs]
+        return Replay(hidden[:t], view, logits[:t], tokens[:t])
 
 
 def end_failed_capture() -> None:

@@ -7,6 +7,7 @@ position of a decode step with drafts).
 from __future__ import annotations
 
 import array
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,17 @@ def placeholder_fill(scheduled: list[ScheduledSeq], prior: PriorTokens | None) -
             src.append(prior.rows[s.seq])
         start += s.num_new
     return [dst, src]
+
+
+def fill_run(fill: list[list[int]]) -> tuple[int, int, int] | None:
+    """(first input position, first prior row, count) when `placeholder_fill`'s positions and rows
+    are both consecutive (steady decode: every row's placeholder, in the prior step's order), so the
+    patch is one slice copy instead of an index_select + index_copy_ (two launches, more host time)."""
+    dst, src = fill
+    if not dst:
+        return None
+    d0, s0, n = dst[0], src[0], len(dst)
+    return (d0, s0, n) if dst == list(range(d0, d0 + n)) and src == list(range(s0, s0 + n)) else None
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
@@ -158,17 +170,28 @@ class ModelRunner:
         return (g is not None and all(s.num_new == g.query_len for s in scheduled)
                 and g.fits(len(scheduled), len(scheduled) * g.query_len, max(len(s.seq.pages) for s in scheduled)))
 
-    def _patch(self, input_ids: torch.Tensor, fill: torch.Tensor, prior: PriorTokens) -> None:
-        """input_ids[dst] = prior tokens[src], on the device (`fill` [2, n]: dst, src, already there);
-        index_select + index_copy_: less host time per step than an advanced-indexing put."""
-        input_ids.index_copy_(0, fill[0], prior.token_ids.index_select(0, fill[1]).to(input_ids.dtype))
+    @staticmethod
+    def _patch(input_ids: torch.Tensor, prior: PriorTokens, run: tuple[int, int, int] | None,
+               fill: torch.Tensor | None) -> None:
+        """input_ids[dst] = prior tokens[src], on the device: one slice copy for a `fill_run`, else
+        through `fill` [2, n] (dst, src, already there) by index_select + index_copy_ (less host time
+        per step than an advanced-indexing put)."""
+        if run is not None:
+            d0, s0, n = run
+            input_ids[d0:d0 + n].copy_(prior.token_ids[s0:s0 + n])
+        elif fill is not None:
+            input_ids.index_copy_(0, fill[0], prior.token_ids.index_select(0, fill[1]).to(input_ids.dtype))
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq], prior: PriorTokens | None = None, readback: bool = True) -> StepResult:
         """One forward + sampling. `prior`: the step in flight whose tokens this one feeds (async
         scheduling); `readback=False`: the sampled tokens stay on the device (`StepResult.pending`)."""
         fill = placeholder_fill(scheduled, prior)
+        run = fill_run(fill)
+        if run is not None:
+            fill = None  # patched by a slice copy: no indices to ship
         graphed = self._graph_fits(scheduled)
+        replay = None
         if graphed:  # decode step: replay, inputs through pinned staging buffers
             cpu_batch, rows, fill_t = build_batch(scheduled, self.page_size, self.hybrid, "cpu", fill)
             # The logits rows and placeholder indices go to the device in one copy of their own.
@@ -177,19 +200,24 @@ class ModelRunner:
             small = ship(small.view(torch.uint8), self.device, self.ring).view(torch.int64)
             cpu_batch.logits_indices = small[:li.numel()]
             fill_t = None if fill_t is None else small[li.numel():].view(2, -1)
-            patch = (lambda ids: self._patch(ids, fill_t, prior)) if fill_t is not None else None
-            hidden, batch = self.graphs.run(cpu_batch, patch)
+            patch = None
+            if run is not None or fill_t is not None:
+                patch = functools.partial(self._patch, prior=prior, run=run, fill=fill_t)
+            replay = self.graphs.run(cpu_batch, patch)
+            hidden, batch = replay.hidden, replay.batch
         else:
             batch, rows, fill_t = build_batch(scheduled, self.page_size, self.hybrid, self.device, fill, self.ring)
-            if fill_t is not None:
-                self._patch(batch.input_ids, fill_t, prior)
+            self._patch(batch.input_ids, prior, run, fill_t)
             if self.sync is not None:
                 self.sync.before(MAIN_PASS)
             hidden = self.model(batch, self.caches)
         if not rows:
             return StepResult(hidden, batch, rows, None, graphed=graphed)
-        # every token row samples (plain decode): the indices are 0..T-1, no gather needed
-        logits = self.model.compute_logits(hidden if len(rows) == hidden.shape[0] else hidden[batch.logits_indices])
+        greedy = None
+        if replay is not None and len(rows) == hidden.shape[0]:  # the graph computed every row's logits
+            logits, greedy = replay.logits, replay.tokens
+        else:  # every token row samples (plain decode): the indices are 0..T-1, no gather needed
+            logits = self.model.compute_logits(hidden if len(rows) == hidden.shape[0] else hidden[batch.logits_indices])
         sample_rows = []
         for i, off in rows:
             s = scheduled[i]
@@ -199,6 +227,6 @@ class ModelRunner:
             sample_rows.append(SampleRow(seq.params, seq.all_ids, seq.num_prompt, seq.generator,
                                          s.drafts[:off - first]))
         if readback:
-            return StepResult(hidden, batch, rows, self.sampler(logits, sample_rows), graphed=graphed)
-        sample = self.sampler.sample(logits, sample_rows)
+            return StepResult(hidden, batch, rows, self.sampler(logits, sample_rows, greedy), graphed=graphed)
+        sample = self.sampler.sample(logits, sample_rows, greedy)
         return StepResult(hidden, batch, rows, None, sample, graphed=graphed)

@@ -137,19 +137,23 @@ class DeviceSample:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
-        """Pick one token per row of `logits` [N, V] (fp32), read back to the host."""
-        return self.sample(logits, rows).result()
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow], greedy: torch.Tensor | None = None
+                 ) -> SampleResult:
+        """Pick one token per row of `logits` [N, V], read back to the host."""
+        return self.sample(logits, rows, greedy).result()
 
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> DeviceSample:
-        """Pick one token per row of `logits` [N, V] (fp32) without reading anything back."""
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow], greedy: torch.Tensor | None = None
+               ) -> DeviceSample:
+        """Pick one token per row of `logits` [N, V] (fp32 or the model's dtype) without reading
+        anything back. `greedy`: logits.argmax(-1) already computed (the decode graphs do), used
+        when every row is plain greedy."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"logits has {logits.shape[0]} rows for {len(rows)} sample rows")
         want_lp = [r.params.logprobs for r in rows]
         if all(r.params.greedy and not has_penalty(r.params) and r.params.logprobs is None for r in rows):
             # the argmax of the model's dtype is the argmax of its exact fp32 upcast (ties: the first
             # index either way), without a converted copy of the logits
-            return DeviceSample(logits.argmax(-1), want_lp)
+            return DeviceSample(logits.argmax(-1) if greedy is None else greedy, want_lp)
         logits = logits.float()
         raw_lp = logits.log_softmax(-1) if any(n is not None for n in want_lp) else None
         x = apply_penalties(logits, rows) if any(has_penalty(r.params) for r in rows) else logits

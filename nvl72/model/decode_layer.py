@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 MODES = ("fused", "phased")
 NUM_PHASES = 6
 GEMV_TILE = 8192  # elements of a bf16 GEMV weight tile (rows x K step), as fused_triton.gemv_blocks
-BN_UP, BK_UP = 16, 512  # gate/up rows per item, K step (triton_fused_decode's defaults)
+BN_UP, BK_UP = 16, 512  # gate/up rows per item, K step (as timed in perf/RESULTS.md, 2026-11-23)
 BN_DN, BK_DN = 16, 128  # down rows per item, K step
 BLOCK_KV = 64  # keys per attention step (paged_attention's for head_dim <= 128)
 NUM_WARPS = 8

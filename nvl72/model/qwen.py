@@ -2,7 +2,7 @@
 
 embed -> decoder layers (full attention or Gated DeltaNet by `config.layer_types`) -> final norm
 -> lm_head (or the tied embedding). `forward(batch, caches)` returns the final hidden states
-[T, H]; `compute_logits` turns the rows the engine wants into fp32 logits. The optional MTP head
+[T, H]; `compute_logits` turns the rows the engine wants into logits. The optional MTP head
 (`mtp.*` weights, Qwen3-Next / Qwen3.5) drafts the token after next from those hidden states.
 """
 from __future__ import annotations
@@ -135,10 +135,12 @@ class QwenMoeForCausalLM(nn.Module):
         ctx = self._context(batch, caches, True)
         return self.mtp(self.model.embed_tokens(batch.input_ids), hidden, ctx, step)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> fp32 logits [N, V]."""
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V], fp32 (`fp32=False`: the model's dtype, as the decode graphs
+        keep them: their argmax is the fp32 upcast's, and the sampler upcasts only when it needs to)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        return logits.float() if fp32 else logits
 
     def _check(self, batch: ForwardBatch, caches: ModelCaches) -> None:
         n = self._cache_spec.num_layers

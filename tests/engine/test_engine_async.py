@@ -8,7 +8,7 @@ import torch
 
 from nvl72.engine.engine import EngineConfig, LLMEngine
 from nvl72.engine.protocol import AddRequest, SamplingParams
-from nvl72.engine.runner import PriorTokens, placeholder_fill
+from nvl72.engine.runner import ModelRunner, PriorTokens, fill_run, placeholder_fill
 from nvl72.engine.scheduler import ScheduledSeq
 from nvl72.engine.sequence import PENDING_TOKEN, Sequence
 from tests.engine.test_handoff import copy_cache
@@ -204,6 +204,22 @@ def test_placeholder_without_step_in_flight_is_refused():
     with pytest.raises(RuntimeError, match="'x'|x: placeholder"):
         placeholder_fill(sched, None)
     assert placeholder_fill(sched, PriorTokens(None, {seq: 4})) == [[0], [4]]
+
+
+def test_patch_by_slice_or_by_indices():
+    """fill_run: consecutive positions and rows become one slice copy; anything else goes through the
+    index tensors; both give input_ids[dst] = prior tokens[src]."""
+    assert fill_run([[], []]) is None
+    assert fill_run([[0, 1, 2], [3, 4, 5]]) == (0, 3, 3)
+    assert fill_run([[0, 2], [0, 1]]) is None and fill_run([[0, 1], [1, 0]]) is None
+    prior = PriorTokens(torch.tensor([10, 11, 12, 13, 14, 15]), {})
+    for dst, src in ([[1, 2, 3], [2, 3, 4]], [[0, 3], [5, 1]]):
+        ids = torch.zeros(5, dtype=torch.long)
+        run = fill_run([dst, src])
+        ModelRunner._patch(ids, prior, run, None if run else torch.tensor([dst, src]))
+        want = torch.zeros(5, dtype=torch.long)
+        want[dst] = prior.token_ids[src]
+        assert torch.equal(ids, want) and (run is None) == (dst == [0, 3])
 
 
 @pytest.fixture

@@ -87,6 +87,10 @@ def test_greedy_fast_path_on_bf16_logits_equals_fp32():
     assert res.token_ids == x.float().argmax(-1).tolist() and res.token_ids[2] == 5 and res.logprobs is None
     penal = greedy[:2] + [SampleRow(SamplingParams(temperature=0.0, repetition_penalty=5.0), [5], 1)] + greedy[3:]
     assert Sampler()(x, penal).token_ids[2] == 9  # token 5 (positive) divided by the penalty
+    # the decode graphs' argmax: taken as is for an all-greedy batch, not used otherwise
+    given = torch.arange(6)
+    assert Sampler().sample(x, greedy, given).token_ids is given
+    assert Sampler()(x, penal, given).token_ids[2] == 9
 
 
 def test_seed_reproducible_and_distribution():

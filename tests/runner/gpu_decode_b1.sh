@@ -7,6 +7,9 @@
 #   bash tests/runner/gpu_decode_b1.sh --layer   (<= 460 s: tests, then perf.serve with NVL72_DECODE_LAYER=0,
 #                                                 fused, phased: one-token layers in one kernel, see
 #                                                 nvl72/model/decode_layer.py)
+#   bash tests/runner/gpu_decode_b1.sh --moe     (<= 500 s: tests, then perf.serve with the one-token MoE on
+#                                                 the FP8 pipeline / the fused decode kernels, twice each,
+#                                                 alternating: NVL72_MOE_FUSED_DECODE_TOKENS=0 / 1)
 # 1) the @gpu tests of tests/runner (fused residual add + RMSNorm [+ MoE router logits], RoPE
 #    table and slot-mapping kernels, K/V store inside q/k norm + RoPE, split-key decode attention,
 #    packed q/k/v GEMM, Triton GEMV; greedy tokens equal to the torch reference, graphs on == off,
@@ -39,6 +42,11 @@ case "$mode" in
     timeout -k 5 80 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/runner \
       "tests/moe/test_gpu_kernels.py::test_triton_route_and_quant_ops" 2>&1 | tee "$OUT/pytest.log" | tail -15
     echo "pytest rc=${PIPESTATUS[0]}" ;;
+  --moe) runs="pipe:1:1:0:0 fdec:1:1:0:1 pipe2:1:1:0:0 fdec2:1:1:0:1"; per_run=90; budget=${BUDGET:-500}
+    sizes="--graph-batch-sizes 1,64"
+    timeout -k 5 90 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/moe/test_triton_fused_decode.py \
+      tests/runner/test_runner_engine.py 2>&1 | tee "$OUT/pytest.log" | tail -15
+    echo "pytest rc=${PIPESTATUS[0]}" ;;
   --layer) runs="ops:1:1:0 fused:1:1:fused phased:1:1:phased"; per_run=110; budget=${BUDGET:-460}; sizes="--graph-batch-sizes 1,64"
     timeout -k 5 120 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/runner/test_decode_layer.py \
       tests/runner/test_pdl.py tests/runner/test_runner_engine.py tests/runner/test_fused_triton.py 2>&1 | tee "$OUT/pytest.log" | tail -15
@@ -47,16 +55,18 @@ case "$mode" in
     timeout -k 5 100 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/runner \
       tests/engine/test_engine_async.py "tests/moe/test_gpu_kernels.py::test_triton_route_and_quant_ops" 2>&1 | tee "$OUT/pytest.log" | tail -15
     echo "pytest rc=${PIPESTATUS[0]}" ;;
-  *) echo "unknown option $mode (expected --gemv, --pdl, --layer or nothing)"; exit 2 ;;
+  *) echo "unknown option $mode (expected --gemv, --pdl, --layer, --moe or nothing)"; exit 2 ;;
 esac
 for run in $runs; do
-  IFS=: read -r name pdl gemv layer <<< "$run"
+  IFS=: read -r name pdl gemv layer fdec <<< "$run"
   left=$((budget - 10 - SECONDS))
   limit=$((left < per_run ? left : per_run))
   if [ "$limit" -lt 20 ]; then echo "perf.serve $name skipped: ${left} s left"; continue; fi
-  NVL72_PDL=$pdl NVL72_TRITON_GEMV=$gemv NVL72_DECODE_LAYER=${layer:-0} timeout -k 5 "$limit" python3 -m perf.serve --layers 8 --modes graphs \
+  NVL72_MOE_FUSED_DECODE_TOKENS=${fdec:-1} NVL72_PDL=$pdl NVL72_TRITON_GEMV=$gemv NVL72_DECODE_LAYER=${layer:-0} \
+    timeout -k 5 "$limit" python3 -m perf.serve --layers 8 --modes graphs \
     --no-ttft --decode-out 64 $sizes --profile "/tmp/prof_$name" --json "$OUT/serve_$name.json" > "$OUT/serve_$name.log" 2>&1
-  echo "perf.serve $name (NVL72_PDL=$pdl NVL72_TRITON_GEMV=$gemv NVL72_DECODE_LAYER=${layer:-0}, limit ${limit} s) rc=$?"
+  echo "perf.serve $name (NVL72_PDL=$pdl NVL72_TRITON_GEMV=$gemv NVL72_DECODE_LAYER=${layer:-0}" \
+    "NVL72_MOE_FUSED_DECODE_TOKENS=${fdec:-1}, limit ${limit} s) rc=$?"
   gzip -c "/tmp/prof_$name/decode_b1.json" > "$OUT/decode_b1_$name.json.gz" 2>/dev/null
 done
 for run in $runs; do
@@ -75,7 +85,7 @@ if [ -n "$sizes" ]; then
   echo "== decode step (perf.serve, graphs, no profiler) and profiled GPU ops per step, by run"
   printf "%-9s %-5s %-5s %-7s %10s %7s %11s %9s\n" run PDL GEMV LAYER "b=1 ms" "% bound" "b=64 ms" "b=1 ops"
   for run in $runs; do
-    IFS=: read -r name pdl gemv layer <<< "$run"
+    IFS=: read -r name pdl gemv layer fdec <<< "$run"
     python3 - "$OUT/serve_$name.json" "$OUT/serve_$name.log" "$name" "$pdl" "$gemv" "${layer:-0}" <<'EOF'
 import json, re, sys
 path, log, name, pdl, gemv, layer = sys.argv[1:]

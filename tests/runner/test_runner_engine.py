@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nvl72.config import ModelConfig
-from nvl72.engine.cuda_graphs import DecodeGraphs, GraphUnavailable, Staging, build_decode_graphs
+from nvl72.engine.cuda_graphs import DecodeGraphs, GraphUnavailable, Replay, Staging, build_decode_graphs
 from nvl72.engine.engine import EngineConfig, LLMEngine
 from nvl72.engine.protocol import AddRequest, SamplingParams
 from nvl72.model import attn_backends
@@ -98,10 +98,11 @@ class EagerReplay:
         if patch is not None:
             patch(self.staging.host.input_ids)
         hidden = self.model(self.staging.host.view(bs, 1), self.caches, check=False)
+        logits = self.model.compute_logits(hidden, fp32=False)
         self.replays += 1
         view = self.staging.host.view(b, 1)
         view.logits_indices = batch.logits_indices
-        return hidden[:t], view
+        return Replay(hidden[:t], view, logits[:t], logits.argmax(-1)[:t])
 
 
 INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
