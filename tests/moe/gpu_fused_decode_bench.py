@@ -10,8 +10,9 @@ fused kernels with the given block sizes (k1: BLOCK_N/BLOCK_K/warps of gate_up, 
 `early` = down(early=True); each swept with the other at its default), `route` = the routing alone.
 Time = median over replays of one replay / layers. GB/s = active expert bytes (fp8 w13 + w2 of the
 distinct experts routed) / time; %cp = that against a device-to-device copy (read + write). Each fused
-variant is checked against an fp32 reference on the dequantized weights first (rel err < 1e-2). Writes
-fused_decode.json under --out and prints the table last.
+variant is checked against an fp32 reference on the dequantized weights first (rel err < 1e-2), and its
+graph's last replay against that eager output (bit for bit). Writes fused_decode.json under --out and prints
+the table last.
 """
 from __future__ import annotations
 
@@ -95,19 +96,24 @@ def main(argv=None) -> int:
         active = sum(int(torch.unique(be.route(lg, K, True)[1]).numel()) for lg in logits) / len(weights)
         nbytes = active * 3 * H * I
 
-        def layers(expert_fn):
+        def layers(expert_fn, keep):
             def step():
-                for lg, w in zip(logits, weights):
+                for i, (lg, w) in enumerate(zip(logits, weights)):
                     tw, ids = be.route(lg, K, True)
                     if expert_fn is not None:
-                        expert_fn(tw, ids, w)
+                        out = expert_fn(tw, ids, w)
+                        if i == 0:
+                            keep[:] = [out]  # the first layer's output (in the graph: its static buffer)
             return step
 
         def fused(cfg):
             return lambda tw, ids, w: fd.fused_decode(x, tw, ids, w.w13, w.w13_scale, w.w2, w.w2_scale, **cfg)
 
         def timed(name, expert_fn, cfg=None):
-            us = median_us(capture(layers(expert_fn)), a.replays) / len(weights)
+            keep = []
+            us = median_us(capture(layers(expert_fn, keep)), a.replays) / len(weights)
+            if name == "fused" and not torch.equal(keep[0], eager[json.dumps(cfg or {})]):
+                print(f"# T={t}: MISMATCH graph replay != eager for {_cfg(cfg or {})}", flush=True)
             row = dict(tokens=t, path=name, cfg=cfg or {}, us=us, active=active, gbps=nbytes / us / 1e3)
             rows.append(row)
             print("row", _fmt(row, bw), flush=True)
@@ -115,14 +121,15 @@ def main(argv=None) -> int:
 
         tw, ids = be.route(logits[0], K, True)
         want = reference(x, tw, ids, weights[0])
-        errs = {}
+        errs, eager = {}, {}
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # launched as in the graphs (PDL on a side stream): one compile each
             for cfg in [{}] + K1 + K2:
-                got = fd.fused_decode(x, tw, ids, weights[0].w13, weights[0].w13_scale, weights[0].w2,
-                                      weights[0].w2_scale, **cfg)
+                got = eager[json.dumps(cfg)] = fd.fused_decode(x, tw, ids, weights[0].w13, weights[0].w13_scale,
+                                                               weights[0].w2, weights[0].w2_scale, **cfg)
                 errs[json.dumps(cfg)] = ((got.float() - want).norm() / want.norm()).item()
             got = pipe.run(x, tw, ids, weights[0], 0)
+        torch.cuda.current_stream().wait_stream(side)
         pipe_err = ((got.float() - want).norm() / want.norm()).item()
         print(f"# T={t}: fused rel err vs fp32 max {max(errs.values()):.2e}; pipeline {pipe_err:.2e}", flush=True)
         bad = {c: e for c, e in errs.items() if not e < 1e-2}
