@@ -16,7 +16,9 @@ engine carries no timer):
   post       the rest of `LLMEngine.step` (placeholders, commit, stop checks, outputs)
   host       the step less forward
 Medians over steps, in microseconds. On a CPU nothing overlaps and there are no pinned copies:
-the GPU effect of any change is not measured here.
+the GPU effect of any change is not measured here. The CPU engine does not capture CUDA graphs, so a
+second table times what a graphed decode step does on the host instead of `prepare`: `flatten` and
+`Staging.write` into the graphs' staging buffers (decode sequences of 200 tokens in 16-token pages).
 """
 from __future__ import annotations
 
@@ -31,9 +33,12 @@ import torch
 
 from nvl72.config import ModelConfig
 from nvl72.engine import runner as runner_mod
+from nvl72.engine.cuda_graphs import Staging
 from nvl72.engine.engine import EngineConfig, LLMEngine
 from nvl72.engine.protocol import AddRequest, SamplingParams
 from nvl72.engine.sampler import DeviceSample
+from nvl72.engine.scheduler import ScheduledSeq
+from nvl72.engine.sequence import Sequence
 from nvl72.model.loader import build_model, init_dummy_weights
 
 TINY_MOE = dict(model_type="qwen3_moe", vocab_size=1024, hidden_size=32, num_hidden_layers=2,
@@ -78,7 +83,7 @@ class _TimedModel:
 @contextmanager
 def instrumented(engine: LLMEngine, times: PhaseTimes):
     """Wrap the engine's phases (module functions and DeviceSample methods restored on exit)."""
-    saved = [(runner_mod, "build_batch"), (runner_mod, "placeholder_fill"), (runner_mod.ModelRunner, "_patch"),
+    saved = [(runner_mod, "build_batch"), (runner_mod, "placeholder_fill"), (runner_mod, "patch_placeholders"),
              (DeviceSample, "copy_to_host"), (DeviceSample, "result")]
     saved = [(o, n, getattr(o, n)) for o, n in saved]
     runner = engine.runner
@@ -140,6 +145,23 @@ def measure(model, batch: int, overlap: bool, steps: int, prompt_len: int, tempe
     return {p: statistics.median(v) for p, v in rows.items()}
 
 
+def graphed_inputs_us(batch: int, steps: int, context: int = 200, page: int = 16) -> float:
+    """Median us of a graphed step's host inputs (runner.flatten + Staging.write) for `batch` decode
+    sequences (the staging sized as for 128 sequences of 64 pages, unpinned)."""
+    sched = []
+    for i in range(batch):
+        seq = Sequence(f"r{i}", list(range(context)), context - 1, SamplingParams(), 0, num_computed=context - 1)
+        seq.pages = list(range(i * 20, i * 20 + -(-context // page)))
+        sched.append(ScheduledSeq(seq, 1, []))
+    staging = Staging(128, 1, 64, False, scratch_page=0, scratch_slot=0, pin=False)
+    ts = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        staging.write(runner_mod.flatten(sched, False), batch)
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e6
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,64")
@@ -168,6 +190,10 @@ def main(argv=None) -> dict:
     print("|---|---|" + "---|" * len(PHASES))
     for r in res["results"]:
         print(f"| {r['batch']} | {r['mode']} | " + " | ".join(f"{r[p]:.1f}" for p in PHASES) + " |")
+    print(f"\ngraphed step's host inputs (runner.flatten + Staging.write), median us over {10 * args.steps} calls")
+    print("| batch | us |\n|---|---|")
+    for b in (int(x) for x in args.batches.split(",")):
+        print(f"| {b} | {graphed_inputs_us(b, 10 * args.steps):.1f} |")
     return res
 
 

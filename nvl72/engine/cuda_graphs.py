@@ -22,12 +22,14 @@ The staging and padding are tested on CPU (replay run eagerly), capture and repl
 """
 from __future__ import annotations
 
+import array
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from nvl72.engine.staging import StepArrays, writable_bytes
 from nvl72.model.batch import ForwardBatch, ModelCaches
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,8 @@ class _Buffers:
                 v.fill_(init)
             setattr(self, name, v)
         self._names = [name for name, *_ in specs]
+        self.offsets = {name: off for (name, *_), off in zip(specs, offs)}  # bytes into `flat`
+        self.itemsize = {name: dtype.itemsize for name, _, dtype, _ in specs}
         self._page_table_off, self._row_bytes = offs[-1], max_pages * 4
 
     def prefix_bytes(self, bs: int) -> int:
@@ -87,10 +91,11 @@ class Staging:
     """Host-side batch of a replay: the step's rows, then dummy rows up to the graph's size."""
 
     TOKEN_BUFFERS = ("input_ids", "positions", "state_write_slots")
+    ROW_BUFFERS = ("seq_lens", "state_read_slots")
 
     def __init__(self, max_bs: int, query_len: int, max_pages: int, hybrid: bool, scratch_page: int,
                  scratch_slot: int, pin: bool):
-        self.query_len = query_len
+        self.query_len, self.max_pages = query_len, max_pages
         self.host = _Buffers(max_bs, query_len, max_pages, hybrid, "cpu", pin=pin)
         self.pad = _Buffers(max_bs, query_len, max_pages, hybrid, "cpu", pin=False)  # every row a dummy
         self.pad.positions.copy_(torch.arange(query_len).repeat(max_bs))
@@ -99,26 +104,29 @@ class Staging:
         self.pad.page_table[:, 0] = scratch_page
         if hybrid:
             self.pad.state_read_slots.fill_(scratch_slot)
+        # every row of a replayed step has query_len tokens: its query_start_loc is the dummies' for good
+        self.host.query_start_loc.copy_(self.pad.query_start_loc)
+        self._host, self._pad = writable_bytes(self.host.flat), writable_bytes(self.pad.flat)
+        self._no_page = array.array("i", [-1]) * max_pages
 
-    def lengths(self, name: str, b: int, bs: int) -> tuple[int, int]:
-        """(rows of buffer `name` the step fills, rows a graph of size bs reads)."""
-        q = self.query_len
-        if name in self.TOKEN_BUFFERS:
-            return b * q, bs * q
-        return (b + 1, bs + 1) if name == "query_start_loc" else (b, bs)
-
-    def fill(self, batch: ForwardBatch, bs: int) -> None:
-        """Copy the host batch of b <= bs sequences (query_len tokens each) in; rows b.. are dummies."""
-        h, b, w = self.host, batch.num_seqs, batch.page_table.shape[1]
-        h.page_table[:b, w:] = -1
-        for name in h.names():
-            n, m = self.lengths(name, b, bs)
-            dst, src = getattr(h, name), getattr(batch, name)
-            if name == "page_table":
-                dst[:b, :w] = src
-            else:
-                dst[:n] = src
-            dst[n:m] = getattr(self.pad, name)[n:m]
+    def write(self, a: StepArrays, bs: int) -> None:
+        """Write the step's b <= bs sequences (query_len tokens each, `flatten`'s arrays) into the host
+        buffers, rows b..bs as dummies: byte copies, no tensor op."""
+        h, host, pad, q, b = self.host, self._host, self._pad, self.query_len, a.num_seqs
+        fields = [("input_ids", a.input_ids, b * q, bs * q), ("positions", a.positions, b * q, bs * q),
+                  ("seq_lens", a.seq_lens, b, bs)]
+        if a.state_read_slots is not None:
+            fields += [("state_read_slots", a.state_read_slots, b, bs),
+                       ("state_write_slots", a.state_write_slots, b * q, bs * q)]
+        table = array.array("i")
+        for pages in a.pages:
+            table.extend(pages)
+            table.extend(self._no_page[:self.max_pages - len(pages)])
+        fields.append(("page_table", table, b * self.max_pages, bs * self.max_pages))
+        for name, values, n, m in fields:
+            off, size = h.offsets[name], h.itemsize[name]
+            host[off:off + n * size] = values.tobytes()
+            host[off + n * size:off + m * size] = pad[off + n * size:off + m * size]
 
 
 @dataclass
@@ -157,6 +165,7 @@ class DecodeGraphs:
         for name in self.dev.names():  # the capture runs on dummy rows only
             getattr(self.dev, name).copy_(getattr(self.staging.pad, name))
         self.copied = torch.cuda.Event()
+        self._views: dict[tuple[int, int], tuple] = {}  # (graph size, sequences) -> run's output views
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # hidden, logits, tokens
         self.replays = 0
@@ -197,18 +206,20 @@ class DecodeGraphs:
         return (0 < num_seqs <= self.batch_sizes[-1] and num_tokens == num_seqs * self.query_len
                 and max_pages <= self.max_pages)
 
-    def run(self, batch: ForwardBatch, patch=None) -> Replay:
-        """Replay for a host-side (CPU) batch. `patch(input_ids)` edits the device input ids before
-        the replay (async scheduling writes the previous step's sampled tokens there, never read
-        back to the host)."""
-        b, t = batch.num_seqs, batch.num_tokens
-        if not self.fits(b, t, batch.page_table.shape[1]):
-            raise ValueError(f"batch of {b} sequences / {t} tokens / {batch.page_table.shape[1]} pages does not fit "
+    def run(self, arrays: StepArrays, logits_indices: torch.Tensor | None = None, patch=None) -> Replay:
+        """Replay for a step's host arrays (`nvl72.engine.runner.flatten`); `logits_indices` (already on
+        the device) rides along in the returned batch. `patch(input_ids)` edits the device input ids
+        before the replay (async scheduling writes the previous step's sampled tokens there, never
+        read back to the host)."""
+        b, t = arrays.num_seqs, arrays.num_tokens
+        pages = max([0] + [len(p) for p in arrays.pages])
+        if not self.fits(b, t, pages):
+            raise ValueError(f"batch of {b} sequences / {t} tokens / {pages} pages does not fit "
                              f"the graphs (sizes {self.batch_sizes} x {self.query_len}, {self.max_pages} pages)")
         bs = next(s for s in self.batch_sizes if s >= b)
         st = self.staging
         self.copied.synchronize()  # the previous step's copies have left the staging buffers
-        st.fill(batch, bs)
+        st.write(arrays, bs)
         n = self.dev.prefix_bytes(bs)
         self.dev.flat[:n].copy_(st.host.flat[:n], non_blocking=True)
         self.copied.record()
@@ -216,11 +227,16 @@ class DecodeGraphs:
             patch(self.dev.input_ids)
         self.graphs[bs].replay()
         self.replays += 1
-        view = self.dev.view(b, self.query_len)
-        li = batch.logits_indices  # the runner ships it to the device itself (no-op `to` then)
-        view.logits_indices = None if li is None else li.to(view.input_ids.device, non_blocking=True)
-        hidden, logits, tokens = self.outputs[bs]
-        return Replay(hidden[:t], view, logits[:t], tokens[:t])
+        key = (bs, b)
+        views = self._views.get(key)
+        if views is None:  # the slices of a (graph, step size): made once, not per step
+            view = self.dev.view(b, self.query_len)
+            hidden, logits, tokens = self.outputs[bs]
+            t = b * self.query_len
+            views = self._views[key] = (view, hidden[:t], logits[:t], tokens[:t])
+        view, hidden, logits, tokens = views
+        batch = replace(view, logits_indices=logits_indices)
+        return Replay(hidden, batch, logits, tokens)
 
 
 def end_failed_capture() -> None:

@@ -15,7 +15,7 @@ import torch
 from nvl72.engine.sampler import DeviceSample, SampleResult, SampleRow, Sampler
 from nvl72.engine.scheduler import ScheduledSeq
 from nvl72.engine.sequence import Sequence
-from nvl72.engine.staging import HostRing, pack, unpack
+from nvl72.engine.staging import HostRing, StepArrays, pack, unpack
 from nvl72.model.batch import ForwardBatch, ModelCaches
 from nvl72.model.dp_ep import MAIN_PASS
 
@@ -65,6 +65,18 @@ def fill_run(fill: list[list[int]]) -> tuple[int, int, int] | None:
     return (d0, s0, n) if dst == list(range(d0, d0 + n)) and src == list(range(s0, s0 + n)) else None
 
 
+def patch_placeholders(input_ids: torch.Tensor, prior: PriorTokens, run: tuple[int, int, int] | None,
+                       fill: torch.Tensor | None) -> None:
+    """input_ids[dst] = prior tokens[src], on the device: one slice copy for a `fill_run`, else
+    through `fill` [2, n] (dst, src, already there) by index_select + index_copy_ (less host time
+    per step than an advanced-indexing put)."""
+    if run is not None:
+        d0, s0, n = run
+        input_ids[d0:d0 + n].copy_(prior.token_ids[s0:s0 + n])
+    elif fill is not None:
+        input_ids.index_copy_(0, fill[0], prior.token_ids.index_select(0, fill[1]).to(input_ids.dtype))
+
+
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
     """A host tensor on `device`; to a GPU through pinned memory, non-blocking (a pageable copy
     would wait for the work in flight: async scheduling's previous step)."""
@@ -82,13 +94,8 @@ def ship(buf: torch.Tensor, device: torch.device, ring: HostRing | None) -> torc
 _PAD = array.array("i", [-1])
 
 
-def build_batch(scheduled: list[ScheduledSeq], page_size: int, hybrid: bool, device,
-                fill: list[list[int]] | None = None, ring: HostRing | None = None
-                ) -> tuple[ForwardBatch, list[tuple[int, int]], torch.Tensor | None]:
-    """Flatten the step's sequences into a `ForwardBatch`: built on the host in one packed buffer,
-    moved in one copy (through `ring`'s pinned buffers on a GPU). `fill` (`placeholder_fill`)
-    travels in the same copy: returned as a [2, n] tensor, or None when empty."""
-    device = torch.device(device)
+def flatten(scheduled: list[ScheduledSeq], hybrid: bool) -> StepArrays:
+    """The step's sequences flattened into host arrays (one pass, no tensors)."""
     ids: list[int] = []
     pos: list[int] = []
     cu = [0]
@@ -96,7 +103,6 @@ def build_batch(scheduled: list[ScheduledSeq], page_size: int, hybrid: bool, dev
     write: list[int] = []
     logits_idx: list[int] = []
     rows: list[tuple[int, int]] = []
-    max_pages = 1
     max_q = 0
     t = 0
     for i, s in enumerate(scheduled):
@@ -112,8 +118,6 @@ def build_batch(scheduled: list[ScheduledSeq], page_size: int, hybrid: bool, dev
             ids += drafts
             pos += range(start, start + n)
         seq_lens.append(start + n)
-        if len(seq.pages) > max_pages:
-            max_pages = len(seq.pages)
         if n > max_q:
             max_q = n
         if hybrid:
@@ -127,26 +131,41 @@ def build_batch(scheduled: list[ScheduledSeq], page_size: int, hybrid: bool, dev
                 rows.append((i, off))
         t += n
         cu.append(t)
+    return StepArrays(
+        array.array("q", ids), array.array("q", pos), array.array("i", cu), array.array("i", seq_lens),
+        [s.seq.pages for s in scheduled], array.array("q", logits_idx), rows, max_q,
+        array.array("q", [s.seq.state_slot for s in scheduled]) if hybrid else None,
+        array.array("q", write) if hybrid else None)
+
+
+def build_batch(scheduled: list[ScheduledSeq], page_size: int, hybrid: bool, device,
+                fill: list[list[int]] | None = None, ring: HostRing | None = None
+                ) -> tuple[ForwardBatch, list[tuple[int, int]], torch.Tensor | None]:
+    """Flatten the step's sequences into a `ForwardBatch`: built on the host in one packed buffer,
+    moved in one copy (through `ring`'s pinned buffers on a GPU). `fill` (`placeholder_fill`)
+    travels in the same copy: returned as a [2, n] tensor, or None when empty."""
+    device = torch.device(device)
+    a = flatten(scheduled, hybrid)
+    max_pages = max([1] + [len(p) for p in a.pages])
     table = array.array("i")  # [B, max_pages] page ids, -1 padded
     pad = _PAD * max_pages
-    for s in scheduled:
-        pages = s.seq.pages
+    for pages in a.pages:
         table.extend(pages)
         table.extend(pad[:max_pages - len(pages)])
-    int64 = [array.array("q", ids), array.array("q", pos), array.array("q", logits_idx)]
+    int64 = [a.input_ids, a.positions, a.logits_indices]
     if hybrid:
-        int64 += [array.array("q", [s.seq.state_slot for s in scheduled]), array.array("q", write)]
+        int64 += [a.state_read_slots, a.state_write_slots]
     has_fill = bool(fill and fill[0])
     if has_fill:
         int64.append(array.array("q", fill[0] + fill[1]))
-    host, layout = pack(int64, [array.array("i", cu), array.array("i", seq_lens), table])
+    host, layout = pack(int64, [a.query_start_loc, a.seq_lens, table])
     f = unpack(ship(host, device, ring), layout, len(int64))
     batch = ForwardBatch(
         input_ids=f[0], positions=f[1], logits_indices=f[2],
         query_start_loc=f[-3], seq_lens=f[-2], page_table=f[-1].view(len(scheduled), max_pages),
         state_read_slots=f[3] if hybrid else None, state_write_slots=f[4] if hybrid else None,
-        max_query_len=max_q)
-    return batch, rows, f[-4].view(2, -1) if has_fill else None
+        max_query_len=a.max_query_len)
+    return batch, a.rows, f[-4].view(2, -1) if has_fill else None
 
 
 class ModelRunner:
@@ -170,18 +189,6 @@ class ModelRunner:
         return (g is not None and all(s.num_new == g.query_len for s in scheduled)
                 and g.fits(len(scheduled), len(scheduled) * g.query_len, max(len(s.seq.pages) for s in scheduled)))
 
-    @staticmethod
-    def _patch(input_ids: torch.Tensor, prior: PriorTokens, run: tuple[int, int, int] | None,
-               fill: torch.Tensor | None) -> None:
-        """input_ids[dst] = prior tokens[src], on the device: one slice copy for a `fill_run`, else
-        through `fill` [2, n] (dst, src, already there) by index_select + index_copy_ (less host time
-        per step than an advanced-indexing put)."""
-        if run is not None:
-            d0, s0, n = run
-            input_ids[d0:d0 + n].copy_(prior.token_ids[s0:s0 + n])
-        elif fill is not None:
-            input_ids.index_copy_(0, fill[0], prior.token_ids.index_select(0, fill[1]).to(input_ids.dtype))
-
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq], prior: PriorTokens | None = None, readback: bool = True) -> StepResult:
         """One forward + sampling. `prior`: the step in flight whose tokens this one feeds (async
@@ -192,22 +199,27 @@ class ModelRunner:
             fill = None  # patched by a slice copy: no indices to ship
         graphed = self._graph_fits(scheduled)
         replay = None
-        if graphed:  # decode step: replay, inputs through pinned staging buffers
-            cpu_batch, rows, fill_t = build_batch(scheduled, self.page_size, self.hybrid, "cpu", fill)
+        if graphed:  # decode step: replay, inputs written into the graphs' pinned staging
+            arrays = flatten(scheduled, self.hybrid)
+            rows = arrays.rows
             # The logits rows and placeholder indices go to the device in one copy of their own.
-            li = cpu_batch.logits_indices
-            small = li if fill_t is None else torch.cat([li, fill_t.flatten()])
-            small = ship(small.view(torch.uint8), self.device, self.ring).view(torch.int64)
-            cpu_batch.logits_indices = small[:li.numel()]
-            fill_t = None if fill_t is None else small[li.numel():].view(2, -1)
+            has_fill = bool(fill and fill[0])
+            small = array.array("q", arrays.logits_indices)
+            if has_fill:
+                small.extend(fill[0])
+                small.extend(fill[1])
+            dev = ship(torch.frombuffer(bytearray(small.tobytes() or bytes(8)), dtype=torch.uint8), self.device,
+                       self.ring).view(torch.int64)
+            n_li = len(arrays.logits_indices)
+            fill_t = dev[n_li:n_li + 2 * len(fill[0])].view(2, -1) if has_fill else None
             patch = None
             if run is not None or fill_t is not None:
-                patch = functools.partial(self._patch, prior=prior, run=run, fill=fill_t)
-            replay = self.graphs.run(cpu_batch, patch)
+                patch = functools.partial(patch_placeholders, prior=prior, run=run, fill=fill_t)
+            replay = self.graphs.run(arrays, dev[:n_li], patch)
             hidden, batch = replay.hidden, replay.batch
         else:
             batch, rows, fill_t = build_batch(scheduled, self.page_size, self.hybrid, self.device, fill, self.ring)
-            self._patch(batch.input_ids, prior, run, fill_t)
+            patch_placeholders(batch.input_ids, prior, run, fill_t)
             if self.sync is not None:
                 self.sync.before(MAIN_PASS)
             hidden = self.model(batch, self.caches)

@@ -10,8 +10,44 @@ are.
 from __future__ import annotations
 
 import array
+import ctypes
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class StepArrays:
+    """A step's flattened inputs as host arrays (`nvl72.engine.runner.flatten`): the eager path packs
+    them into one copy (`build_batch`), the decode graphs write them straight into their pinned
+    staging (`nvl72.engine.cuda_graphs.Staging.write`), with no tensor op per field."""
+
+    input_ids: array.array  # "q" [T]
+    positions: array.array  # "q" [T]
+    query_start_loc: array.array  # "i" [B + 1]
+    seq_lens: array.array  # "i" [B]
+    pages: list[list[int]]  # per sequence
+    logits_indices: array.array  # "q" [N]
+    rows: list[tuple[int, int]]  # (index into scheduled, query offset) per sampled row
+    max_query_len: int
+    state_read_slots: array.array | None = None  # "q" [B] (hybrid models)
+    state_write_slots: array.array | None = None  # "q" [T]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+def writable_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous uint8 host tensor as a writable memoryview: slice assignment from
+    `array.tobytes()` costs no tensor op (each is a few us of host time per step)."""
+    if t.device.type != "cpu" or t.dtype != torch.uint8 or not t.is_contiguous():
+        raise ValueError(f"writable_bytes: {t.dtype} on {t.device}: expected a contiguous uint8 host tensor")
+    return memoryview((ctypes.c_char * t.numel()).from_address(t.data_ptr())).cast("B")
 
 
 def pack(int64: list[array.array], int32: list[array.array]) -> tuple[torch.Tensor, list[tuple[int, int]]]:

@@ -8,7 +8,7 @@ import torch
 
 from nvl72.engine.engine import EngineConfig, LLMEngine
 from nvl72.engine.protocol import AddRequest, SamplingParams
-from nvl72.engine.runner import ModelRunner, PriorTokens, fill_run, placeholder_fill
+from nvl72.engine.runner import PriorTokens, fill_run, patch_placeholders, placeholder_fill
 from nvl72.engine.scheduler import ScheduledSeq
 from nvl72.engine.sequence import PENDING_TOKEN, Sequence
 from tests.engine.test_handoff import copy_cache
@@ -216,7 +216,7 @@ def test_patch_by_slice_or_by_indices():
     for dst, src in ([[1, 2, 3], [2, 3, 4]], [[0, 3], [5, 1]]):
         ids = torch.zeros(5, dtype=torch.long)
         run = fill_run([dst, src])
-        ModelRunner._patch(ids, prior, run, None if run else torch.tensor([dst, src]))
+        patch_placeholders(ids, prior, run, None if run else torch.tensor([dst, src]))
         want = torch.zeros(5, dtype=torch.long)
         want[dst] = prior.token_ids[src]
         assert torch.equal(ids, want) and (run is None) == (dst == [0, 3])

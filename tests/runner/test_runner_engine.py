@@ -91,17 +91,17 @@ class EagerReplay:
         self.staging = Staging(max(sizes), 1, self.max_pages, engine.hybrid, engine.pages.alloc(1)[0], slot,
                                pin=False)
 
-    def run(self, batch, patch=None):
-        b, t = batch.num_seqs, batch.num_tokens
+    def run(self, arrays, logits_indices=None, patch=None):
+        b, t = arrays.num_seqs, arrays.num_tokens
         bs = next(s for s in self.batch_sizes if s >= b)
-        self.staging.fill(batch, bs)
+        self.staging.write(arrays, bs)
         if patch is not None:
             patch(self.staging.host.input_ids)
         hidden = self.model(self.staging.host.view(bs, 1), self.caches, check=False)
         logits = self.model.compute_logits(hidden, fp32=False)
         self.replays += 1
         view = self.staging.host.view(b, 1)
-        view.logits_indices = batch.logits_indices
+        view.logits_indices = logits_indices
         return Replay(hidden[:t], view, logits[:t], logits.argmax(-1)[:t])
 
 
@@ -211,6 +211,41 @@ def test_random_ops_work_after_a_failed_capture():
     torch.cuda.current_stream().wait_stream(side)
     end_failed_capture()
     assert torch.randn(1000, device="cuda").std().item() > 0.5
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_staging_write_pads_past_the_step(hybrid):
+    """Staging.write: the step's rows from `flatten`'s arrays, every row after them up to the graph
+    size a dummy's (rows an earlier, larger step wrote included), query_start_loc the dummies'."""
+    import array
+
+    from nvl72.engine.staging import StepArrays
+
+    q, pages = 2, 5
+    st = Staging(8, q, pages, hybrid, scratch_page=7, scratch_slot=9, pin=False)
+
+    def step(b, base):
+        cols = [[base + 10 * i + j for j in range(i % pages + 1)] for i in range(b)]
+        return StepArrays(
+            array.array("q", range(base, base + b * q)), array.array("q", range(base + 1, base + 1 + b * q)),
+            array.array("i", range(0, (b + 1) * q, q)), array.array("i", range(base, base + b)), cols,
+            array.array("q"), [], q, array.array("q", range(b)) if hybrid else None,
+            array.array("q", range(b * q)) if hybrid else None)
+
+    st.write(step(6, 100), 8)
+    a = step(3, 200)
+    st.write(a, 4)
+    h, pad = st.host, st.pad
+    assert h.input_ids[:6].tolist() == list(a.input_ids) and torch.equal(h.input_ids[6:8], pad.input_ids[6:8])
+    assert h.positions[:6].tolist() == list(a.positions) and torch.equal(h.positions[6:8], pad.positions[6:8])
+    assert h.seq_lens[:4].tolist() == list(a.seq_lens) + [q]
+    assert h.query_start_loc.tolist() == list(range(0, 9 * q, q))
+    for i, cols in enumerate(a.pages):
+        assert h.page_table[i].tolist() == cols + [-1] * (pages - len(cols))
+    assert h.page_table[3].tolist() == [7] + [-1] * (pages - 1)
+    if hybrid:
+        assert h.state_read_slots[:4].tolist() == [0, 1, 2, 9]
+        assert h.state_write_slots[:8].tolist() == list(range(6)) + [-1, -1]
 
 
 @pytest.mark.parametrize("hybrid", [False, True])
