@@ -90,9 +90,6 @@ class _Buffers:
 class Staging:
     """Host-side batch of a replay: the step's rows, then dummy rows up to the graph's size."""
 
-    TOKEN_BUFFERS = ("input_ids", "positions", "state_write_slots")
-    ROW_BUFFERS = ("seq_lens", "state_read_slots")
-
     def __init__(self, max_bs: int, query_len: int, max_pages: int, hybrid: bool, scratch_page: int,
                  scratch_slot: int, pin: bool):
         self.query_len, self.max_pages = query_len, max_pages
