@@ -22,14 +22,13 @@ The staging and padding are tested on CPU (replay run eagerly), capture and repl
 """
 from __future__ import annotations
 
-import array
 import logging
 import math
 from dataclasses import dataclass, replace
 
 import torch
 
-from nvl72.engine.staging import StepArrays, writable_bytes
+from nvl72.engine.staging import StepArrays, page_rows, writable_bytes
 from nvl72.model.batch import ForwardBatch, ModelCaches
 
 log = logging.getLogger(__name__)
@@ -104,7 +103,6 @@ class Staging:
         # every row of a replayed step has query_len tokens: its query_start_loc is the dummies' for good
         self.host.query_start_loc.copy_(self.pad.query_start_loc)
         self._host, self._pad = writable_bytes(self.host.flat), writable_bytes(self.pad.flat)
-        self._no_page = array.array("i", [-1]) * max_pages
 
     def write(self, a: StepArrays, bs: int) -> None:
         """Write the step's b <= bs sequences (query_len tokens each, `flatten`'s arrays) into the host
@@ -115,11 +113,7 @@ class Staging:
         if a.state_read_slots is not None:
             fields += [("state_read_slots", a.state_read_slots, b, bs),
                        ("state_write_slots", a.state_write_slots, b * q, bs * q)]
-        table = array.array("i")
-        for pages in a.pages:
-            table.extend(pages)
-            table.extend(self._no_page[:self.max_pages - len(pages)])
-        fields.append(("page_table", table, b * self.max_pages, bs * self.max_pages))
+        fields.append(("page_table", page_rows(a.pages, self.max_pages), b * self.max_pages, bs * self.max_pages))
         for name, values, n, m in fields:
             off, size = h.offsets[name], h.itemsize[name]
             host[off:off + n * size] = values.tobytes()

@@ -15,7 +15,7 @@ import torch
 from nvl72.engine.sampler import DeviceSample, SampleResult, SampleRow, Sampler
 from nvl72.engine.scheduler import ScheduledSeq
 from nvl72.engine.sequence import Sequence
-from nvl72.engine.staging import HostRing, StepArrays, pack, unpack
+from nvl72.engine.staging import HostRing, StepArrays, pack, page_rows, unpack
 from nvl72.model.batch import ForwardBatch, ModelCaches
 from nvl72.model.dp_ep import MAIN_PASS
 
@@ -91,9 +91,6 @@ def ship(buf: torch.Tensor, device: torch.device, ring: HostRing | None) -> torc
     return ring.to_device(buf, device) if ring is not None else to_device(buf, device)
 
 
-_PAD = array.array("i", [-1])
-
-
 def flatten(scheduled: list[ScheduledSeq], hybrid: bool) -> StepArrays:
     """The step's sequences flattened into host arrays (one pass, no tensors)."""
     ids: list[int] = []
@@ -147,11 +144,7 @@ def build_batch(scheduled: list[ScheduledSeq], page_size: int, hybrid: bool, dev
     device = torch.device(device)
     a = flatten(scheduled, hybrid)
     max_pages = max([1] + [len(p) for p in a.pages])
-    table = array.array("i")  # [B, max_pages] page ids, -1 padded
-    pad = _PAD * max_pages
-    for pages in a.pages:
-        table.extend(pages)
-        table.extend(pad[:max_pages - len(pages)])
+    table = page_rows(a.pages, max_pages)  # [B, max_pages]
     int64 = [a.input_ids, a.positions, a.logits_indices]
     if hybrid:
         int64 += [a.state_read_slots, a.state_write_slots]

@@ -42,6 +42,16 @@ class StepArrays:
         return len(self.input_ids)
 
 
+def page_rows(pages: list[list[int]], width: int) -> array.array:
+    """The sequences' page ids as one int32 array of rows `width` wide, -1 padded (a page table)."""
+    table = array.array("i")
+    pad = array.array("i", [-1]) * width
+    for p in pages:
+        table.extend(p)
+        table.extend(pad[:width - len(p)])
+    return table
+
+
 def writable_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous uint8 host tensor as a writable memoryview: slice assignment from
     `array.tobytes()` costs no tensor op (each is a few us of host time per step)."""
