@@ -36,8 +36,6 @@ class ForwardContext:
     sin: torch.Tensor | None
     # nvl72.model.attn_backends.AttentionBackend that planned `attn`; None: the ops references.
     backend: object | None = None
-    # nvl72.model.prefetch.DecodePrefetch of a captured small decode step; None: no L2 prefetch.
-    prefetch: object | None = None
 
 
 class RMSNorm(nn.Module):
@@ -138,11 +136,6 @@ class Attention(nn.Module):
             self._packed_ptrs = tuple(p.data_ptr() for lin in lins for p in lin.parameters())
         return self._qkv_weight, self._qkv_bias
 
-    @property
-    def packed_qkv_weight(self) -> torch.Tensor | None:
-        """`packed_qkv`'s weight once a forward made it, else None."""
-        return self._qkv_weight
-
     def _qkv(self, x: torch.Tensor, backend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q_proj(x), k_proj(x), v_proj(x) [T, rows] as one GEMM over `packed_qkv`."""
         y = backend.linear(x, *self.packed_qkv())
@@ -156,8 +149,6 @@ class Attention(nn.Module):
         if backend is not None and backend.fused_qk_norm_rope:
             # one GEMM, then one kernel: gate split, q/k norm, RoPE and the K/V store
             q_raw, k_raw, v = self._qkv(x, backend)
-            if ctx.prefetch is not None:
-                ctx.prefetch.after_qkv(self)
             v = v.view(t, self.num_kv_heads, d)  # column slice of the packed output: strided rows
             q, k, gate = backend.qk_norm_rope(q_raw, k_raw, self.q_norm.weight, self.k_norm.weight,
                                               ctx.cos, ctx.sin, self.num_heads, self.num_kv_heads, d,
@@ -298,8 +289,6 @@ class DecoderLayer(nn.Module):
         else:
             i = self.cache_idx
             h = self.linear_attn(h, ctx.batch, ctx.caches.conv[i], ctx.caches.recurrent[i])
-        if ctx.prefetch is not None:
-            ctx.prefetch.after_mixer(self)
         # all-reduce of the row-parallel o_proj / out_proj, then the residual add and the second norm
         delta, norm = self.parallel.reduce(h), self.post_attention_layernorm
         moe = self.mlp if isinstance(self.mlp, MoE) else None

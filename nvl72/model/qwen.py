@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nvl72.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
-from nvl72.model import ops, prefetch
+from nvl72.model import ops
 from nvl72.model.batch import ForwardBatch, ModelCaches
 from nvl72.model.cache_spec import CacheSpec, KVLayerSpec, StateLayerSpec
 from nvl72.model.gdn import GatedDeltaNet
@@ -93,7 +93,6 @@ class QwenMoeForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
         attach_default_loaders(self)
         self._cache_spec = self._make_cache_spec()
-        self._l2_prefetch: prefetch.DecodePrefetch | None | bool = False  # False: not built yet (_prefetch)
 
     @property
     def device(self) -> torch.device:
@@ -109,17 +108,7 @@ class QwenMoeForCausalLM(nn.Module):
         else:
             meta = backend.plan(batch, caches.page_size)
         cos, sin = (ops if backend is None else backend).rope_cos_sin(batch.positions, self.inv_freq, self.dtype)
-        return ForwardContext(batch, caches, meta, cos, sin, backend, self._prefetch(batch))
-
-    def _prefetch(self, batch: ForwardBatch) -> prefetch.DecodePrefetch | None:
-        """The L2 prefetch schedule for this forward: only a captured step of few tokens (see
-        nvl72.model.prefetch); built from the environment on the first such step."""
-        if (batch.num_tokens > prefetch.MAX_TOKENS or not batch.input_ids.is_cuda
-                or not torch.cuda.is_current_stream_capturing()):
-            return None
-        if self._l2_prefetch is False:
-            self._l2_prefetch = prefetch.for_model(list(self.model.layers), self.device)
-        return self._l2_prefetch
+        return ForwardContext(batch, caches, meta, cos, sin, backend)
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches, check: bool = True) -> torch.Tensor:
         """Run the flattened batch; returns final-norm hidden states [T, H]. `check=False` skips the
@@ -130,8 +119,6 @@ class QwenMoeForCausalLM(nn.Module):
         x, delta = self.model.embed_tokens(batch.input_ids), None  # [T, H]
         for layer in self.model.layers:
             x, delta = layer.forward_residual(x, delta, ctx)
-        if ctx.prefetch is not None:
-            ctx.prefetch.join()
         return add_norm(self.model.norm, x, delta, ctx)[1]
 
     def forward_mtp(self, batch: ForwardBatch, caches: ModelCaches, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
@@ -146,10 +133,7 @@ class QwenMoeForCausalLM(nn.Module):
             raise ValueError(f"hidden shape {tuple(hidden.shape)} != ({batch.num_tokens}, {self.config.hidden_size})")
         self._check(batch, caches)
         ctx = self._context(batch, caches, True)
-        out = self.mtp(self.model.embed_tokens(batch.input_ids), hidden, ctx, step)
-        if ctx.prefetch is not None:
-            ctx.prefetch.join()
-        return out
+        return self.mtp(self.model.embed_tokens(batch.input_ids), hidden, ctx, step)
 
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V], fp32 (`fp32=False`: the model's dtype, as the decode graphs

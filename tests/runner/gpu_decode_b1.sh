@@ -10,10 +10,6 @@
 #   bash tests/runner/gpu_decode_b1.sh --moe     (<= 500 s: tests, then perf.serve with the one-token MoE on
 #                                                 the FP8 pipeline / the fused decode kernels, twice each,
 #                                                 alternating: NVL72_MOE_FUSED_DECODE_TOKENS=0 / 1)
-#   bash tests/runner/gpu_decode_b1.sh --l2      (<= 560 s: the L2 prefetch tests and bench
-#                                                 tests/runner/gpu_l2_prefetch_bench.py, then perf.serve with
-#                                                 NVL72_L2_PREFETCH=0 / o / o,qkv (hint) / o,qkv (load), see
-#                                                 nvl72/model/prefetch.py)
 # 1) the @gpu tests of tests/runner (fused residual add + RMSNorm [+ MoE router logits], RoPE
 #    table and slot-mapping kernels, K/V store inside q/k norm + RoPE, split-key decode attention,
 #    packed q/k/v GEMM, Triton GEMV; greedy tokens equal to the torch reference, graphs on == off,
@@ -51,12 +47,6 @@ case "$mode" in
     timeout -k 5 90 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/moe/test_triton_fused_decode.py \
       tests/runner/test_runner_engine.py 2>&1 | tee "$OUT/pytest.log" | tail -15
     echo "pytest rc=${PIPESTATUS[0]}" ;;
-  --l2) runs="off:1:1:0:1:0 o:1:1:0:1:o oqkv:1:1:0:1:o,qkv:hint oqkvld:1:1:0:1:o,qkv:load off2:1:1:0:1:0"
-    per_run=85; budget=${BUDGET:-560}; sizes="--graph-batch-sizes 1,64"
-    timeout -k 5 100 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/runner/test_prefetch.py 2>&1 \
-      | tee "$OUT/pytest.log" | tail -8
-    echo "pytest rc=${PIPESTATUS[0]}"
-    timeout -k 5 90 python3 tests/runner/gpu_l2_prefetch_bench.py --out "$OUT" 2>&1 | tee "$OUT/l2_bench.log" | tail -30 ;;
   --layer) runs="ops:1:1:0 fused:1:1:fused phased:1:1:phased"; per_run=110; budget=${BUDGET:-460}; sizes="--graph-batch-sizes 1,64"
     timeout -k 5 120 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/runner/test_decode_layer.py \
       tests/runner/test_pdl.py tests/runner/test_runner_engine.py tests/runner/test_fused_triton.py 2>&1 | tee "$OUT/pytest.log" | tail -15
@@ -65,19 +55,18 @@ case "$mode" in
     timeout -k 5 100 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/runner \
       tests/engine/test_engine_async.py "tests/moe/test_gpu_kernels.py::test_triton_route_and_quant_ops" 2>&1 | tee "$OUT/pytest.log" | tail -15
     echo "pytest rc=${PIPESTATUS[0]}" ;;
-  *) echo "unknown option $mode (expected --gemv, --pdl, --layer, --moe, --l2 or nothing)"; exit 2 ;;
+  *) echo "unknown option $mode (expected --gemv, --pdl, --layer, --moe or nothing)"; exit 2 ;;
 esac
 for run in $runs; do
-  IFS=: read -r name pdl gemv layer fdec l2 l2m <<< "$run"
+  IFS=: read -r name pdl gemv layer fdec <<< "$run"
   left=$((budget - 10 - SECONDS))
   limit=$((left < per_run ? left : per_run))
   if [ "$limit" -lt 20 ]; then echo "perf.serve $name skipped: ${left} s left"; continue; fi
-  NVL72_L2_PREFETCH=${l2:-0} NVL72_L2_PREFETCH_METHOD=${l2m:-hint} \
   NVL72_MOE_FUSED_DECODE_TOKENS=${fdec:-1} NVL72_PDL=$pdl NVL72_TRITON_GEMV=$gemv NVL72_DECODE_LAYER=${layer:-0} \
     timeout -k 5 "$limit" python3 -m perf.serve --layers 8 --modes graphs \
     --no-ttft --decode-out 64 $sizes --profile "/tmp/prof_$name" --json "$OUT/serve_$name.json" > "$OUT/serve_$name.log" 2>&1
   echo "perf.serve $name (NVL72_PDL=$pdl NVL72_TRITON_GEMV=$gemv NVL72_DECODE_LAYER=${layer:-0}" \
-    "NVL72_MOE_FUSED_DECODE_TOKENS=${fdec:-1} NVL72_L2_PREFETCH=${l2:-0} ${l2m:-}, limit ${limit} s) rc=$?"
+    "NVL72_MOE_FUSED_DECODE_TOKENS=${fdec:-1}, limit ${limit} s) rc=$?"
   gzip -c "/tmp/prof_$name/decode_b1.json" > "$OUT/decode_b1_$name.json.gz" 2>/dev/null
 done
 for run in $runs; do
