@@ -39,6 +39,10 @@ class SharedExpert(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 class MoE(nn.Module):
     def __init__(
         self,
@@ -84,13 +88,27 @@ class MoE(nn.Module):
         self._backend: backends.ExpertBackend | None = None
         self._weights: backends.ExpertWeights | None = None
         self._side_stream = None
+        self.masters_released = False  # see prepare
 
-    def prepare(self) -> "MoE":
-        """Choose the backend (once) and convert the expert weights for it; call after loading."""
+    def prepare(self, release_masters: bool = False) -> "MoE":
+        """Choose the backend (once) and convert the expert weights for it; call after loading.
+
+        `release_masters`: where the backend made its own copy (FP8 and its scales), free the loaded
+        w13 / w2 (the parameters become empty): nothing reads them again, and a bf16 Qwen3-30B-A3B
+        holds 58 GB of them beside 29 GB of FP8, which does not fit one 80 GB GPU. Converting again
+        after that needs the weights reloaded (prepare raises)."""
+        if self.masters_released:
+            raise RuntimeError("MoE.prepare: the expert weights were converted with release_masters=True "
+                               "and their loaded copies freed; reload the model to convert them again")
         if self._backend is None:
             self._backend = backends.select(self.w13.device, self.backend_name)
         with torch.no_grad():
             self._weights = self._backend.prepare(self.w13, self.w2)
+        if release_masters and not any(_shares_storage(c, m) for c, m in ((self._weights.w13, self.w13),
+                                                                           (self._weights.w2, self.w2))):
+            for p in (self.w13, self.w2):
+                p.data = p.data.new_empty((0,) * p.dim())
+            self.masters_released = True
         return self
 
     def _ready(self) -> backends.ExpertBackend:

@@ -29,7 +29,7 @@ from nvl72.cuda_timing import hbm_copy_bandwidth
 from nvl72.engine.engine import EngineConfig, LLMEngine
 from nvl72.engine.protocol import AddRequest, SamplingParams
 from nvl72.model import attn_backends
-from nvl72.model.loader import load_model
+from nvl72.model.loader import load_model, prepare_experts
 
 QWEN3_30B_A3B = dict(
     model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
@@ -212,6 +212,7 @@ def main(argv=None) -> int:
     cfg = ModelConfig.from_dict(dict(QWEN3_30B_A3B, num_hidden_layers=args.layers))
     t = time.perf_counter()
     model = load_model(None, config=cfg, dtype=torch.bfloat16, device="cuda", load_format="dummy")
+    prepare_experts(model)  # as build_engine does: FP8 experts made, the bf16 ones freed
     load_s = time.perf_counter() - t
     sizes = tuple(int(x) for x in args.graph_batch_sizes.split(","))
     ecfg = EngineConfig(max_model_len=8192 + 256, max_num_seqs=64, max_num_batched_tokens=8192, page_size=16,

@@ -55,7 +55,7 @@ def build_engine(model: str | None = None, *, load_format: str = "auto", dtype: 
     `warmup` (default: on CUDA, except DP+EP ranks): `LLMEngine.warmup()` before returning.
     `parallel`: this rank's `ParallelLayout` (TP/EP ranks running one engine in lockstep)."""
     from nvl72.config import ModelConfig
-    from nvl72.model.loader import load_model
+    from nvl72.model.loader import load_model, prepare_experts
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -73,6 +73,7 @@ def build_engine(model: str | None = None, *, load_format: str = "auto", dtype: 
         raise ValueError(f"speculative_method='mtp' but the {config.model_type} config has no MTP layer")
     net = load_model(model, config=config, dtype=_DTYPES[dtype], device=device, load_format=load_format,
                      enable_mtp=use_mtp, seed=seed, parallel=parallel)
+    prepare_experts(net)
     drafter = None
     if num_speculative_tokens > 0:
         drafter = MTPDrafter(num_speculative_tokens) if use_mtp else HistoryDrafter(num_speculative_tokens, ngram_proposal)

@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from moe import MoE
 from nvl72.config import ModelConfig
 from nvl72.model.parallel_layout import ParallelLayout
 from nvl72.model.qwen import QwenMoeForCausalLM, build_model
@@ -65,6 +66,22 @@ def load_model(
                         parallel=parallel)
     load_weights(model, path, load_format=load_format, seed=seed)
     return model
+
+
+def prepare_experts(model: QwenMoeForCausalLM) -> int:
+    """Convert every MoE layer's experts for its backend now (not on the first forward) and free the
+    loaded copies the backend no longer reads (`moe.MoE.prepare(release_masters=True)`): what a
+    serving engine does once its weights are loaded, before the KV cache takes the free memory.
+    Returns the bytes freed."""
+    freed = 0
+    for m in model.modules():
+        if isinstance(m, MoE) and not m.masters_released:
+            size = sum(p.numel() * p.element_size() for p in (m.w13, m.w2))
+            m.prepare(release_masters=True)
+            freed += size if m.masters_released else 0
+    if freed:
+        log.info("experts converted; %.1f GiB of loaded expert weights freed", freed / 2**30)
+    return freed
 
 
 def load_weights(

@@ -188,3 +188,25 @@ def test_dummy_bf16_tracks_fp32():
     a, b = _logits(f32), _logits(b16)
     assert b.dtype == torch.float32 and torch.isfinite(b).all()
     assert rel_err(b, a) < 5e-2
+
+
+def test_prepare_experts_frees_converted_masters(monkeypatch):
+    """prepare_experts (what build_engine runs after loading): with FP8 experts the loaded bf16 /
+    fp32 copies are freed and the logits stay those of the converted model; with the reference
+    backend nothing is freed."""
+    from nvl72.model.loader import prepare_experts
+
+    cfg = ModelConfig.from_dict({**hf_config("qwen3_moe").to_dict(), "hidden_size": 128, "moe_intermediate_size": 128,
+                                 "head_dim": 32})
+    ref = load_model(None, config=cfg, dtype=torch.float32, device="cpu", load_format="dummy", seed=4)
+    assert prepare_experts(ref) == 0
+    monkeypatch.setenv("NVL72_MOE_BACKEND", "mxfp8-emulated")
+    model = load_model(None, config=cfg, dtype=torch.float32, device="cpu", load_format="dummy", seed=4)
+    want = _logits(model)  # converts on first use, keeps the loaded weights
+    from moe import MoE
+
+    moes = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, MoE)]
+    size = sum(m.w13.numel() * 4 + m.w2.numel() * 4 for m in moes)
+    assert prepare_experts(model) == size > 0
+    assert moes and all(m.masters_released and m.w13.numel() == 0 for m in moes)
+    assert torch.equal(_logits(model), want)

@@ -162,3 +162,24 @@ def test_sm90_gemm_passes_cluster_count(monkeypatch):
     monkeypatch.setenv(backend.ENV_MAX_CLUSTERS, "0")
     with pytest.raises(ValueError, match="NVL72_MOE_MAX_CLUSTERS"):
         backend.Sm90Gemm(SimpleNamespace(), ws, "ws")
+
+
+def test_release_masters_frees_the_loaded_experts_only_when_converted():
+    """FP8 (mxfp8-emulated on CPU): the converted layer gives the same output after its loaded
+    w13 / w2 are freed, and converting again raises; reference: the masters are the weights, kept."""
+    x = torch.randn(5, 128)
+    m = MoE(128, 4, 2, 128, backend="mxfp8-emulated")
+    _init(m, 7)
+    before = m.prepare()(x)
+    assert not m.masters_released and m.w13.numel() > 0
+    m.prepare(release_masters=True)
+    assert m.masters_released and m.w13.numel() == 0 and m.w2.numel() == 0
+    assert torch.equal(m(x), before)
+    with pytest.raises(RuntimeError, match="release_masters=True"):
+        m.prepare()
+    ref = MoE(16, 4, 2, 8)
+    _init(ref, 8)
+    want = ref(torch.ones(2, 16))
+    ref.prepare(release_masters=True)
+    assert not ref.masters_released and ref.w13.shape == (4, 16, 16)
+    assert torch.equal(ref(torch.ones(2, 16)), want)
