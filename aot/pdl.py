@@ -11,12 +11,16 @@ and their memory operations are visible. Right after the wait it lets its own su
 always safe, and launching only after the wait keeps at most one waiting grid beside a running
 one. CUDA-graph capture keeps these programmatic edges, which is where this pays.
 
-The rules for a kernel with `PDL: tl.constexpr` (see `wait_prior`): no store and no load of data
-written by an earlier kernel before `wait_prior(PDL)`; only weights may be read before it (a
-weight made on first use, e.g. the packed q/k/v of `layers.Attention._qkv`, is written by the
-kernel just before on that first call, which may then read it early: in the engine that call is
-a CUDA-graph warm-up forward, whose output is dropped). `launch_args` sets the constexpr and the
-launch option together, so a kernel is never launched early without waiting. Shared by `nvl72`
+The rules for a kernel with `PDL: tl.constexpr` (see `wait_prior`): no store before
+`wait_prior(PDL)`, and no load there of data the previous kernel in the stream writes. Weights may
+be read before it (a weight made on first use, e.g. the packed q/k/v of `layers.Attention._qkv`,
+is written by the kernel just before on that first call, which may then read it early: in the
+engine that call is a CUDA-graph warm-up forward, whose output is dropped). So may data written
+before the previous kernel started, where that kernel follows these rules or was launched plainly
+(it lets this kernel start only after its own wait or its end, when every kernel before it has
+completed): the step's staging copy, the routing under the experts, earlier steps' K/V (paged
+attention and `down(early=True)` read them early). `launch_args` sets the constexpr and the launch
+option together, so a kernel is never launched early without waiting. Shared by `nvl72`
 and `moe` (both may import `aot`).
 """
 from __future__ import annotations

@@ -28,8 +28,8 @@ PDL (`aot.pdl`): both kernels wait first. Which expert's weights to read comes f
 the routing kernel writes, so no weight tile is known before the wait (aot.pdl's rule: no load of
 data an earlier kernel wrote before `wait_prior`); after it, each K step's tile is loaded one step
 ahead, as nvl72.model.fused_triton's GEMV does. The early launch still hides launch and block
-scheduling. `down(early=True)` (off by default, timed by tests/moe/gpu_fused_decode.sh) reads the
-routing and its first w2 tiles before its wait, while gate_up runs; see `down` for why that holds.
+scheduling. `down(early=True)` (the default, EARLY_W2) reads the routing and its first w2 tiles
+before its wait, while gate_up runs; see `down` for why that holds.
 Grids depend on T only (no size argument changes per step) and the per-step tensors are not
 specialised on alignment, so serving compiles nothing new; no host sync (CUDA-graph safe).
 """
@@ -48,7 +48,9 @@ SCALE_BLOCK = 128  # the weights' scale block (rows and columns)
 # [k, 16, 128] fp8 tile (16 KB) per K step
 BLOCK_N, BLOCK_K, NUM_WARPS = 16, 256, 8
 BLOCK_N2, BLOCK_K2, NUM_WARPS2 = 16, 128, 8
-EARLY_W2 = False  # `down(early=True)`: its routing and first w2 tiles read before the PDL wait
+# `down(early=True)`: its routing and first w2 tiles read before the PDL wait (H100, Qwen3-30B-A3B shape,
+# 48 layers: batch-1 step 2.739-2.747 vs 2.813-2.824 ms; perf/RESULTS.md)
+EARLY_W2 = True
 
 
 @triton.jit(do_not_specialize_on_alignment=["x_ptr", "ids_ptr", "act_ptr"])
@@ -196,7 +198,7 @@ def down(act: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, 
          w2_scale: torch.Tensor, expert_offset: int = 0, shared: torch.Tensor | None = None,
          shared_gate: torch.Tensor | None = None, out: torch.Tensor | None = None, *,
          dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N2, block_k: int = BLOCK_K2,
-         num_warps: int = NUM_WARPS2, early: bool = EARLY_W2) -> torch.Tensor:
+         num_warps: int = NUM_WARPS2, early: bool = False) -> torch.Tensor:
     """act [T * k, I] (gate_up's) -> out [T, H] (given, or new in `dtype`) = sum over local slots of
     topk_weight * (act . w2[e]^T) [+ sigmoid(shared_gate) * shared (shared [T, H], shared_gate [T, 1])],
     in fp32.
@@ -204,8 +206,8 @@ def down(act: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, 
     early=True (only right after the `gate_up` of the same routing, as `fused_decode` launches it):
     topk_ids and the first w2 tiles are read before the PDL wait. gate_up lets this kernel launch only
     once all its programs have passed their own wait, i.e. once the routing kernel has completed, so
-    the ids are final by then (read past L1, `.cg`); this goes beyond aot.pdl's rule (nothing an
-    earlier kernel wrote before the wait), so it is off by default until timed on the GPU."""
+    the ids are final by then (read past L1, `.cg`): aot.pdl's rule for data of the kernels before
+    the previous one. `fused_decode` launches it so by default (EARLY_W2)."""
     _check(w2, w2_scale, block_n, block_k, "w2")
     (t, k), (num_local, h, inter) = topk_ids.shape, w2.shape
     if act.shape != (t * k, inter) or act.dtype != torch.float32 or not act.is_contiguous():

@@ -362,8 +362,13 @@ def _paged_attention_kernel(q, kv_cache, out, part_acc, part_ml, counters, qsl, 
                             stride_tok, stride_pt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                             PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
-                            PDL: tl.constexpr):
-    wait_prior(PDL)
+                            EARLY: tl.constexpr, PDL: tl.constexpr):
+    """Split decode launches (NSPLIT > 1) with PDL (EARLY) read the batch tensors (the step's staging, copied
+    before the forward), the page ids and the keys of earlier steps before waiting for the previous
+    kernel, which writes only this step's K/V (see attend_block's EARLY). Other launches wait first
+    (at batch 64 the early reads measured 0.3% slower)."""
+    if not EARLY:
+        wait_prior(PDL)
     seq, kvh = tl.program_id(0), tl.program_id(1)
     mblk, split = tl.program_id(2) // NSPLIT, tl.program_id(2) % NSPLIT
     q_start = tl.load(qsl + seq)
@@ -372,7 +377,9 @@ def _paged_attention_kernel(q, kv_cache, out, part_acc, part_ml, counters, qsl, 
         attend_block(q, kv_cache, out, part_acc, part_ml, counters + seq * tl.num_programs(1) + kvh, q_start, qlen,
                      tl.load(seq_lens + seq), page_table + seq.to(tl.int64) * stride_pt, kvh, tl.num_programs(1),
                      mblk, split, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_kind,
-                     stride_head, stride_tok, GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D, PAGE_SIZE, IEEE, NSPLIT)
+                     stride_head, stride_tok, GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D, PAGE_SIZE, IEEE, NSPLIT, EARLY)
+    elif EARLY:
+        wait_prior(PDL)
 
 
 @triton.jit
@@ -382,14 +389,56 @@ def split_chunk(kv_end, NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _attend_keys(qv, kt, vt, n, n_ok, qpos, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+    """One block of keys n [N] (K^T kt [D, N], V vt [N, D]) into the online softmax (m_i, l_i, acc)
+    of the query rows qv [R, D] at positions qpos [R] (causal)."""
+    if IEEE:
+        s = tl.dot(qv, kt, input_precision="ieee")
+    else:
+        s = tl.dot(qv, kt)
+    s = s * scale  # [R, N] fp32
+    s = tl.where(n_ok[None, :] & (n[None, :] <= qpos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet (split > 0)
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _kv_base(pt_row, n, mask, kvh, stride_page, stride_head, stride_tok, PAGE_SIZE: tl.constexpr):
+    """[N] offsets of keys n's K rows in the cache (their page ids read where `mask`)."""
+    page = tl.load(pt_row + n // PAGE_SIZE, mask=mask, other=0).to(tl.int64)
+    return page * stride_page + kvh * stride_head + (n % PAGE_SIZE) * stride_tok
+
+
+@triton.jit
+def _kv_tile(kv_cache, base, mask, d, stride_kind):
+    """K^T [D, N] and V [N, D] at `base` where `mask` (zeros elsewhere): V beside K, both waiting
+    on the page ids only (V loaded after the softmax was one more round trip)."""
+    kt = tl.load(kv_cache + base[None, :] + d[:, None], mask=mask[None, :], other=0.0)
+    vt = tl.load(kv_cache + stride_kind + base[:, None] + d[None, :], mask=mask[:, None], other=0.0)
+    return kt, vt
+
+
+@triton.jit
 def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_len, pt_row, kvh, num_kv_heads, mblk,
                  split, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_kind, stride_head,
                  stride_tok, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr,
-                 NSPLIT: tl.constexpr):
+                 NSPLIT: tl.constexpr, EARLY: tl.constexpr = False):
     """One (sequence, KV head, query block, key split) of `paged_attention`: the sequence's query
     tokens start at row `q_start` of q/out, `qlen` of them, `seq_len` keys, page-table row `pt_row`;
     `cnt` is the (sequence, KV head)'s arrival counter of the splits (unused when NSPLIT is 1).
+    EARLY (the PDL flag of a kernel that has not waited yet): the split's first key block is read
+    before `wait_prior` except this step's keys (positions >= seq_len - qlen), which the previous
+    kernel stores and which are read after it; q is read after it too. The caller may pass only
+    the batch tensors (written before the forward) to an EARLY call.
     Shared with the batch-1 decode-layer kernel (`nvl72.model.decode_layer`)."""
     rows = tl.arange(0, BLOCK_M * GROUP_PAD)  # row r: query token r // GROUP_PAD, head r % GROUP_PAD
     m = mblk * BLOCK_M + rows // GROUP_PAD
@@ -399,8 +448,6 @@ def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_le
     d = tl.arange(0, D)
     tok = (q_start + m).to(tl.int64)
     head = kvh * GROUP + g
-    qv = tl.load(q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None],
-                 other=0.0)  # [R, D]
     m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_PAD, D], tl.float32)
@@ -409,33 +456,30 @@ def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_le
     # keys, the others return at once (no partial, no arrival)
     chunk = split_chunk(kv_end, NSPLIT, BLOCK_N)
     active = tl.maximum(tl.cdiv(kv_end, chunk), 1)
+    lo = split * chunk
+    hi = tl.minimum(kv_end, lo + chunk)
+    n = lo + tl.arange(0, BLOCK_N)  # the first block (none of it in a split past the keys)
+    n_ok = n < tl.where(split < active, hi, lo)
+    base = _kv_base(pt_row, n, n_ok, kvh, stride_page, stride_head, stride_tok, PAGE_SIZE)
+    if EARLY:  # keys of earlier steps (complete before the previous kernel started) before the wait
+        new = n_ok & (n >= seq_len - qlen)
+        kt, vt = _kv_tile(kv_cache, base, n_ok & (n < seq_len - qlen), d, stride_kind)
+        wait_prior(EARLY)
+        kn, vn = _kv_tile(kv_cache, base, new, d, stride_kind)
+        kt = tl.where(new[None, :], kn, kt)
+        vt = tl.where(new[:, None], vn, vt)
+    else:
+        kt, vt = _kv_tile(kv_cache, base, n_ok, d, stride_kind)
+    qv = tl.load(q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None],
+                 other=0.0)  # [R, D]
     if split < active:
-        lo = split * chunk
-        hi = tl.minimum(kv_end, lo + chunk)
-        for start in range(lo, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_keys(qv, kt, vt, n, n_ok, qpos, m_i, l_i, acc, scale, IEEE)
+        for start in range(lo + BLOCK_N, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < hi
-            page = tl.load(pt_row + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-            base = page * stride_page + kvh * stride_head + (n % PAGE_SIZE) * stride_tok  # [N]
-            kt = tl.load(kv_cache + base[None, :] + d[:, None], mask=n_ok[None, :], other=0.0)  # [D, N]
-            # V now, beside K: both wait on the page ids only (after the softmax it was one more round trip)
-            vt = tl.load(kv_cache + stride_kind + base[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)  # [N, D]
-            if IEEE:
-                s = tl.dot(qv, kt, input_precision="ieee")
-            else:
-                s = tl.dot(qv, kt)
-            s = s * scale  # [R, N] fp32
-            s = tl.where(n_ok[None, :] & (n[None, :] <= qpos[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet (split > 0)
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-            m_i = m_new
+            base = _kv_base(pt_row, n, n_ok, kvh, stride_page, stride_head, stride_tok, PAGE_SIZE)
+            kt, vt = _kv_tile(kv_cache, base, n_ok, d, stride_kind)
+            m_i, l_i, acc = _attend_keys(qv, kt, vt, n, n_ok, qpos, m_i, l_i, acc, scale, IEEE)
         o_ptr = out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         if NSPLIT == 1:  # (constexpr: the atomics below need an int32 counter, which prefill does not pass)
             tl.store(o_ptr, (acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]).to(out.dtype.element_ty),
@@ -444,16 +488,16 @@ def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_le
             tl.store(o_ptr, (acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]).to(out.dtype.element_ty),
                      mask=row_ok[:, None])
         else:  # partial (max, sum, unnormalised acc) per row and split
-            base = (tok * (num_kv_heads * GROUP) + head) * NSPLIT  # [R] the row's split 0
-            tl.store(part_ml + (base + split) * 2, m_i, mask=row_ok)
-            tl.store(part_ml + (base + split) * 2 + 1, l_i, mask=row_ok)
-            tl.store(part_acc + (base + split)[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
+            prow = (tok * (num_kv_heads * GROUP) + head) * NSPLIT  # [R] the row's split 0
+            tl.store(part_ml + (prow + split) * 2, m_i, mask=row_ok)
+            tl.store(part_ml + (prow + split) * 2 + 1, l_i, mask=row_ok)
+            tl.store(part_acc + (prow + split)[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
             # the last of the active programs of (sequence, KV head) to finish combines the partials:
             # every thread's stores precede the barrier, the counter's acq_rel add publishes them
             tl.debug_barrier()
             if tl.atomic_add(cnt, 1) == active - 1:
                 sp = tl.arange(0, NSPLIT)
-                ml = part_ml + (base[:, None] + sp[None, :]) * 2  # [R, NSPLIT]
+                ml = part_ml + (prow[:, None] + sp[None, :]) * 2  # [R, NSPLIT]
                 mine = row_ok[:, None] & (sp[None, :] < active)  # (the others wrote nothing)
                 l_all = tl.load(ml + 1, mask=mine, other=0.0, cache_modifier=".cg")
                 m_all = tl.load(ml, mask=mine, other=float("-inf"), cache_modifier=".cg")  # (beside l_all)
@@ -466,7 +510,7 @@ def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_le
                 o = tl.zeros([BLOCK_M * GROUP_PAD, D], tl.float32)
                 for j in range(0, active):
                     wj = tl.sum(tl.where(sp[None, :] == j, w, 0.0), 1)
-                    aj = tl.load(part_acc + (base + j)[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0,
+                    aj = tl.load(part_acc + (prow + j)[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0,
                                  cache_modifier=".cg")
                     o += aj * wj[:, None]
                 o = o / tl.where(den > 0.0, den, 1.0)[:, None]
@@ -547,10 +591,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             part_ml = torch.empty(t, hq, splits, 2, dtype=torch.float32, device=q.device)
             counters = _split_counters(q.device, b * hkv)
         grid = (b, hkv, triton.cdiv(max_query_len, block_m) * splits)
+        pdl = launch_args(q.device)
         _paged_attention_kernel[grid](
             q, kv_cache, out, part_acc, part_ml, counters, query_start_loc, seq_lens, page_table, scale, q.stride(0),
             q.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
             kv_cache.stride(3), page_table.stride(0), GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m,
             BLOCK_N=block_n, D=d, PAGE_SIZE=page_size, IEEE=q.dtype == torch.float32, NSPLIT=splits,
-            **launch_args(q.device))
+            EARLY=pdl["PDL"] and splits > 1, **pdl)
     return out
