@@ -335,7 +335,10 @@ class ProcessEngineClient(_StreamingClient):
             elif time.monotonic() - self._last_beat > self.heartbeat_timeout:
                 why = f"engine process silent for {self.heartbeat_timeout} s"
             if why:
-                log.error("%s:\n%s", why, self._log_tail())
+                if self._proc.returncode == 0:  # a Shutdown or a signal (see nvl72.engine.core.stop_on_signals)
+                    log.info("%s", why)
+                else:
+                    log.error("%s:\n%s", why, self._log_tail())
                 self._dead = why
                 self._streams.fail_all(why)
                 return

@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -216,8 +217,22 @@ def main(argv: list[str] | None = None) -> int:
     if not isinstance(kwargs, dict):
         raise SystemExit(f"--engine-args must be a JSON object, got {args.engine_args!r}")
     core = EngineCore(build_engine(**kwargs), rank=args.rank)
+    stop_on_signals(core)
     serve_zmq(core, args.input, args.output, args.report_interval)
     return 0
+
+
+def stop_on_signals(core: EngineCore) -> None:
+    """SIGTERM / SIGINT end the serving loop after the current step, as a Shutdown message does: the
+    open requests are aborted (their clients told so) and the process exits 0. srun, mpirun and a
+    terminal's Ctrl-C signal the front and this process together; dying mid-step left the front
+    reporting a crashed engine."""
+    def stop(signum, frame):
+        log.info("%s: stopping after this step", signal.Signals(signum).name)
+        core.stopped = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
 
 
 if __name__ == "__main__":

@@ -129,3 +129,36 @@ def test_process_client_detects_dead_engine():
         finally:
             await asyncio.wait_for(client.shutdown(), 30)
     asyncio.run(asyncio.wait_for(main(), 120))
+
+
+@pytest.mark.mp
+def test_process_engine_stops_cleanly_on_sigterm(caplog):
+    """srun / mpirun / Ctrl-C signal the front and the engine process together: the engine ends its
+    serving loop after the step, aborts what is open (the stream ends 'abort'), exits 0, and the
+    client logs no error; later calls fail fast."""
+    import logging
+    import signal
+
+    async def main():
+        client = await asyncio.to_thread(start_local_engine, None, dtype="float32", device="cpu", max_model_len=4000,
+                                         max_num_seqs=2, page_size=16, num_pages=260, process=True)
+        try:
+            gen = client.generate(AddRequest("t", [5, 6, 7],
+                                             SamplingParams(max_tokens=3900, temperature=0.0, ignore_eos=True)))
+            last = await asyncio.wait_for(gen.__anext__(), 60)
+            client._proc.send_signal(signal.SIGTERM)
+            async for out in gen:
+                last = out
+            assert last.finish_reason == "abort", last
+            assert await asyncio.to_thread(client._proc.wait, 30) == 0
+            for _ in range(100):  # the reader notices the exit within its 0.1 s poll
+                if client._dead:
+                    break
+                await asyncio.sleep(0.05)
+            with pytest.raises(EngineDeadError, match="exited with code 0"):
+                await collect(client, AddRequest("after", [1], GREEDY))
+        finally:
+            await asyncio.wait_for(client.shutdown(), 30)
+    with caplog.at_level(logging.INFO, logger="nvl72.engine.client"):
+        asyncio.run(asyncio.wait_for(main(), 120))
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
