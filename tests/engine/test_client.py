@@ -108,16 +108,24 @@ async def _run_thread(client, ps):
         await client.shutdown()
 
 
+async def _process_engine() -> ProcessEngineClient:
+    return await asyncio.to_thread(start_local_engine, None, dtype="float32", device="cpu", max_model_len=4000,
+                                   max_num_seqs=2, page_size=16, num_pages=260, process=True)
+
+
+async def _long_stream(client, rid: str):
+    """(the stream, its first output) of a request that would run for minutes."""
+    gen = client.generate(AddRequest(rid, [5, 6, 7], SamplingParams(max_tokens=3900, temperature=0.0, ignore_eos=True)))
+    return gen, await asyncio.wait_for(gen.__anext__(), 60)
+
+
 @pytest.mark.mp
 def test_process_client_detects_dead_engine():
     """A killed engine process ends in-flight streams with 'error'; later calls fail fast."""
     async def main():
-        client = await asyncio.to_thread(start_local_engine, None, dtype="float32", device="cpu", max_model_len=4000,
-                                         max_num_seqs=2, page_size=16, num_pages=260, process=True)
+        client = await _process_engine()
         try:
-            gen = client.generate(AddRequest("k", [5, 6, 7],
-                                             SamplingParams(max_tokens=3900, temperature=0.0, ignore_eos=True)))
-            first = await asyncio.wait_for(gen.__anext__(), 60)
+            gen, first = await _long_stream(client, "k")
             assert first.finish_reason is None
             client._proc.kill()
             last = first
@@ -140,12 +148,9 @@ def test_process_engine_stops_cleanly_on_sigterm(caplog):
     import signal
 
     async def main():
-        client = await asyncio.to_thread(start_local_engine, None, dtype="float32", device="cpu", max_model_len=4000,
-                                         max_num_seqs=2, page_size=16, num_pages=260, process=True)
+        client = await _process_engine()
         try:
-            gen = client.generate(AddRequest("t", [5, 6, 7],
-                                             SamplingParams(max_tokens=3900, temperature=0.0, ignore_eos=True)))
-            last = await asyncio.wait_for(gen.__anext__(), 60)
+            gen, last = await _long_stream(client, "t")
             client._proc.send_signal(signal.SIGTERM)
             async for out in gen:
                 last = out
