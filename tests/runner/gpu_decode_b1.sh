@@ -17,7 +17,7 @@
 #    dependent launch in a CUDA graph == launched plainly), of the async engine and the MoE Triton
 #    data-path kernels (route, quantize, un-permute) against their references (with --pdl: the
 #    tests of tests/runner and the MoE data-path test only);
-# 2) perf.serve (Qwen3-30B-A3B shape, 8 layers, triton + CUDA graphs, async, PDL and the Triton GEMV as
+# 2) perf.serve (Qwen3-30B-A3B shape, $LAYERS layers (default 48), triton + CUDA graphs, async, PDL and the Triton GEMV as
 #    by default) with --profile; with
 #    --gemv twice: with NVL72_TRITON_GEMV=0 (cuBLAS projections) and =1 (Triton GEMV for the
 #    q/k/v and o_proj projections of single-token steps); with --pdl three times: NVL72_PDL=0 (every
@@ -63,7 +63,7 @@ for run in $runs; do
   limit=$((left < per_run ? left : per_run))
   if [ "$limit" -lt 20 ]; then echo "perf.serve $name skipped: ${left} s left"; continue; fi
   NVL72_MOE_FUSED_DECODE_TOKENS=${fdec:-1} NVL72_PDL=$pdl NVL72_TRITON_GEMV=$gemv NVL72_DECODE_LAYER=${layer:-0} \
-    timeout -k 5 "$limit" python3 -m perf.serve --layers 8 --modes graphs \
+    timeout -k 5 "$limit" python3 -m perf.serve --layers "${LAYERS:-48}" --modes graphs \
     --no-ttft --decode-out 64 $sizes --profile "/tmp/prof_$name" --json "$OUT/serve_$name.json" > "$OUT/serve_$name.log" 2>&1
   echo "perf.serve $name (NVL72_PDL=$pdl NVL72_TRITON_GEMV=$gemv NVL72_DECODE_LAYER=${layer:-0}" \
     "NVL72_MOE_FUSED_DECODE_TOKENS=${fdec:-1}, limit ${limit} s) rc=$?"
