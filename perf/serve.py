@@ -182,7 +182,9 @@ def profile_prefill(engine: LLMEngine, prompt_len: int, out_dir: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=48, help="decoder layers of the 48 (the bound uses the same count; fewer load faster, and their ratio flatters: lm_head streams at its bound)")
+    ap.add_argument("--layers", type=int, default=48,
+                    help="decoder layers of the 48 (the bound uses the same count; fewer load faster, and their "
+                         "ratio flatters: lm_head streams at its bound)")
     ap.add_argument("--attention", default="triton", help="attention backend for the graphs / eager runs")
     ap.add_argument("--graph-batch-sizes", default="1,2,4,8,16,32,64")
     ap.add_argument("--decode-out", type=int, default=64, help="output tokens per decode request")

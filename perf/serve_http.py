@@ -62,7 +62,9 @@ async def drive(url: str, args) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=48, help="decoder layers of the 48 (the bound uses the same count; fewer load faster, and their ratio flatters: lm_head streams at its bound)")
+    ap.add_argument("--layers", type=int, default=48,
+                    help="decoder layers of the 48 (the bound uses the same count; fewer load faster, and their "
+                         "ratio flatters: lm_head streams at its bound)")
     ap.add_argument("--model-config", default=None, help="a config.json to serve instead of the 30B-A3B shape")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--port", type=int, default=8123)

@@ -24,12 +24,12 @@ The scratch is fp32: [T * k, I] is 24 KB at one token (nothing beside the weight
 unrounded makes the path's only quantization the weights' own (the pipeline rounds activations to
 FP8 with 1 x 128 scales twice).
 
-PDL (`aot.pdl`): both kernels wait first. Which expert's weights to read comes from topk_ids, which
-the routing kernel writes, so no weight tile is known before the wait (aot.pdl's rule: no load of
-data an earlier kernel wrote before `wait_prior`); after it, each K step's tile is loaded one step
-ahead, as nvl72.model.fused_triton's GEMV does. The early launch still hides launch and block
-scheduling. `down(early=True)` (the default, EARLY_W2) reads the routing and its first w2 tiles
-before its wait, while gate_up runs; see `down` for why that holds.
+PDL (`aot.pdl`): which expert's weights to read comes from topk_ids, which the routing kernel
+writes just before `gate_up`, so `gate_up` waits first (aot.pdl's rule: nothing the previous kernel
+writes is read before `wait_prior`); after it, each K step's tile is loaded one step ahead, as
+nvl72.model.fused_triton's GEMV does. The early launch still hides launch and block scheduling.
+For `down` the routing is two kernels back: `down(early=True)` (fused_decode's default, EARLY_W2)
+reads it and its first w2 tiles before its wait, while gate_up runs; see `down` for why that holds.
 Grids depend on T only (no size argument changes per step) and the per-step tensors are not
 specialised on alignment, so serving compiles nothing new; no host sync (CUDA-graph safe).
 """

@@ -437,8 +437,8 @@ def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_le
     `cnt` is the (sequence, KV head)'s arrival counter of the splits (unused when NSPLIT is 1).
     EARLY (the PDL flag of a kernel that has not waited yet): the split's first key block is read
     before `wait_prior` except this step's keys (positions >= seq_len - qlen), which the previous
-    kernel stores and which are read after it; q is read after it too. The caller may pass only
-    the batch tensors (written before the forward) to an EARLY call.
+    kernel stores and which are read after it; q is read after it too. Before an EARLY call the
+    caller may have read the batch tensors (written before the forward) only.
     Shared with the batch-1 decode-layer kernel (`nvl72.model.decode_layer`)."""
     rows = tl.arange(0, BLOCK_M * GROUP_PAD)  # row r: query token r // GROUP_PAD, head r % GROUP_PAD
     m = mblk * BLOCK_M + rows // GROUP_PAD

@@ -226,7 +226,7 @@ def test_kernels_compile_for_hopper(pdl):
         ptx = compile_pdl(ft._paged_attention_kernel, sig, {
             "GROUP": 8, "GROUP_PAD": 8, "BLOCK_M": bm, "BLOCK_N": 64, "D": 128, "PAGE_SIZE": 16, "IEEE": False,
             "NSPLIT": nsplit, "EARLY": pdl and nsplit > 1}, pdl)
-        if pdl and nsplit > 1:  # page ids and earlier keys are requested before the wait; only this step's K/V and q after it
+        if pdl and nsplit > 1:  # page ids and earlier keys requested before the wait; this step's K/V, q after it
             before, after = ptx[:ptx.index("griddepcontrol.wait")], ptx[ptx.index("griddepcontrol.wait"):]
             assert before.count("ld.global") >= 4 and "ld.global" in after
     ptx = compile_pdl(ft._gemv_kernel, {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "out": "*bf16", "N": i32,
