@@ -136,47 +136,57 @@ class Attention(nn.Module):
             self._packed_ptrs = tuple(p.data_ptr() for lin in lins for p in lin.parameters())
         return self._qkv_weight, self._qkv_bias
 
-    def _qkv(self, x: torch.Tensor, backend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q_proj(x), k_proj(x), v_proj(x) [T, rows] as one GEMM over `packed_qkv`."""
-        y = backend.linear(x, *self.packed_qkv())
-        return y.split([lin.out_features for lin in (self.q_proj, self.k_proj, self.v_proj)], dim=1)
-
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        t, d = x.shape[0], self.head_dim
         backend = ctx.backend
-        kv_cache = ctx.caches.kv[self.cache_idx]
-        stored = False
         if backend is not None and backend.fused_qk_norm_rope:
-            # one GEMM, then one kernel: gate split, q/k norm, RoPE and the K/V store
-            q_raw, k_raw, v = self._qkv(x, backend)
-            v = v.view(t, self.num_kv_heads, d)  # column slice of the packed output: strided rows
-            q, k, gate = backend.qk_norm_rope(q_raw, k_raw, self.q_norm.weight, self.k_norm.weight,
-                                              ctx.cos, ctx.sin, self.num_heads, self.num_kv_heads, d,
-                                              self.q_norm.eps, self.q_norm.zero_centered, self.gated,
-                                              v, kv_cache, ctx.attn)
-            stored = True
+            return self._attend_packed(backend.linear(x, *self.packed_qkv()), ctx)
+        t, d = x.shape[0], self.head_dim
+        kv_cache = ctx.caches.kv[self.cache_idx]
+        q = self.q_proj(x)
+        gate = None
+        if self.gated:
+            q, gate = q.view(t, self.num_heads, 2 * d).chunk(2, dim=-1)  # [T, Hq, D] each
         else:
-            q = self.q_proj(x)
-            gate = None
-            if self.gated:
-                q, gate = q.view(t, self.num_heads, 2 * d).chunk(2, dim=-1)  # [T, Hq, D] each
-                gate = gate.reshape(t, self.num_heads * d)
-            else:
-                q = q.view(t, self.num_heads, d)
-            q = ops.apply_rope(self.q_norm(q), ctx.cos, ctx.sin)  # [T, Hq, D]
-            k = ops.apply_rope(self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, d)), ctx.cos, ctx.sin)
-            v = self.v_proj(x).view(t, self.num_kv_heads, d)  # [T, Hkv, D]
+            q = q.view(t, self.num_heads, d)
+        q = ops.apply_rope(self.q_norm(q), ctx.cos, ctx.sin)  # [T, Hq, D]
+        k = ops.apply_rope(self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, d)), ctx.cos, ctx.sin)
+        v = self.v_proj(x).view(t, self.num_kv_heads, d)  # [T, Hkv, D]
         if backend is None:
             ops.write_kv(kv_cache, k, v, ctx.attn.slot_mapping)
             out = ops.paged_attention(q, kv_cache, ctx.attn, self.scale)
         else:
-            out = backend.forward(q, k, v, kv_cache, ctx.attn, self.scale, stored)
-        out = out.reshape(t, self.num_heads * d)  # [T, Hq*D]
+            out = backend.forward(q, k, v, kv_cache, ctx.attn, self.scale)
         if gate is not None:
             out = out * torch.sigmoid(gate)
+        out = out.reshape(t, self.num_heads * d)  # [T, Hq*D]
         if backend is not None:
             return backend.linear(out, self.o_proj.weight, self.o_proj.bias)
         return self.o_proj(out)
+
+    def forward_block(self, x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm,
+                      ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s, self(norm(s))) with s = x + delta (x when delta is None): the layer's input norm and the
+        attention, the norm inside the q/k/v projection's kernel where the backend fuses them
+        (`norm_linear`: at batch 1 one dependent launch fewer)."""
+        b = ctx.backend
+        if b is not None and b.fused_qk_norm_rope and b.fused_ops and x.dim() == 2:
+            s, qkv = b.norm_linear(x, delta, norm.weight, norm.eps, norm.zero_centered, *self.packed_qkv())
+            return s, self._attend_packed(qkv, ctx)
+        s, h = add_norm(norm, x, delta, ctx)
+        return s, self(h, ctx)
+
+    def _attend_packed(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """o_proj of the attention from the packed q/k/v projection [T, rows]: the backend's
+        `norm_rope_attend` does the gate split, q/k norm, RoPE, K/V store and attention."""
+        t, d, backend = qkv.shape[0], self.head_dim, ctx.backend
+        q_raw, k_raw, v = qkv.split([lin.out_features for lin in (self.q_proj, self.k_proj, self.v_proj)], dim=1)
+        out, gate = backend.norm_rope_attend(q_raw, k_raw, v.view(t, self.num_kv_heads, d), self.q_norm.weight,
+                                             self.k_norm.weight, ctx.cos, ctx.sin, self.num_heads, self.num_kv_heads,
+                                             d, self.q_norm.eps, self.q_norm.zero_centered, self.gated,
+                                             ctx.caches.kv[self.cache_idx], ctx.attn, self.scale)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return backend.linear(out.reshape(t, self.num_heads * d), self.o_proj.weight, self.o_proj.bias)
 
 
 def shard_swiglu_(mlp: SharedExpert, full: int, parallel: ParallelLayout) -> None:
@@ -283,10 +293,10 @@ class DecoderLayer(nn.Module):
             from nvl72.model import decode_layer
 
             return decode_layer.run(self, x, delta, ctx, ctx.backend.decode_layer)
-        x, h = add_norm(self.input_layernorm, x, delta, ctx)
         if self.layer_type == FULL_ATTENTION:
-            h = self.self_attn(h, ctx)
+            x, h = self.self_attn.forward_block(x, delta, self.input_layernorm, ctx)
         else:
+            x, h = add_norm(self.input_layernorm, x, delta, ctx)
             i = self.cache_idx
             h = self.linear_attn(h, ctx.batch, ctx.caches.conv[i], ctx.caches.recurrent[i])
         # all-reduce of the row-parallel o_proj / out_proj, then the residual add and the second norm

@@ -1,4 +1,4 @@
-"""Attention._qkv: the q/k/v projections as one GEMM over weights packed into one tensor."""
+"""Attention.packed_qkv: the q/k/v projections as one GEMM over weights packed into one tensor."""
 import torch
 
 from nvl72.config import ModelConfig
@@ -14,7 +14,9 @@ def test_packed_qkv_equals_the_three_projections_and_follows_weight_changes():
     x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
 
     def check():
-        for ref, got in zip((att.q_proj(x), att.k_proj(x), att.v_proj(x)), att._qkv(x, AttentionBackend())):
+        sizes = [lin.out_features for lin in (att.q_proj, att.k_proj, att.v_proj)]
+        packed = AttentionBackend().linear(x, *att.packed_qkv())
+        for ref, got in zip((att.q_proj(x), att.k_proj(x), att.v_proj(x)), packed.split(sizes, dim=1)):
             assert got.shape == ref.shape and torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
 
     with torch.inference_mode():

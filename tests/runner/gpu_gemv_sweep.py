@@ -33,8 +33,9 @@ SHAPES = {"qkv": (5120, 2048), "o_proj": (2048, 4096)}
 
 def launch(x, w, out, block_n, block_k, warps):
     n, k = w.shape
-    ft._gemv_kernel[(-(-n // block_n),)](x, w, w, out, n, k, w.stride(0), HAS_BIAS=False, BLOCK_N=block_n,
-                                          BLOCK_K=block_k, num_warps=warps, **launch_args(x.device))
+    ft._gemv_kernel[(-(-n // block_n),)](x, w, w, out, n, k, w.stride(0), x, x, x, 0.0, HAS_BIAS=False, NORM=0,
+                                          ZC=False, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_H=1, num_warps=warps,
+                                          **launch_args(x.device))
 
 
 def graph_time(fn, calls: int, reps: int = 20) -> float:

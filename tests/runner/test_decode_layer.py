@@ -56,8 +56,26 @@ def batch(tokens, start, pages, device):
                         page_table=pages, max_query_len=n)
 
 
+def fused_experts(model):
+    """Give the model's MoE layers the FP8 pipeline with the fused decode kernels (reference ops
+    otherwise): one-token steps then compute experts in fp32 on the FP8 weights, as the reference and
+    decode_layer do (the emulated pipeline quantizes activations to FP8 as well)."""
+    from types import SimpleNamespace
+
+    from moe import backend
+    from moe.kernels import triton_fused_decode
+
+    ops = SimpleNamespace(**vars(backend._reference_ops()), fused_decode=triton_fused_decode.fused_decode)
+    be = backend.Fp8PipelineBackend("test-fused-decode", ops, fused_decode_tokens=1)
+    for layer in model.model.layers:
+        layer.mlp._backend = be
+        layer.mlp.prepare()
+
+
 def run_case(device, dtype, mode, graph=False):
     ref, ker = models(device, dtype)
+    if mode is None:
+        fused_experts(ker)
     ker.attn_backend = attn_backends.TritonBackend()
     ker.attn_backend.decode_layer = mode
     caches_r = ref.allocate_caches(12, PAGE)
@@ -104,6 +122,26 @@ def test_phased_matches_reference_cpu(dtype):
     dl.check_errors()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_per_op_steps_match_reference_cpu(dtype, fused, monkeypatch):
+    """The per-op kernels of the same steps (mode None; experts by the fused decode kernels, routing
+    inside them), with the input norm inside the q/k/v GEMV and the q/k norm + RoPE + K/V store
+    inside decode attention ("1") and without ("0")."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU runs need TRITON_INTERPRET=1")
+    monkeypatch.setenv(attn_backends.NORM_GEMV_ENV, fused)
+    monkeypatch.setenv(attn_backends.DECODE_ATTN_ENV, fused)
+    calls = []
+    for name in ("norm_gemv", "decode_attention", "qk_norm_rope", "add_rms_norm"):
+        real = getattr(ft, name)
+        monkeypatch.setattr(ft, name, lambda *a, _f=real, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    run_case("cpu", dtype, None)
+    per_step = sorted(set(calls))
+    assert per_step == (["add_rms_norm", "decode_attention", "norm_gemv"] if fused == "1"
+                        else ["add_rms_norm", "qk_norm_rope"])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode,graph", [("phased", False), ("fused", False), ("fused", True)])
 def test_matches_reference_gpu(mode, graph):
@@ -128,6 +166,18 @@ def test_unsupported_layers_are_named():
     cfg = ModelConfig.from_dict(CONFIGS["qwen3_next"])
     m = build_model(cfg, torch.float32, "cpu")
     assert dl.unsupported(m.model.layers[0]) == "not a full-attention layer"
+
+
+def test_fusion_flags_from_env(monkeypatch):
+    for env in (attn_backends.NORM_GEMV_ENV, attn_backends.DECODE_ATTN_ENV):
+        monkeypatch.setenv(env, "2")
+        with pytest.raises(ValueError, match=f"{env}='2'"):
+            attn_backends.TritonBackend()
+        monkeypatch.delenv(env)
+    b = attn_backends.TritonBackend()
+    assert b.norm_gemv and not b.decode_attention  # the defaults
+    monkeypatch.setenv(attn_backends.GEMV_ENV, "0")  # cuBLAS projections: no GEMV to norm inside
+    assert not attn_backends.TritonBackend().norm_gemv
 
 
 def test_mode_from_env(monkeypatch):
