@@ -15,9 +15,7 @@ With 1 <= T <= $NVL72_MOE_FUSED_DECODE_TOKENS (default FUSED_DECODE_TOKENS; 0 tu
 with a `fused_decode` op (sm90-fp8: moe.kernels.triton_fused_decode) runs two kernels instead: gate/up +
 SiLU per (token, expert) pair and down + weighted combine (+ the gated shared expert) per token, reading
 the FP8 weights directly -- at one to a few tokens the pipeline's launches and dependencies cost more
-than the active experts' bytes. Given the router logits (`run_logits`, as MoE.forward calls it) the two
-kernels also route each token themselves ($NVL72_MOE_ROUTE_IN_KERNELS=0: the routing kernel first).
-The reference ops have no such op, so mxfp8-emulated is unchanged.
+than the active experts' bytes. The reference ops have no such op, so mxfp8-emulated is unchanged.
 Weights are converted once (`prepare`): MXFP8 (1 x 32, E8M0) then regrouped exactly into 128 x 128
 power-of-two blocks for Hopper (moe.mxfp8). A backend that cannot run raises at selection time,
 never in the hot path.
@@ -34,7 +32,7 @@ import torch
 
 from aot.launch import pdl_enabled
 from moe import mxfp8, reference
-from moe.routing import RouterLogits, permute_contiguous, permute_masked
+from moe.routing import permute_contiguous, permute_masked
 
 log = logging.getLogger("moe.backend")
 TILE_M = 128
@@ -50,9 +48,6 @@ DECODE_ALIGN = 32
 # stay on the pipeline
 FUSED_DECODE_TOKENS = 1
 ENV_FUSED_DECODE_TOKENS = "NVL72_MOE_FUSED_DECODE_TOKENS"
-# "1": the fused decode kernels take the router logits and route each token themselves (no routing
-# kernel launched before them); "0" (default: measured slower, perf/RESULTS.md): route first
-ENV_ROUTE_IN_KERNELS = "NVL72_MOE_ROUTE_IN_KERNELS"
 
 
 class BackendUnavailable(RuntimeError):
@@ -339,13 +334,6 @@ class ExpertBackend:
         given (after waiting on `shared_ready`, the event of the stream that computed it)."""
         raise NotImplementedError
 
-    def run_logits(self, x, router_logits, top_k, renormalize, weights, expert_offset, shared=None,
-                   shared_gate=None, shared_ready=None):
-        """`route` then `run`, from router_logits [T, E]; a backend whose kernels route themselves
-        skips the routing pass."""
-        topk_weights, topk_ids = self.route(router_logits, top_k, renormalize)
-        return self.run(x, topk_weights, topk_ids, weights, expert_offset, shared, shared_gate, shared_ready)
-
 
 class ReferenceBackend(ExpertBackend):
     name = "reference"
@@ -376,29 +364,13 @@ class Fp8PipelineBackend(ExpertBackend):
     def __init__(self, name: str, ops: SimpleNamespace, fused_decode_tokens: int | None = None):
         self.name, self.ops = name, ops
         self.fused_tokens = 0
-        self.route_in_kernels = False
         if hasattr(ops, "fused_decode"):
             self.fused_tokens = fused_decode_threshold(fused_decode_tokens)
-            flag = os.environ.get(ENV_ROUTE_IN_KERNELS, "0")
-            if flag not in ("0", "1"):
-                raise ValueError(f"${ENV_ROUTE_IN_KERNELS}={flag!r}: expected 0 or 1")
-            self.route_in_kernels = flag == "1"
-            log.info("moe: %s: fused decode path at 1..%d tokens ($%s, 0 = off), routing %s ($%s=%s)", name,
-                     self.fused_tokens, ENV_FUSED_DECODE_TOKENS,
-                     "inside its kernels" if self.route_in_kernels else "by the routing kernel",
-                     ENV_ROUTE_IN_KERNELS, flag)
+            log.info("moe: %s: fused decode path at 1..%d tokens ($%s, 0 = off)", name, self.fused_tokens,
+                     ENV_FUSED_DECODE_TOKENS)
 
     def route(self, router_logits, top_k, renormalize):
         return self.ops.route(router_logits, top_k, renormalize)
-
-    def run_logits(self, x, router_logits, top_k, renormalize, weights, expert_offset, shared=None,
-                   shared_gate=None, shared_ready=None):
-        if self.route_in_kernels and 1 <= x.shape[0] <= self.fused_tokens:
-            return self.ops.fused_decode(x, None, RouterLogits(router_logits, top_k, renormalize), weights.w13,
-                                         weights.w13_scale, weights.w2, weights.w2_scale, expert_offset, shared,
-                                         shared_gate, shared_ready)
-        return super().run_logits(x, router_logits, top_k, renormalize, weights, expert_offset, shared,
-                                  shared_gate, shared_ready)
 
     def prepare(self, w13, w2):
         for nm, w in (("w13", w13), ("w2", w2)):

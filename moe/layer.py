@@ -148,14 +148,11 @@ class MoE(nn.Module):
         shared [T, H] and shared_gate [T, 1] (the raw gate logit), when given, are added as
         sigmoid(shared_gate) * shared in the same pass, after waiting on `shared_ready` (the
         event of the stream that computed them)."""
-        self._check_x(x)
+        if x.dim() != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"x.shape={tuple(x.shape)}: expected [T, {self.hidden}]")
         backend = self._ready()
         w = self._weights
         return backend.run(x, topk_weights, topk_ids, w, self.expert_offset, shared, shared_gate, shared_ready)
-
-    def _check_x(self, x: torch.Tensor) -> None:
-        if x.dim() != 2 or x.shape[1] != self.hidden:
-            raise ValueError(f"x.shape={tuple(x.shape)}: expected [T, {self.hidden}]")
 
     def shared(self, x: torch.Tensor) -> torch.Tensor | None:
         """sigmoid(x . w_gate) * shared_expert(x), or None when the model has no shared expert."""
@@ -184,10 +181,6 @@ class MoE(nn.Module):
         return s, g, ready
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, H] -> [T, H]: routed experts (+ the gated shared expert); `router_logits` as in `route`.
-        The backend routes (`run_logits`): the fused decode kernels route inside themselves."""
-        self._check_x(x)
         s, g, ready = self._shared_parts(x)
-        logits = self.gate(x) if router_logits is None else router_logits
-        return self._ready().run_logits(x, logits, self.top_k, self.norm_topk_prob, self._weights,
-                                        self.expert_offset, s, g, ready)
+        topk_weights, topk_ids = self.route(x, router_logits)
+        return self.run_experts(x, topk_weights, topk_ids, s, g, ready)

@@ -15,19 +15,8 @@ uses the one-kernel equivalent of `permute_masked` (moe.kernels.triton_moe). The
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
-
-
-class RouterLogits(NamedTuple):
-    """Router logits [T, E] passed to expert kernels in place of topk ids: each kernel routes the
-    token itself (fp32 softmax, top-k, optional renormalisation: `moe.reference.route`), so no
-    routing kernel runs before them (moe.kernels.triton_fused_decode)."""
-
-    logits: torch.Tensor
-    top_k: int
-    renormalize: bool
 
 
 @dataclass

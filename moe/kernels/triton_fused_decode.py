@@ -24,16 +24,12 @@ The scratch is fp32: [T * k, I] is 24 KB at one token (nothing beside the weight
 unrounded makes the path's only quantization the weights' own (the pipeline rounds activations to
 FP8 with 1 x 128 scales twice).
 
-Routing: topk (weights, ids) from the routing kernel, or (`RouterLogits`) the router logits, from
-which each kernel takes the token's top-k itself: one dependent launch fewer per layer.
-
-PDL (`aot.pdl`): which expert's weights to read comes from the routing, which the kernel before
-`gate_up` writes (the routing kernel, or the norm + router kernel that writes the logits), so
-`gate_up` waits first (aot.pdl's rule: nothing the previous kernel writes is read before
-`wait_prior`); after it, each K step's tile is loaded one step ahead, as nvl72.model.fused_triton's
-GEMV does. The early launch still hides launch and block scheduling. For `down` the routing is two
-kernels back: `down(early=True)` (fused_decode's default, EARLY_W2) reads it and its first w2 tiles
-before its wait, while gate_up runs; see `down` for why that holds.
+PDL (`aot.pdl`): which expert's weights to read comes from topk_ids, which the routing kernel
+writes just before `gate_up`, so `gate_up` waits first (aot.pdl's rule: nothing the previous kernel
+writes is read before `wait_prior`); after it, each K step's tile is loaded one step ahead, as
+nvl72.model.fused_triton's GEMV does. The early launch still hides launch and block scheduling.
+For `down` the routing is two kernels back: `down(early=True)` (fused_decode's default, EARLY_W2)
+reads it and its first w2 tiles before its wait, while gate_up runs; see `down` for why that holds.
 Grids depend on T only (no size argument changes per step) and the per-step tensors are not
 specialised on alignment, so serving compiles nothing new; no host sync (CUDA-graph safe).
 """
@@ -44,8 +40,6 @@ import triton
 import triton.language as tl
 
 from aot.pdl import launch_args, wait_prior
-from moe.kernels.triton_moe import topk_softmax
-from moe.routing import RouterLogits
 
 SCALE_BLOCK = 128  # the weights' scale block (rows and columns)
 # defaults for Qwen3-30B-A3B (H=2048, I=768, k=8) at one token: gate_up 8 pairs x 48 row blocks
@@ -59,20 +53,13 @@ BLOCK_N2, BLOCK_K2, NUM_WARPS2 = 16, 128, 8
 EARLY_W2 = True
 
 
-@triton.jit(do_not_specialize_on_alignment=["x_ptr", "route_ptr", "act_ptr"])
-def _gate_up_kernel(x_ptr, route_ptr, w_ptr, s_ptr, act_ptr, H, I, num_local, expert_offset, E, K: tl.constexpr,
-                    KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                    PDL: tl.constexpr):
-    """Program (p, j): rows [j * BLOCK_N, +BLOCK_N) of pair p's act = silu(gate) * up. The pair's expert
-    from topk ids at `route_ptr` (BLOCK_E 0) or from the token's E router logits there (its slot of
-    `topk_softmax`: K max reductions over E values, well under a routing kernel's launch and wait)."""
+@triton.jit(do_not_specialize_on_alignment=["x_ptr", "ids_ptr", "act_ptr"])
+def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, H, I, num_local, expert_offset, K: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Program (p, j): rows [j * BLOCK_N, +BLOCK_N) of pair p's act = silu(gate) * up."""
     wait_prior(PDL)
     p = tl.program_id(0)
-    if BLOCK_E > 0:
-        _, ids = topk_softmax(route_ptr + (p // K).to(tl.int64) * E, E, K, KP, BLOCK_E, False)
-        e = tl.sum(tl.where(tl.arange(0, KP) == p % K, ids, 0), 0) - expert_offset
-    else:
-        e = tl.load(route_ptr + p) - expert_offset
+    e = tl.load(ids_ptr + p) - expert_offset
     if (e >= 0) & (e < num_local):
         n0 = tl.program_id(1) * BLOCK_N
         act = gate_up_rows(x_ptr + (p // K).to(tl.int64) * H, e.to(tl.int64), w_ptr, s_ptr, H, I, n0, BLOCK_N, BLOCK_K)
@@ -111,27 +98,18 @@ def gate_up_rows(xr, e64, w_ptr, s_ptr, H, I, n0, BLOCK_N: tl.constexpr, BLOCK_K
     return acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
 
 
-@triton.jit(do_not_specialize_on_alignment=["act_ptr", "route_ptr", "tw_ptr", "out_ptr", "sh_ptr", "g_ptr"])
-def _down_kernel(act_ptr, route_ptr, tw_ptr, w_ptr, s_ptr, out_ptr, sh_ptr, g_ptr, H, I, num_local, expert_offset,
-                 E, K: tl.constexpr, KP: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, EARLY: tl.constexpr,
-                 PDL: tl.constexpr):
-    """Program (t, j): out[t, rows [j * BLOCK_N, +BLOCK_N)]. The token's routing: topk ids at
-    `route_ptr` and weights at `tw_ptr` (BLOCK_E 0), or `topk_softmax` of its E router logits at
-    `route_ptr`. EARLY: the routing and the first weight tile are read before waiting (see `down`)."""
+@triton.jit(do_not_specialize_on_alignment=["act_ptr", "ids_ptr", "tw_ptr", "out_ptr", "sh_ptr", "g_ptr"])
+def _down_kernel(act_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, out_ptr, sh_ptr, g_ptr, H, I, num_local, expert_offset,
+                 K: tl.constexpr, KP: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+    """Program (t, j): out[t, rows [j * BLOCK_N, +BLOCK_N)]. EARLY: the routing and the first weight
+    tile are read before waiting (see `down`)."""
     if not EARLY:
         wait_prior(PDL)
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
-    if BLOCK_E > 0:
-        tw, ids = topk_softmax(route_ptr + t.to(tl.int64) * E, E, K, KP, BLOCK_E, RENORM)
-    else:
-        slot = tl.arange(0, KP)
-        pair = t * K + slot
-        ids = tl.load(route_ptr + pair, mask=slot < K, other=-1, cache_modifier=".cg")  # past L1 (EARLY)
-        tw = tl.load(tw_ptr + pair, mask=slot < K, other=0.0, cache_modifier=".cg")
-    y = down_rows(act_ptr, ids, tw, w_ptr, s_ptr, t, n0, H, I, num_local, expert_offset, K, KP, BLOCK_N, BLOCK_K,
-                  EARLY, PDL)
+    y = down_rows(act_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, t, n0, H, I, num_local, expert_offset, K, KP, BLOCK_N,
+                  BLOCK_K, EARLY, PDL)
     rows = n0 + tl.arange(0, BLOCK_N)
     if HAS_SHARED:
         g = tl.load(g_ptr + t).to(tl.float32)
@@ -141,19 +119,18 @@ def _down_kernel(act_ptr, route_ptr, tw_ptr, w_ptr, s_ptr, out_ptr, sh_ptr, g_pt
 
 
 @triton.jit
-def down_rows(act_ptr, ids, tw, w_ptr, s_ptr, t, n0, H, I, num_local, expert_offset, K: tl.constexpr,
+def down_rows(act_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, t, n0, H, I, num_local, expert_offset, K: tl.constexpr,
               KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT_AFTER_FIRST: tl.constexpr,
               PDL: tl.constexpr):
-    """sum over token t's local slots of tw * (act[pair] . w2[e] rows [n0, +BLOCK_N)) [BLOCK_N] fp32,
-    ids [KP] int64 and tw [KP] fp32 the token's routing (entries past K ignored). The k slots are the
-    leading axis of one tile (slots of other ranks' experts, and the KP - K padding, masked: no bytes
-    read, weight 0). WAIT_AFTER_FIRST: `wait_prior(PDL)` after the first weight tile is read.
-    Shared with nvl72.model.decode_layer."""
+    """sum over token t's local slots of topk_weight * (act[pair] . w2[e] rows [n0, +BLOCK_N)) [BLOCK_N]
+    fp32. The k slots are the leading axis of one tile (slots of other ranks' experts, and the
+    KP - K padding, masked: no bytes read, weight 0). WAIT_AFTER_FIRST: `wait_prior(PDL)` after
+    the routing and the first weight tile are read. Shared with nvl72.model.decode_layer."""
     rows = n0 + tl.arange(0, BLOCK_N)
     kc = tl.arange(0, BLOCK_K)
     slot = tl.arange(0, KP)
     pair = t * K + slot
-    e = ids - expert_offset
+    e = tl.load(ids_ptr + pair, mask=slot < K, other=-1, cache_modifier=".cg") - expert_offset  # past L1
     ok = (slot < K) & (e >= 0) & (e < num_local)
     e64 = tl.where(ok, e, 0).to(tl.int64)
     nkb = I // 128
@@ -174,22 +151,8 @@ def down_rows(act_ptr, ids, tw, w_ptr, s_ptr, t, n0, H, I, num_local, expert_off
         av = av * tl.load(s_row[:, None] + c[None, :] // 128, mask=m2, other=0.0)  # [KP, BLOCK_K]
         acc += tl.sum(wv.to(tl.float32) * av[:, None, :], 2)
         wv = w_next
-    return tl.sum(acc * tl.where(ok, tw, 0.0)[:, None], 0)
-
-
-def _routing(topk_weights, topk_ids) -> tuple[int, int, torch.Tensor, torch.Tensor | None, dict]:
-    """(T, k, the tensor the kernels read the routing from, the weights or None, their routing
-    constexprs) for topk (weights, ids) or `RouterLogits` (weights None: both kernels take the
-    token's top-k, `topk_softmax`)."""
-    if isinstance(topk_ids, RouterLogits):
-        logits, k, renorm = topk_ids
-        t, e = logits.shape
-        if not 1 <= k <= e:
-            raise ValueError(f"top_k={k} must be in [1, {e}] (router logits {tuple(logits.shape)})")
-        return t, k, logits.contiguous(), None, dict(E=e, BLOCK_E=triton.next_power_of_2(e), RENORM=renorm)
-    t, k = topk_ids.shape
-    tw = None if topk_weights is None else topk_weights.float().contiguous()
-    return t, k, topk_ids.contiguous(), tw, dict(E=0, BLOCK_E=0, RENORM=False)
+    tw = tl.load(tw_ptr + pair, mask=ok, other=0.0)
+    return tl.sum(acc * tw[:, None], 0)
 
 
 def _check(w: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int, name: str) -> None:
@@ -214,12 +177,10 @@ def _out(buf, shape, dtype, device, name):
 def gate_up(x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
             expert_offset: int = 0, act: torch.Tensor | None = None, *, block_n: int = BLOCK_N,
             block_k: int = BLOCK_K, num_warps: int = NUM_WARPS) -> torch.Tensor:
-    """x [T, H], topk_ids [T, k] (or `RouterLogits`) -> act [T * k, I] fp32 (given or new) =
-    silu(x . gate[e]) * (x . up[e]) per pair; rows of pairs whose expert is not in
-    [expert_offset, + E_local) are left unwritten."""
+    """x [T, H], topk_ids [T, k] -> act [T * k, I] fp32 (given or new) = silu(x . gate[e]) * (x . up[e])
+    per pair; rows of pairs whose expert is not in [expert_offset, + E_local) are left unwritten."""
     _check(w13, w13_scale, block_n, block_k, "w13")
-    t, k, route, _, rc = _routing(None, topk_ids)
-    num_local, two_i, h = w13.shape
+    (t, k), (num_local, two_i, h) = topk_ids.shape, w13.shape
     if x.shape != (t, h):
         raise ValueError(f"x.shape={tuple(x.shape)}: expected {(t, h)}")
     inter = two_i // 2
@@ -228,8 +189,8 @@ def gate_up(x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w13_scal
     act = _out(act, (t * k, inter), torch.float32, x.device, "act")
     if t:
         _gate_up_kernel[(t * k, inter // block_n)](
-            x.contiguous(), route, w13, w13_scale, act, h, inter, num_local, expert_offset, rc["E"], K=k,
-            KP=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=rc["BLOCK_E"], num_warps=num_warps, **launch_args(x.device))
+            x.contiguous(), topk_ids.contiguous(), w13, w13_scale, act, h, inter, num_local, expert_offset, K=k,
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **launch_args(x.device))
     return act
 
 
@@ -240,30 +201,25 @@ def down(act: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, 
          num_warps: int = NUM_WARPS2, early: bool = False) -> torch.Tensor:
     """act [T * k, I] (gate_up's) -> out [T, H] (given, or new in `dtype`) = sum over local slots of
     topk_weight * (act . w2[e]^T) [+ sigmoid(shared_gate) * shared (shared [T, H], shared_gate [T, 1])],
-    in fp32. topk_ids may be `RouterLogits` (topk_weights None): the kernel routes itself.
+    in fp32.
 
     early=True (only right after the `gate_up` of the same routing, as `fused_decode` launches it):
-    the routing (ids and weights, or the logits) and the first w2 tiles are read before the PDL wait.
-    gate_up lets this kernel launch only once all its programs have passed their own wait, i.e. once
-    the kernel that wrote the routing has completed, so it is final by then (read past L1, `.cg`):
-    aot.pdl's rule for data of the kernels before the previous one. `fused_decode` launches it so by
-    default (EARLY_W2)."""
+    topk_ids and the first w2 tiles are read before the PDL wait. gate_up lets this kernel launch only
+    once all its programs have passed their own wait, i.e. once the routing kernel has completed, so
+    the ids are final by then (read past L1, `.cg`): aot.pdl's rule for data of the kernels before
+    the previous one. `fused_decode` launches it so by default (EARLY_W2)."""
     _check(w2, w2_scale, block_n, block_k, "w2")
-    t, k, route, tw, rc = _routing(topk_weights, topk_ids)
-    if tw is None and not rc["BLOCK_E"]:
-        raise ValueError("down: topk_weights is None but topk_ids is not RouterLogits")
-    num_local, h, inter = w2.shape
+    (t, k), (num_local, h, inter) = topk_ids.shape, w2.shape
     if act.shape != (t * k, inter) or act.dtype != torch.float32 or not act.is_contiguous():
         raise ValueError(f"act: {act.dtype} {tuple(act.shape)}: expected gate_up's contiguous fp32 {(t * k, inter)}")
     out = _out(out, (t, h), dtype, act.device, "out")
     has_shared = shared is not None
     if t:
         _down_kernel[(t, h // block_n)](
-            act, route, route if tw is None else tw, w2, w2_scale, out,
+            act, topk_ids.contiguous(), topk_weights.float().contiguous(), w2, w2_scale, out,
             shared.contiguous() if has_shared else out, shared_gate.contiguous() if has_shared else out,
-            h, inter, num_local, expert_offset, rc["E"], K=k, KP=triton.next_power_of_2(k), HAS_SHARED=has_shared,
-            BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=rc["BLOCK_E"], RENORM=rc["RENORM"], EARLY=early,
-            num_warps=num_warps, **launch_args(act.device))
+            h, inter, num_local, expert_offset, K=k, KP=triton.next_power_of_2(k), HAS_SHARED=has_shared,
+            BLOCK_N=block_n, BLOCK_K=block_k, EARLY=early, num_warps=num_warps, **launch_args(act.device))
     return out
 
 
@@ -272,8 +228,7 @@ def fused_decode(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, expert
                  num_warps=NUM_WARPS, block_n2=BLOCK_N2, block_k2=BLOCK_K2, num_warps2=NUM_WARPS2,
                  early=EARLY_W2) -> torch.Tensor:
     """This rank's experts (and the gated shared expert) for a few tokens: `gate_up` then `down`,
-    the second after waiting on `shared_ready` (the event of the stream that computed `shared`).
-    topk_ids may be `RouterLogits` (topk_weights None): no routing kernel before these two."""
+    the second after waiting on `shared_ready` (the event of the stream that computed `shared`)."""
     act = gate_up(x, topk_ids, w13, w13_scale, expert_offset, block_n=block_n, block_k=block_k, num_warps=num_warps)
     if shared_ready is not None:
         torch.cuda.current_stream(x.device).wait_event(shared_ready)

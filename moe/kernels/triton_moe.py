@@ -216,24 +216,17 @@ def _topk_softmax_kernel(logit_ptr, w_ptr, id_ptr, E, K: tl.constexpr, KP: tl.co
 
 
 @triton.jit
-def topk_keys(row, E, BLOCK_E: tl.constexpr):
-    """Keys [BLOCK_E] int64 of the softmax probabilities of one token's E logits at `row` (read past
-    L1: the expert kernels read them before their PDL wait, see triton_fused_decode.down). A key is the bits of p << 32 | the reversed index: p >= 0, so its
-    bits order as p does and the lowest index wins ties; -1 past E."""
+def topk_softmax(row, E, K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
+    """(weights [KP] fp32, expert ids [KP] int64; entries past K are 0) of one token's E logits at
+    `row`: softmax in fp32, top k, optional renormalisation. Each top-k step is one int64 max over
+    keys (bits of p << 32 | the reversed index: p >= 0, so its bits order as p does, and the lowest
+    index wins ties, as torch.topk). Shared with nvl72.model.decode_layer."""
     offs = tl.arange(0, BLOCK_E)
-    x = tl.load(row + offs, mask=offs < E, other=-float("inf"), cache_modifier=".cg").to(tl.float32)
+    x = tl.load(row + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
     key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - offs).to(tl.int64)
-    return tl.where(offs < E, key, -1)
-
-
-@triton.jit
-def topk_softmax(row, E, K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
-    """(weights [KP] fp32, expert ids [KP] int64; entries past K are 0) of one token's E logits at
-    `row`: softmax in fp32, top k (one int64 max over `topk_keys` per step), optional
-    renormalisation. Shared with nvl72.model.decode_layer and the fused decode kernels."""
-    key = topk_keys(row, E, BLOCK_E)
+    key = tl.where(offs < E, key, -1)
     kk = tl.arange(0, KP)
     wv = tl.zeros([KP], tl.float32)
     iv = tl.zeros([KP], tl.int64)

@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 ENV = "NVL72_ATTN_BACKEND"
 GEMV_ENV = "NVL72_TRITON_GEMV"
 NORM_GEMV_ENV = "NVL72_NORM_GEMV"  # the input norm inside the q/k/v GEMV (one-token steps)
-DECODE_ATTN_ENV = "NVL72_DECODE_ATTN_QK"  # q/k norm + RoPE + K/V store inside decode attention
 DECODE_LAYER_ENV = "NVL72_DECODE_LAYER"
 DECODE_LAYER_DEFAULT = "0"
 
@@ -105,16 +104,6 @@ class AttentionBackend:
         s, h = self.add_rms_norm(x, delta, norm_weight, eps, zero_centered)
         return s, self.linear(h, weight, bias)
 
-    def norm_rope_attend(self, q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, head_dim,
-                         eps, zero_centered, gated, kv_cache, meta, scale):
-        """From the q/k/v projection's outputs (as `qk_norm_rope` takes them, v [T, Hkv, D]): gate split,
-        q/k RMSNorm + RoPE, the K/V store and the attention -> (out [T, Hq, D], gate [T, Hq, D] or
-        None). `qk_norm_rope` then `forward`; the triton backend does decode batches in one kernel."""
-        q, k, gate = self.qk_norm_rope(q_raw, k_raw, q_weight, k_weight, cos, sin, num_heads, num_kv_heads,
-                                       head_dim, eps, zero_centered, gated, v, kv_cache, meta)
-        out = self.forward(q, k, v, kv_cache, meta, scale, stored=True)
-        return out, None if gate is None else gate.view(out.shape)
-
     def rope_cos_sin(self, positions, inv_freq, dtype):
         """`ops.rope_cos_sin`'s contract (one kernel where `fused_ops`, else the reference)."""
         if not self.fused_ops:
@@ -181,14 +170,12 @@ class TritonBackend(AttentionBackend):
         self.gemv = _flag(GEMV_ENV)
         log.info("attention projections: %s for single-token steps ($%s)",
                  "Triton GEMV" if self.gemv else "cuBLAS", GEMV_ENV)
-        # Fewer dependent launches per one-token layer: the input norm inside the q/k/v GEMV
-        # (`fused_triton.norm_gemv`) and the q/k norm + RoPE + K/V store inside decode attention
-        # (`fused_triton.decode_attention`); perf/RESULTS.md has the A/B.
+        # One-token steps with the input norm inside the q/k/v GEMV (`fused_triton.norm_gemv`): one
+        # dependent launch fewer a layer (H100, 48 layers, batch 1: 2.748 -> 2.679-2.686 ms a step,
+        # perf/RESULTS.md); $NVL72_NORM_GEMV=0: add_rms_norm, then the GEMV.
         self.norm_gemv = self.gemv and _flag(NORM_GEMV_ENV)
-        self.decode_attention = _flag(DECODE_ATTN_ENV, "0")
-        log.info("one-token steps: input norm %s the q/k/v GEMV ($%s); decode attention %s the q/k norm, "
-                 "RoPE and K/V store ($%s)", "inside" if self.norm_gemv else "before", NORM_GEMV_ENV,
-                 "with" if self.decode_attention else "after a kernel for", DECODE_ATTN_ENV)
+        log.info("one-token steps: the input norm %s the q/k/v GEMV ($%s)", "inside" if self.norm_gemv else "before",
+                 NORM_GEMV_ENV)
         # One-token steps of the layers nvl72.model.decode_layer serves in one persistent kernel
         # ("fused"), or in its six phases as separate launches ("phased"); "0": the per-op kernels.
         from nvl72.model.decode_layer import MODES
@@ -209,18 +196,6 @@ class TritonBackend(AttentionBackend):
         if self.norm_gemv and x.shape[0] == 1:
             return self.kernels.norm_gemv(x, delta, norm_weight, eps, zero_centered, weight, bias)
         return super().norm_linear(x, delta, norm_weight, eps, zero_centered, weight, bias)
-
-    def norm_rope_attend(self, q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, head_dim,
-                         eps, zero_centered, gated, kv_cache, meta, scale):
-        if not (self.decode_attention and meta.max_query_len == 1):
-            return super().norm_rope_attend(q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads, num_kv_heads,
-                                            head_dim, eps, zero_centered, gated, kv_cache, meta, scale)
-        b = meta.batch
-        out = self.kernels.decode_attention(q_raw, k_raw, v, q_weight, k_weight, cos, sin, eps, zero_centered, gated,
-                                            kv_cache, meta.slot_mapping, b.query_start_loc, b.seq_lens, b.page_table,
-                                            scale)
-        gate = q_raw.view(q_raw.shape[0], num_heads, 2 * head_dim)[..., head_dim:] if gated else None
-        return out, gate
 
     def plan(self, batch: ForwardBatch, page_size: int) -> PagedMeta:
         capturing = batch.input_ids.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -226,11 +226,8 @@ def _decode_layer_kernel(
     if PHASE == 6:
         wait_prior(PDL)
     if PHASE == 0 or PHASE == 6:
-        kk = tl.arange(0, KP)
-        ik = tl.load(tid + kk, mask=kk < K, other=-1, cache_modifier=".cg")
-        wk = tl.load(tw + kk, mask=kk < K, other=0.0, cache_modifier=".cg")
         for item in range(pid, H // BN_DN, nprog):
-            yv = down_rows(act, ik, wk, w2, s2, 0, item * BN_DN, H, I, E, 0, K, KP, BN_DN, BK_DN, False, PDL)
+            yv = down_rows(act, tid, tw, w2, s2, 0, item * BN_DN, H, I, E, 0, K, KP, BN_DN, BK_DN, False, PDL)
             tl.store(mlp_out + item * BN_DN + tl.arange(0, BN_DN), yv.to(DT))
         if PHASE == 0:  # the last program out resets the barrier for the next launch
             if tl.atomic_add(bar, 1, sem="acq_rel", scope="gpu") == 6 * nprog - 1:

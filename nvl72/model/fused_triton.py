@@ -5,7 +5,8 @@
 - `gemv`: x [1, K] @ W.T (+ bias) for single-token steps, row blocks of W per program, the
   weight tile of the next K step loaded one step ahead (the triton backend's default for
   single-token projections, $NVL72_TRITON_GEMV=0 for cuBLAS: with PDL its first weight tile streams
-  in before x is written);
+  in before x is written); `norm_gemv` the same of add_rms_norm's output, the add and norm done by
+  every program itself (the decoder's input norm and q/k/v projection in one launch);
 - `add_rms_norm`: the decoder's residual add and RMSNorm in one pass (x + delta rounded to the
   activation dtype, then normed as `ops.rms_norm` rounds); without delta a plain RMSNorm; with
   the MoE gate's weight also the router logits (the router GEMV folded into the same launch);
@@ -39,8 +40,6 @@ sm_90a with Triton 3.6 and 3.9 on CPU; not yet run or timed on a GPU (perf/RESUL
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -48,12 +47,10 @@ import triton.language as tl
 from aot.pdl import launch_args, wait_prior
 
 SLOT_BLOCK = 64  # sequence ends per step of the slot-mapping kernel's search
-# Warps of the split-key decode attention programs (`paged_attention` and `decode_attention` with
-# splits > 1). With 4 their registers spill (ptxas: 1376 B of stack for paged attention at the
-# Qwen3-30B-A3B shape, none at 8); $NVL72_SPLIT_DECODE_WARPS for the A/B of perf/RESULTS.md.
-SPLIT_DECODE_WARPS = int(os.environ.get("NVL72_SPLIT_DECODE_WARPS", "8"))
-if SPLIT_DECODE_WARPS not in (4, 8):
-    raise ValueError(f"$NVL72_SPLIT_DECODE_WARPS={SPLIT_DECODE_WARPS}: expected 4 or 8")
+# Warps of `paged_attention`'s split-key decode programs: with 4 their registers spilled (ptxas: 1376 B
+# of stack at the Qwen3-30B-A3B shape, none at 8; H100, 48 layers, batch 1: 2.679-2.686 -> 2.662-2.663
+# ms a step, perf/RESULTS.md)
+SPLIT_DECODE_WARPS = 8
 
 
 @triton.jit
@@ -202,8 +199,9 @@ def _gemv(x, weight, bias, norm=None):
     delta, norm_w, sum_out, eps, zc = norm if norm is not None else (None, x, x, 0.0, False)
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, weight if bias is None else bias, out, n, k,
                                              weight.stride(0), x if delta is None else delta, norm_w, sum_out, eps,
-                                             HAS_BIAS=bias is not None, NORM=0 if norm is None else 1 + (delta is not None),
-                                             ZC=zc, BLOCK_N=block_n, BLOCK_K=block_k,
+                                             HAS_BIAS=bias is not None,
+                                             NORM=0 if norm is None else 1 + (delta is not None), ZC=zc,
+                                             BLOCK_N=block_n, BLOCK_K=block_k,
                                              BLOCK_H=triton.next_power_of_2(k) if norm is not None else 1,
                                              **launch_args(x.device))
     return out
@@ -290,37 +288,22 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 
 @triton.jit
-def _norm_rope(x, xp, w, wp, c, s, rot, first_half, rms_eps, D: tl.constexpr, R: tl.constexpr, ZC: tl.constexpr,
-               DT: tl.constexpr):
-    """Per-head RMSNorm + (partial) neox RoPE of rows x [..., D] fp32, as the references round in DT
-    (bf16 products and sums are exact in fp32, so rounding each op emulates them): xp the rows'
-    rotate-half partners (zeros past R), w / wp the norm weight at d and at the partner, c / s the
-    RoPE table (1 / 0 past R), rot = d < R, first_half = d < R / 2. fp32 result."""
-    rstd = tl.rsqrt(tl.sum(x * x, axis=-1, keep_dims=True) / D + rms_eps)
-    y = _norm_scale(x, rstd, w, ZC, DT)
-    if R > 0:
-        yp = _norm_scale(xp, rstd, wp, ZC, DT)
-        yp = tl.where(first_half, -yp, yp)
-        y = tl.where(rot, _round(_round(y * c, DT) + _round(yp * s, DT), DT), y)
-    return y
-
-
-@triton.jit
-def _rope_partner(d, R: tl.constexpr):
-    """(partner index of d under rotate-half, d < R, d < R / 2)."""
-    return tl.where(d < R // 2, d + R // 2, d - R // 2), d < R, d < R // 2
-
-
-@triton.jit
 def _norm_rope_row(src, w, cos, sin, dst, rms_eps, D: tl.constexpr, R: tl.constexpr, ZC: tl.constexpr):
-    """`_norm_rope` of the head at `src` into `dst` (rounded to dst's dtype); fp32 result."""
+    DT = dst.dtype.element_ty
     d = tl.arange(0, D)
-    partner, rot, first_half = _rope_partner(d, R)
-    y = _norm_rope(tl.load(src + d).to(tl.float32), tl.load(src + partner, mask=rot, other=0.0).to(tl.float32),
-                   tl.load(w + d).to(tl.float32), tl.load(w + partner, mask=rot, other=0.0).to(tl.float32),
-                   tl.load(cos + d, mask=rot, other=1.0).to(tl.float32),
-                   tl.load(sin + d, mask=rot, other=0.0).to(tl.float32), rot, first_half, rms_eps, D, R, ZC,
-                   dst.dtype.element_ty)
+    x = tl.load(src + d).to(tl.float32)
+    rstd = _rstd(x, rms_eps, D)
+    y = _norm_scale(x, rstd, tl.load(w + d).to(tl.float32), ZC, DT)
+    if R > 0:
+        rot = d < R
+        partner = tl.where(d < R // 2, d + R // 2, d - R // 2)
+        xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
+        yp = _norm_scale(xp, rstd, tl.load(w + partner, mask=rot, other=0.0).to(tl.float32), ZC, DT)
+        yp = tl.where(d < R // 2, -yp, yp)
+        c = tl.load(cos + d, mask=rot, other=1.0).to(tl.float32)
+        s = tl.load(sin + d, mask=rot, other=0.0).to(tl.float32)
+        roped = _round(_round(y * c, DT) + _round(yp * s, DT), DT)
+        y = tl.where(rot, roped, y)
     tl.store(dst + d, y.to(dst.dtype.element_ty))
     return y
 
@@ -449,81 +432,6 @@ def _paged_attention_kernel(q, kv_cache, out, part_acc, part_ml, counters, qsl, 
         wait_prior(PDL)
 
 
-@triton.jit(do_not_specialize=["stride_pt"], do_not_specialize_on_alignment=["qsl", "seq_lens", "page_table", "slots"])
-def _decode_attention_kernel(q_raw, k_raw, v, qw, kw, cos, sin, kv_cache, out, part_acc, part_ml, counters, qsl,
-                             seq_lens, page_table, slots, scale, rms_eps, stride_q, stride_k, stride_v, stride_cs,
-                             stride_ot, stride_oh, stride_page, stride_kind, stride_head, stride_tok, stride_pt,
-                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr,
-                             BLOCK_N: tl.constexpr, D: tl.constexpr, R: tl.constexpr, QS: tl.constexpr,
-                             ZC: tl.constexpr, PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
-                             EARLY: tl.constexpr, PDL: tl.constexpr):
-    """Program (sequence, KV head, key split) of `decode_attention`. Before the PDL wait when EARLY
-    (as `_paged_attention_kernel`): the batch tensors, the first key block's older keys, the
-    norm weights, the RoPE table and the slot (written at the start of the forward). After it: the
-    group's query heads normed and rotated in registers; the last split that holds keys (the one
-    with the new token's) norms and rotates the new key, stores K and V into the page slot and puts
-    them into its first key block from registers (later blocks read the cache after the CTA barrier
-    that orders the store)."""
-    if not EARLY:
-        wait_prior(PDL)
-    seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    tok = tl.load(qsl + seq)
-    seq_len = tl.load(seq_lens + seq)
-    active, lo, hi = _split_keys(seq_len, split, NSPLIT, BLOCK_N)
-    if (tl.load(qsl + seq + 1) > tok) & (split < active):
-        tok64 = tok.to(tl.int64)
-        d = tl.arange(0, D)
-        pt_row = page_table + seq.to(tl.int64) * stride_pt
-        n = lo + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        base = _kv_base(pt_row, n, n_ok, kvh, stride_page, stride_head, stride_tok, PAGE_SIZE)
-        kt, vt = _kv_tile(kv_cache, base, n_ok & (n < seq_len - 1), d, stride_kind)
-        partner, rot, first_half = _rope_partner(d, R)
-        c = tl.load(cos + tok64 * stride_cs + d, mask=rot, other=1.0).to(tl.float32)
-        sn = tl.load(sin + tok64 * stride_cs + d, mask=rot, other=0.0).to(tl.float32)
-        w, wp = _norm_weights(qw, d, partner, rot)
-        kw_d, kw_p = _norm_weights(kw, d, partner, rot)
-        slot = tl.load(slots + tok).to(tl.int64)
-        if EARLY:
-            wait_prior(PDL)
-        DT = q_raw.dtype.element_ty
-        KVT = kv_cache.dtype.element_ty
-        if split == active - 1:
-            kr = k_raw + tok64 * stride_k + kvh * D
-            k_new = _norm_rope(tl.load(kr + d).to(tl.float32), tl.load(kr + partner, mask=rot, other=0.0).to(tl.float32),
-                               kw_d, kw_p, c, sn, rot, first_half, rms_eps, D, R, ZC, DT).to(KVT)
-            v_new = tl.load(v + tok64 * stride_v + kvh * D + d).to(KVT)
-            if slot >= 0:
-                dst = kv_cache + (slot // PAGE_SIZE) * stride_page + kvh * stride_head + (slot % PAGE_SIZE) * stride_tok + d
-                tl.store(dst, k_new)
-                tl.store(dst + stride_kind, v_new)
-            new = n == seq_len - 1
-            kt = tl.where(new[None, :], k_new[:, None], kt)
-            vt = tl.where(new[:, None], v_new[None, :], vt)
-            tl.debug_barrier()
-        rows = tl.arange(0, ROWS)  # row r: query head r of the group (rows past GROUP: padding for tl.dot)
-        g = rows % GROUP_PAD
-        row_ok = (rows < GROUP_PAD) & (g < GROUP)
-        head = kvh * GROUP + g
-        src = q_raw + tok64 * stride_q + head[:, None] * QS
-        qv = _norm_rope(tl.load(src + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32),
-                        tl.load(src + partner[None, :], mask=row_ok[:, None] & rot[None, :], other=0.0).to(tl.float32),
-                        w[None, :], wp[None, :], c[None, :], sn[None, :], rot[None, :], first_half[None, :], rms_eps,
-                        D, R, ZC, DT).to(DT)
-        _attend_split(qv, kt, vt, n, n_ok, lo, hi, active, split, seq_len - 1 + rows * 0, row_ok, tok64 + rows * 0,
-                      head, kv_cache, out, part_acc, part_ml, counters + seq * tl.num_programs(1) + kvh, pt_row, kvh,
-                      tl.num_programs(1), scale, stride_ot, stride_oh, stride_page, stride_kind, stride_head,
-                      stride_tok, GROUP, BLOCK_N, D, PAGE_SIZE, IEEE, NSPLIT)
-    elif EARLY:
-        wait_prior(PDL)
-
-
-@triton.jit
-def _norm_weights(w, d, partner, rot):
-    """A per-head norm weight at d and at the RoPE partner (0 past R), fp32."""
-    return tl.load(w + d).to(tl.float32), tl.load(w + partner, mask=rot, other=0.0).to(tl.float32)
-
-
 @triton.jit
 def split_chunk(kv_end, NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keys per split of `kv_end` keys: an equal share in whole BLOCK_N blocks (at least one)."""
@@ -569,15 +477,6 @@ def _kv_tile(kv_cache, base, mask, d, stride_kind):
 
 
 @triton.jit
-def _split_keys(kv_end, split, NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(active, lo, hi): split `split` takes whole BLOCK_N blocks [lo, hi) of kv_end keys; the
-    `active` first splits hold keys, the others return at once (no partial, no arrival)."""
-    chunk = split_chunk(kv_end, NSPLIT, BLOCK_N)
-    lo = split * chunk
-    return tl.maximum(tl.cdiv(kv_end, chunk), 1), lo, tl.minimum(kv_end, lo + chunk)
-
-
-@triton.jit
 def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_len, pt_row, kvh, num_kv_heads, mblk,
                  split, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_kind, stride_head,
                  stride_tok, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -595,48 +494,35 @@ def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_le
     m = mblk * BLOCK_M + rows // GROUP_PAD
     g = rows % GROUP_PAD
     row_ok = (m < qlen) & (g < GROUP)
+    qpos = seq_len - qlen + m  # [R] position of each row's token
     d = tl.arange(0, D)
     tok = (q_start + m).to(tl.int64)
     head = kvh * GROUP + g
+    m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_PAD, D], tl.float32)
     kv_end = tl.minimum(seq_len, seq_len - qlen + (mblk + 1) * BLOCK_M)  # keys the block's last token sees
-    active, lo, hi = _split_keys(kv_end, split, NSPLIT, BLOCK_N)
+    # split `split` takes whole BLOCK_N blocks [lo, hi) of the keys: the `active` first splits hold
+    # keys, the others return at once (no partial, no arrival)
+    chunk = split_chunk(kv_end, NSPLIT, BLOCK_N)
+    active = tl.maximum(tl.cdiv(kv_end, chunk), 1)
+    lo = split * chunk
+    hi = tl.minimum(kv_end, lo + chunk)
     n = lo + tl.arange(0, BLOCK_N)  # the first block (none of it in a split past the keys)
     n_ok = n < tl.where(split < active, hi, lo)
     base = _kv_base(pt_row, n, n_ok, kvh, stride_page, stride_head, stride_tok, PAGE_SIZE)
     if EARLY:  # keys of earlier steps (complete before the previous kernel started) before the wait
+        new = n_ok & (n >= seq_len - qlen)
         kt, vt = _kv_tile(kv_cache, base, n_ok & (n < seq_len - qlen), d, stride_kind)
         wait_prior(EARLY)
-        kt, vt = _new_keys(kv_cache, base, n_ok & (n >= seq_len - qlen), d, stride_kind, kt, vt)
+        kn, vn = _kv_tile(kv_cache, base, new, d, stride_kind)
+        kt = tl.where(new[None, :], kn, kt)
+        vt = tl.where(new[:, None], vn, vt)
     else:
         kt, vt = _kv_tile(kv_cache, base, n_ok, d, stride_kind)
     qv = tl.load(q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None],
                  other=0.0)  # [R, D]
-    _attend_split(qv, kt, vt, n, n_ok, lo, hi, active, split, seq_len - qlen + m, row_ok, tok, head, kv_cache, out,
-                  part_acc, part_ml, cnt, pt_row, kvh, num_kv_heads, scale, stride_ot, stride_oh, stride_page,
-                  stride_kind, stride_head, stride_tok, GROUP, BLOCK_N, D, PAGE_SIZE, IEEE, NSPLIT)
-
-
-@triton.jit
-def _new_keys(kv_cache, base, new, d, stride_kind, kt, vt):
-    """kt / vt with the keys where `new` (this step's, stored by the previous kernel or this program)
-    read in; an early read left them out."""
-    kn, vn = _kv_tile(kv_cache, base, new, d, stride_kind)
-    return tl.where(new[None, :], kn, kt), tl.where(new[:, None], vn, vt)
-
-
-@triton.jit
-def _attend_split(qv, kt, vt, n, n_ok, lo, hi, active, split, qpos, row_ok, tok, head, kv_cache, out, part_acc,
-                  part_ml, cnt, pt_row, kvh, num_kv_heads, scale, stride_ot, stride_oh, stride_page, stride_kind,
-                  stride_head, stride_tok, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                  PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr):
-    """The rest of a split after its first key block (kt, vt, keys n): the query rows qv [R, D]
-    (positions qpos, output rows tok x head) over keys [lo, hi), then its output (one split) or
-    its partial, the last split of (sequence, KV head) combining the partials."""
     if split < active:
-        d = tl.arange(0, D)
-        m_i = tl.full([qv.shape[0]], float("-inf"), tl.float32)
-        l_i = tl.zeros([qv.shape[0]], tl.float32)
-        acc = tl.zeros([qv.shape[0], D], tl.float32)
         m_i, l_i, acc = _attend_keys(qv, kt, vt, n, n_ok, qpos, m_i, l_i, acc, scale, IEEE)
         for start in range(lo + BLOCK_N, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
@@ -671,7 +557,7 @@ def _attend_split(qv, kt, vt, n, n_ok, lo, hi, active, split, qpos, row_ok, tok,
                 mx = tl.where(mx == float("-inf"), 0.0, mx)
                 w = tl.where(used, tl.exp(m_all - mx[:, None]), 0.0)  # [R, NSPLIT]
                 den = tl.sum(l_all * w, 1)
-                o = tl.zeros([qv.shape[0], D], tl.float32)
+                o = tl.zeros([BLOCK_M * GROUP_PAD, D], tl.float32)
                 for j in range(0, active):
                     wj = tl.sum(tl.where(sp[None, :] == j, w, 0.0), 1)
                     aj = tl.load(part_acc + (prow + j)[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0,
@@ -762,52 +648,4 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             kv_cache.stride(3), page_table.stride(0), GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m,
             BLOCK_N=block_n, D=d, PAGE_SIZE=page_size, IEEE=q.dtype == torch.float32, NSPLIT=splits,
             EARLY=pdl["PDL"] and splits > 1, num_warps=SPLIT_DECODE_WARPS if splits > 1 else 4, **pdl)
-    return out
-
-
-def decode_attention(q_raw: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
-                     k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, zero_centered: bool,
-                     gated: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
-                     seq_lens: torch.Tensor, page_table: torch.Tensor, scale: float,
-                     splits: int | None = None) -> torch.Tensor:
-    """`qk_norm_rope` (with the K/V store) then `paged_attention` of a decode batch (one query token
-    per sequence) in one launch: at batch 1 the q/k kernel was one more dependent launch per layer.
-
-    q_raw [T, Hq * D * (2 if gated else 1)] (gated: per head [query | gate], the gate left to the
-    caller), k_raw [T, Hkv * D], v [T, Hkv, D], cos/sin [T, R] -> [T, Hq, D]; the others as
-    `qk_norm_rope` and `paged_attention` take them. Splits as `paged_attention`'s decode launches."""
-    t, hkv, d = v.shape
-    hq = q_raw.shape[1] // (d * (2 if gated else 1))
-    if not attention_shape_ok(hq, hkv, d) or q_raw.shape[1] != hq * d * (2 if gated else 1) \
-            or k_raw.shape[1] != hkv * d or kv_cache.shape[2] != hkv:
-        raise ValueError(f"decode_attention: q_raw {tuple(q_raw.shape)}, k_raw {tuple(k_raw.shape)}, v {tuple(v.shape)}"
-                         f" and cache heads {kv_cache.shape[2]} do not make whole query groups of a power-of-two "
-                         f"head_dim >= 16 (gated={gated})")
-    if q_raw.stride(1) != 1 or k_raw.stride(1) != 1 or cos.stride(1) != 1 or cos.stride() != sin.stride():
-        raise ValueError("decode_attention needs row-contiguous q_raw, k_raw, cos and sin")
-    _check_store(kv_cache, k_raw.view(t, hkv, d), v)
-    page_size, b = kv_cache.shape[3], seq_lens.shape[0]
-    block_n = 64 if d <= 128 else 32
-    group = hq // hkv
-    group_pad = triton.next_power_of_2(group)
-    splits = decode_splits(q_raw.device, b, hkv, page_table.shape[1] * page_size,
-                           block_n) if splits is None else splits
-    if splits < 1 or splits & (splits - 1):
-        raise ValueError(f"splits={splits}: a power of two")
-    out = torch.empty(t, hq, d, dtype=q_raw.dtype, device=q_raw.device)
-    if t and b:
-        part_acc = part_ml = counters = out  # unread without splits
-        if splits > 1:
-            part_acc = torch.empty(t, hq, splits, d, dtype=torch.float32, device=q_raw.device)
-            part_ml = torch.empty(t, hq, splits, 2, dtype=torch.float32, device=q_raw.device)
-            counters = _split_counters(q_raw.device, b * hkv)
-        pdl = launch_args(q_raw.device)
-        _decode_attention_kernel[(b, hkv, splits)](
-            q_raw, k_raw, v, q_weight, k_weight, cos, sin, kv_cache, out, part_acc, part_ml, counters,
-            query_start_loc, seq_lens, page_table, slot_mapping, scale, eps, q_raw.stride(0), k_raw.stride(0),
-            v.stride(0), cos.stride(0), out.stride(0), out.stride(1), *kv_cache.stride()[:4], page_table.stride(0),
-            GROUP=group, GROUP_PAD=group_pad, ROWS=max(group_pad, 16), BLOCK_N=block_n, D=d, R=cos.shape[1],
-            QS=d * (2 if gated else 1), ZC=zero_centered, PAGE_SIZE=page_size, IEEE=q_raw.dtype == torch.float32,
-            NSPLIT=splits, EARLY=pdl["PDL"] and splits > 1, num_warps=SPLIT_DECODE_WARPS if splits > 1 else 4,
-            **pdl)
     return out

@@ -102,47 +102,6 @@ def test_gate_up_and_down_write_what_they_own():
     assert _rel(out, _want(c.x, c.tw, c.ids, c.d13, c.d2, 4)) < 1e-2
 
 
-def _tied_logits(t, e, gen):
-    """bf16 router logits from a few values only: many ties, which both routings must break alike
-    (the lowest expert id first)."""
-    return torch.randint(-3, 3, (t, e), generator=gen).float().div(2).to(torch.bfloat16).to(DEV)
-
-
-@pytest.mark.parametrize("t,k,e,num_local,offset,renorm,early", [
-    (1, 8, 16, 16, 0, True, True),
-    (3, 6, 12, 4, 4, False, False),  # KP 8 > k, E not a power of two, other ranks' experts
-    (2, 4, 8, 8, 0, True, False),
-])
-def test_kernels_route_from_logits(t, k, e, num_local, offset, renorm, early):
-    """Given RouterLogits, gate_up writes exactly the act rows (NaN-poisoned elsewhere) and down
-    exactly the output the routing kernel's topk ids and weights give (`triton_moe.route`, ties
-    included), and both match the fp32 reference on reference.route's routing."""
-    from moe.kernels import triton_moe
-
-    c = _case(t, k, e, num_local, offset, 256, 128, seed=t + k + e)
-    q13, s13, q2, s2 = c.w
-    for tied in (False, True):
-        logits = _tied_logits(t, e, c.gen) if tied else torch.randn(t, e, generator=c.gen).to(torch.bfloat16).to(DEV)
-        tw, ids = triton_moe.route(logits, k, renorm)
-        rl = fd.RouterLogits(logits, k, renorm)
-        acts = []
-        for route in (ids, rl):
-            act = torch.full((t * k, 128), float("nan"), device=DEV)
-            acts.append(fd.gate_up(c.x, route, q13, s13, offset, act))
-        assert torch.equal(acts[0].nan_to_num(7.0), acts[1].nan_to_num(7.0))
-        want = fd.down(acts[0], tw, ids, q2, s2, offset, early=early)
-        got = fd.down(acts[1], None, rl, q2, s2, offset, early=early)
-        assert torch.equal(got, want)
-        if not tied:  # (torch.topk orders equal values in no promised order)
-            rw, rids = reference.route(logits, k, renorm)
-            assert torch.equal(rids, ids)
-            assert _rel(got, _want(c.x, rw, rids, c.d13, c.d2, offset)) < 1e-2
-    with pytest.raises(ValueError, match="topk_weights is None"):
-        fd.down(acts[0], None, ids, q2, s2, offset)
-    with pytest.raises(ValueError, match=rf"top_k={e + 1} must be in \[1, {e}\]"):
-        fd.gate_up(c.x, fd.RouterLogits(logits, e + 1, renorm), q13, s13, offset)
-
-
 def test_shapes_and_blocks_checked():
     c = _case(1, 2, 4, 4, 0, 256, 128, seed=1)
     q13, s13, q2, s2 = c.w
@@ -172,7 +131,6 @@ def _backend(threshold, calls):
 
     ops["fused_decode"] = spy("fused", fd.fused_decode)
     ops["permute_masked"] = spy("pipeline", ops["permute_masked"])
-    ops["route"] = spy("route", ops["route"])
     return backend.Fp8PipelineBackend("test-fused", SimpleNamespace(**ops), fused_decode_tokens=threshold)
 
 
@@ -194,33 +152,6 @@ def test_backend_uses_fused_path_up_to_threshold(threshold):
         assert calls == ["fused" if t <= threshold else "pipeline"]
         want = pipe.run(x, tw, ids, w, 0)
         assert _rel(got, want) < 0.05  # the pipeline quantizes activations to FP8, the fused path does not
-
-
-@pytest.mark.parametrize("flag", ["1", "0"])
-def test_backend_routes_inside_the_fused_kernels(flag, monkeypatch, caplog):
-    """run_logits: at T <= threshold the fused kernels route from the logits (no routing pass; off with
-    $NVL72_MOE_ROUTE_IN_KERNELS=0), above it route + pipeline; the outputs equal route + run's."""
-    monkeypatch.setenv(backend.ENV_ROUTE_IN_KERNELS, flag)
-    gen = torch.Generator().manual_seed(5)
-    w13, w2 = torch.randn(8, 256, 256, generator=gen) * 0.05, torch.randn(8, 256, 128, generator=gen) * 0.05
-    calls = []
-    with caplog.at_level(logging.INFO, logger="moe.backend"):
-        be = _backend(1, calls)
-    assert be.route_in_kernels == (flag == "1")
-    assert ("routing inside its kernels" if flag == "1" else "routing by the routing kernel") in caplog.text
-    w = be.prepare(w13.to(DEV), w2.to(DEV))
-    for t in (1, 2):
-        x = torch.randn(t, 256, generator=gen).to(torch.bfloat16).to(DEV)
-        logits = torch.randn(t, 8, generator=gen).to(torch.bfloat16).to(DEV)
-        calls.clear()
-        got = be.run_logits(x, logits, 4, True, w, 0)
-        routed = t == 1 and flag == "1"
-        assert calls == (["fused"] if routed else ["route", "fused" if t == 1 else "pipeline"])
-        tw, ids = reference.route(logits, 4, True)
-        assert _rel(got, be.run(x, tw, ids, w, 0)) < 1e-3
-    monkeypatch.setenv(backend.ENV_ROUTE_IN_KERNELS, "yes")
-    with pytest.raises(ValueError, match="NVL72_MOE_ROUTE_IN_KERNELS='yes'"):
-        _backend(1, [])
 
 
 def test_threshold_env(monkeypatch, caplog):
@@ -248,23 +179,18 @@ def test_threshold_env(monkeypatch, caplog):
 @COMPILES
 @pytest.mark.parametrize("pdl", [True, False])
 @pytest.mark.parametrize("early", [True, False])
-@pytest.mark.parametrize("logits", [True, False])
-def test_kernels_compile_for_hopper(pdl, early, logits):
-    """Both kernels lower for sm_90 at the Qwen3-30B-A3B defaults (routing from topk ids or from the
-    128 router logits), with the griddepcontrol pair exactly when PDL is on; global loads before the
-    wait only in down's early form."""
+def test_kernels_compile_for_hopper(pdl, early):
+    """Both kernels lower for sm_90 at the Qwen3-30B-A3B defaults, with the griddepcontrol pair exactly
+    when PDL is on; global loads before the wait only in down's early form."""
     i32 = "i32"
-    route = {"route_ptr": "*bf16" if logits else "*i64", "E": i32}
-    block_e = 128 if logits else 0
     k1 = compile_pdl(fd._gate_up_kernel, {
-        "x_ptr": "*bf16", **route, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "act_ptr": "*fp32", "H": i32,
-        "I": i32, "num_local": i32, "expert_offset": i32},
-        {"K": 8, "KP": 8, "BLOCK_N": fd.BLOCK_N, "BLOCK_K": fd.BLOCK_K, "BLOCK_E": block_e}, pdl)
+        "x_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "act_ptr": "*fp32", "H": i32,
+        "I": i32, "num_local": i32, "expert_offset": i32}, {"K": 8, "BLOCK_N": fd.BLOCK_N, "BLOCK_K": fd.BLOCK_K}, pdl)
     k2 = compile_pdl(fd._down_kernel, {
-        "act_ptr": "*fp32", **route, "tw_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+        "act_ptr": "*fp32", "ids_ptr": "*i64", "tw_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
         "out_ptr": "*bf16", "sh_ptr": "*bf16", "g_ptr": "*bf16", "H": i32, "I": i32, "num_local": i32,
         "expert_offset": i32}, {"K": 8, "KP": 8, "HAS_SHARED": True, "BLOCK_N": fd.BLOCK_N2, "BLOCK_K": fd.BLOCK_K2,
-                                "BLOCK_E": block_e, "RENORM": True, "EARLY": early}, pdl)
+                                "EARLY": early}, pdl)
     if pdl:
         assert "ld.global" not in k1[:k1.index("griddepcontrol.wait")]
         assert ("ld.global" in k2[:k2.index("griddepcontrol.wait")]) == early

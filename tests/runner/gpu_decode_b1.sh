@@ -10,10 +10,9 @@
 #   bash tests/runner/gpu_decode_b1.sh --moe     (<= 500 s: tests, then perf.serve with the one-token MoE on
 #                                                 the FP8 pipeline / the fused decode kernels, twice each,
 #                                                 alternating: NVL72_MOE_FUSED_DECODE_TOKENS=0 / 1)
-#   bash tests/runner/gpu_decode_b1.sh --fuse    (<= 580 s: tests, then perf.serve with the launch fusions of
-#                                                 a one-token layer (NVL72_NORM_GEMV, NVL72_DECODE_ATTN_QK,
-#                                                 NVL72_MOE_ROUTE_IN_KERNELS: FUSE column) and the split decode
-#                                                 attention's warps (NVL72_SPLIT_DECODE_WARPS), twice each)
+#   bash tests/runner/gpu_decode_b1.sh --fuse    (<= 400 s: tests, then perf.serve with the input norm before
+#                                                 / inside the q/k/v GEMV, NVL72_NORM_GEMV=0 / 1, twice each,
+#                                                 alternating)
 # 1) the @gpu tests of tests/runner (fused residual add + RMSNorm [+ MoE router logits], RoPE
 #    table and slot-mapping kernels, K/V store inside q/k norm + RoPE, split-key decode attention,
 #    packed q/k/v GEMM, Triton GEMV; greedy tokens equal to the torch reference, graphs on == off,
@@ -51,13 +50,11 @@ case "$mode" in
     timeout -k 5 90 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/moe/test_triton_fused_decode.py \
       tests/runner/test_runner_engine.py 2>&1 | tee "$OUT/pytest.log" | tail -15
     echo "pytest rc=${PIPESTATUS[0]}" ;;
-  --fuse) runs="norm:1:1:0:1:100:4 w8:1:1:0:1:100:8 attn8:1:1:0:1:110:8 route8:1:1:0:1:101:8"
-    runs="$runs norm2:1:1:0:1:100:4 w8b:1:1:0:1:100:8 attn8b:1:1:0:1:110:8 off:1:1:0:1:000:4"
-    profiled="w8"; per_run=75; budget=${BUDGET:-580}
+  --fuse) runs="off:1:1:0:1:0 on:1:1:0:1:1 off2:1:1:0:1:0 on2:1:1:0:1:1"; profiled="on"; per_run=75
+    budget=${BUDGET:-400}
     sizes="--graph-batch-sizes 1,64"
     timeout -k 5 100 python3 -m pytest -q -m gpu -rs --tb=short -p no:cacheprovider tests/runner/test_decode_layer.py \
-      tests/runner/test_fused_triton.py tests/runner/test_attn_backends.py tests/moe/test_triton_fused_decode.py \
-      2>&1 | tee "$OUT/pytest.log" | tail -15
+      tests/runner/test_fused_triton.py tests/runner/test_attn_backends.py 2>&1 | tee "$OUT/pytest.log" | tail -15
     echo "pytest rc=${PIPESTATUS[0]}" ;;
   --layer) runs="ops:1:1:0 fused:1:1:fused phased:1:1:phased"; per_run=110; budget=${BUDGET:-460}; sizes="--graph-batch-sizes 1,64"
     timeout -k 5 120 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/runner/test_decode_layer.py \
@@ -70,20 +67,17 @@ case "$mode" in
   *) echo "unknown option $mode (expected --gemv, --pdl, --layer, --moe or nothing)"; exit 2 ;;
 esac
 for run in $runs; do
-  IFS=: read -r name pdl gemv layer fdec fuse warps <<< "$run"
-  fuse=${fuse:-111}
+  IFS=: read -r name pdl gemv layer fdec fuse <<< "$run"
   prof=""
   case " ${profiled:-$name} " in *" $name "*) prof="--profile /tmp/prof_$name" ;; esac
   left=$((budget - 10 - SECONDS))
   limit=$((left < per_run ? left : per_run))
   if [ "$limit" -lt 20 ]; then echo "perf.serve $name skipped: ${left} s left"; continue; fi
   NVL72_MOE_FUSED_DECODE_TOKENS=${fdec:-1} NVL72_PDL=$pdl NVL72_TRITON_GEMV=$gemv NVL72_DECODE_LAYER=${layer:-0} \
-    NVL72_NORM_GEMV=${fuse:0:1} NVL72_DECODE_ATTN_QK=${fuse:1:1} NVL72_MOE_ROUTE_IN_KERNELS=${fuse:2:1} \
-    NVL72_SPLIT_DECODE_WARPS=${warps:-4} timeout -k 5 "$limit" python3 -m perf.serve --layers "${LAYERS:-48}" --modes graphs \
+    NVL72_NORM_GEMV=${fuse:-1} timeout -k 5 "$limit" python3 -m perf.serve --layers "${LAYERS:-48}" --modes graphs \
     --no-ttft --decode-out 64 $sizes $prof --json "$OUT/serve_$name.json" > "$OUT/serve_$name.log" 2>&1
   echo "perf.serve $name (NVL72_PDL=$pdl NVL72_TRITON_GEMV=$gemv NVL72_DECODE_LAYER=${layer:-0}" \
-    "NVL72_MOE_FUSED_DECODE_TOKENS=${fdec:-1}, fusions norm/attn/route $fuse, warps ${warps:-4}, limit ${limit} s)" \
-    "rc=$?"
+    "NVL72_MOE_FUSED_DECODE_TOKENS=${fdec:-1} NVL72_NORM_GEMV=${fuse:-1}, limit ${limit} s) rc=$?"
   gzip -c "/tmp/prof_$name/decode_b1.json" > "$OUT/decode_b1_$name.json.gz" 2>/dev/null
 done
 for run in $runs; do
@@ -100,14 +94,13 @@ for run in $runs; do
 done
 if [ -n "$sizes" ]; then
   echo "== decode step (perf.serve, graphs, no profiler) and profiled GPU ops per step, by run"
-  printf "%-9s %-5s %-5s %-7s %-5s %-5s %10s %7s %11s %9s\n" run PDL GEMV LAYER FUSE WARPS "b=1 ms" "% bound" \
-    "b=64 ms" "b=1 ops"
+  printf "%-9s %-5s %-5s %-7s %-5s %10s %7s %11s %9s\n" run PDL GEMV LAYER NORM "b=1 ms" "% bound" "b=64 ms" \
+    "b=1 ops"
   for run in $runs; do
-    IFS=: read -r name pdl gemv layer fdec fuse warps <<< "$run"
-    python3 - "$OUT/serve_$name.json" "$OUT/serve_$name.log" "$name" "$pdl" "$gemv" "${layer:-0}" "${fuse:-111}" \
-      "${warps:-4}" <<'EOF'
+    IFS=: read -r name pdl gemv layer fdec fuse <<< "$run"
+    python3 - "$OUT/serve_$name.json" "$OUT/serve_$name.log" "$name" "$pdl" "$gemv" "${layer:-0}" "${fuse:-1}" <<'EOF'
 import json, re, sys
-path, log, name, pdl, gemv, layer, fuse, warps = sys.argv[1:]
+path, log, name, pdl, gemv, layer, fuse = sys.argv[1:]
 try:
     rows = {r["what"]: r for r in json.load(open(path))["rows"]}
 except (OSError, ValueError, KeyError):
@@ -117,8 +110,8 @@ ops = re.search(r"PROFILE decode b=1: .*?(\d+) GPU ops", open(log).read()) if b1
 ms1 = "%.3f" % b1["step_ms"] if b1 else "-"
 pct = "%.1f%%" % (100 * b1["bound_step_ms"] / b1["step_ms"]) if b1 else "-"
 ms64 = "%.3f" % b64["step_ms"] if b64 else "-"
-print("%-9s %-5s %-5s %-7s %-5s %-5s %10s %7s %11s %9s" % (name, pdl, gemv, layer, fuse, warps, ms1, pct, ms64,
-                                                           ops.group(1) if ops else "-"))
+print("%-9s %-5s %-5s %-7s %-5s %10s %7s %11s %9s" % (name, pdl, gemv, layer, fuse, ms1, pct, ms64,
+                                                     ops.group(1) if ops else "-"))
 EOF
   done
 fi

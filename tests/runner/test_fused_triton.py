@@ -127,46 +127,6 @@ def test_qk_norm_rope_matches_layer_math(device, dtype, gated, zero_centered, ro
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", LOW)
-@pytest.mark.parametrize("gated,zero_centered,rot,splits", [(False, False, 16, None), (True, True, 8, 4),
-                                                            (False, False, 4, 16), (True, False, 16, 1)])
-def test_decode_attention_matches_qk_norm_rope_then_attention(device, dtype, gated, zero_centered, rot, splits):
-    """One launch = qk_norm_rope (with the K/V store) + paged_attention of a decode batch: the cache
-    ends bit-identical (the padded row's slot -1 writes nothing), the output matches the two
-    kernels' (contexts 0, 17 and 139 keys: one split, splits past the keys, the new key in a later
-    block of the last split), and the fp32 reference within the dtype's tolerance."""
-    skip_interpreted_bf16(device, dtype)
-    hq, hkv, d, ps = 8, 2, 16, 4
-    batch, kv, _, _, v = random_batch([1, 1, 1, 1], [0, 17, 139, 5], ps, hq, hkv, d, dtype, device, seed=rot)
-    g = torch.Generator().manual_seed(rot + gated)
-    t = 4
-    q_raw = torch.randn(t, hq * d * (2 if gated else 1), generator=g).to(dtype).to(device)
-    k_raw = torch.randn(t, hkv * d, generator=g).to(dtype).to(device)
-    qw, kw = ((torch.randn(d, generator=g) * 0.3 + (0 if zero_centered else 1)).to(dtype).to(device) for _ in "qk")
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
-    cos, sin = (x.to(device) for x in ops.rope_cos_sin(batch.positions.cpu(), inv_freq, dtype))
-    slots = ops.AttentionMetadata.build(batch, ps).slot_mapping.clone()
-    slots[3] = -1  # a padded graph row
-    kv_ref = kv.clone()
-    q, _, _ = ft.qk_norm_rope(q_raw, k_raw, qw, kw, cos, sin, hq, hkv, d, 1e-6, zero_centered, gated, v, kv_ref,
-                              slots)
-    want = ft.paged_attention(q, kv_ref, batch.query_start_loc, batch.seq_lens, batch.page_table, 1, d**-0.5,
-                              splits=splits)
-    ref = ops.paged_attention(q.float(), kv_ref.float(), ops.AttentionMetadata.build(batch, ps), d**-0.5)
-    for _ in range(2):  # twice: the split counters are back at 0
-        kv_got = kv.clone()
-        got = ft.decode_attention(q_raw, k_raw, v, qw, kw, cos, sin, 1e-6, zero_centered, gated, kv_got, slots,
-                                  batch.query_start_loc, batch.seq_lens, batch.page_table, d**-0.5, splits=splits)
-        assert torch.equal(kv_got, kv_ref)
-        # (the padded row attends to its own new key, the two kernels to what its unwritten slot holds)
-        assert rel_err(got[:3], want[:3]) < (1e-6 if dtype == torch.float32 else 2e-3)
-        assert rel_err(got[:3], ref[:3]) < TOL[dtype]
-    with pytest.raises(ValueError, match="whole query groups"):
-        ft.decode_attention(q_raw[:, : d * 3], k_raw, v, qw, kw, cos, sin, 1e-6, zero_centered, gated, kv, slots,
-                            batch.query_start_loc, batch.seq_lens, batch.page_table, d**-0.5)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("k,zero_centered,with_delta", [(300, False, True), (2048, True, True), (96, False, False)])
 def test_norm_gemv_matches_add_rms_norm_then_gemv(device, dtype, k, zero_centered, with_delta):
     """The residual add + RMSNorm inside the GEMV: the sum bit-exact, the output as add_rms_norm then
@@ -302,19 +262,6 @@ def test_kernels_compile_for_hopper(pdl):
                            "BLOCK_H": 2048 if norm else 1}, pdl)
         if pdl:  # the first weight tile is requested before the wait (its load overlaps the previous kernel)
             assert "ld.global" in ptx[:ptx.index("griddepcontrol.wait")]
-    dec_sig = {"q_raw": "*bf16", "k_raw": "*bf16", "v": "*bf16", "qw": "*bf16", "kw": "*bf16", "cos": "*bf16",
-               "sin": "*bf16", "kv_cache": "*bf16", "out": "*bf16", "part_acc": "*fp32", "part_ml": "*fp32",
-               "counters": "*i32", "qsl": "*i32", "seq_lens": "*i32", "page_table": "*i32", "slots": "*i64",
-               "scale": "fp32", "rms_eps": "fp32", **{n: i64 for n in (
-                   "stride_q", "stride_k", "stride_v", "stride_cs", "stride_ot", "stride_oh", "stride_page",
-                   "stride_kind", "stride_head", "stride_tok", "stride_pt")}}
-    for nsplit in (1, 32):
-        ptx = compile_pdl(ft._decode_attention_kernel, {**dec_sig, "counters": "*i32" if nsplit > 1 else "*bf16"}, {
-            "GROUP": 8, "GROUP_PAD": 8, "ROWS": 16, "BLOCK_N": 64, "D": 128, "R": 128, "QS": 128, "ZC": False,
-            "PAGE_SIZE": 16, "IEEE": False, "NSPLIT": nsplit, "EARLY": pdl and nsplit > 1}, pdl)
-        if pdl and nsplit > 1:  # page ids and earlier keys before the wait; q, the new K/V after it
-            before, after = ptx[:ptx.index("griddepcontrol.wait")], ptx[ptx.index("griddepcontrol.wait"):]
-            assert before.count("ld.global") >= 4 and after.count("ld.global") >= 4
     compile_pdl(ft._slot_mapping_kernel, {"positions": "*i64", "qsl": "*i32", "page_table": "*i32", "slots": "*i64",
                                           "num_seqs": i32, "width": i32, "stride_pt": i32},
                 {"PAGE_SIZE": 16, "BLOCK_B": 64}, pdl)

@@ -67,7 +67,7 @@ def test_kernels_compile_with_griddepcontrol():
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0 and "17 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    assert r.returncode == 0 and "13 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
 
 
 def _decode_layers(x, w, batch, kvs, n_layers):
