@@ -546,26 +546,43 @@ def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_le
             # every thread's stores precede the barrier, the counter's acq_rel add publishes them
             tl.debug_barrier()
             if tl.atomic_add(cnt, 1) == active - 1:
-                sp = tl.arange(0, NSPLIT)
-                ml = part_ml + (prow[:, None] + sp[None, :]) * 2  # [R, NSPLIT]
-                mine = row_ok[:, None] & (sp[None, :] < active)  # (the others wrote nothing)
-                l_all = tl.load(ml + 1, mask=mine, other=0.0, cache_modifier=".cg")
-                m_all = tl.load(ml, mask=mine, other=float("-inf"), cache_modifier=".cg")  # (beside l_all)
-                used = l_all > 0.0
-                m_all = tl.where(used, m_all, float("-inf"))
-                mx = tl.max(m_all, 1)
-                mx = tl.where(mx == float("-inf"), 0.0, mx)
-                w = tl.where(used, tl.exp(m_all - mx[:, None]), 0.0)  # [R, NSPLIT]
-                den = tl.sum(l_all * w, 1)
                 o = tl.zeros([BLOCK_M * GROUP_PAD, D], tl.float32)
-                for j in range(0, active):
-                    wj = tl.sum(tl.where(sp[None, :] == j, w, 0.0), 1)
-                    aj = tl.load(part_acc + (prow + j)[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0,
-                                 cache_modifier=".cg")
-                    o += aj * wj[:, None]
+                den = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
+                mx = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
+                for j0 in range(0, active, 4):  # four splits' partials per round trip (was one)
+                    o, den, mx = _combine4(part_acc + prow[:, None] * D + d[None, :], part_ml + prow * 2, j0, active,
+                                           row_ok, o, den, mx, D)
                 o = o / tl.where(den > 0.0, den, 1.0)[:, None]
                 tl.store(o_ptr, o.to(out.dtype.element_ty), mask=row_ok[:, None])
                 tl.atomic_xchg(cnt, 0)  # ready for the next launch (graph replays included)
+
+
+@triton.jit
+def _combine4(acc_rows, ml_rows, j0, active, row_ok, o, den, mx, D: tl.constexpr):
+    """Splits j0 .. j0 + 3's partials (unnormalised acc [R, D], max, sum; none from `active` on)
+    folded into the rows' running (o, den, max) of the combine, their loads issued together;
+    acc_rows / ml_rows point at the rows' split 0. A split whose rows saw no key (sum 0) adds nothing."""
+    ok = row_ok.to(tl.int32)  # (a mask from a bool tensor & a bool scalar fails in the interpreter)
+    ok0, ok1, ok2, ok3 = ok * (j0 < active) > 0, ok * (j0 + 1 < active) > 0, ok * (j0 + 2 < active) > 0, \
+        ok * (j0 + 3 < active) > 0
+    a0 = tl.load(acc_rows + j0 * D, mask=ok0[:, None], other=0.0, cache_modifier=".cg")
+    a1 = tl.load(acc_rows + (j0 + 1) * D, mask=ok1[:, None], other=0.0, cache_modifier=".cg")
+    a2 = tl.load(acc_rows + (j0 + 2) * D, mask=ok2[:, None], other=0.0, cache_modifier=".cg")
+    a3 = tl.load(acc_rows + (j0 + 3) * D, mask=ok3[:, None], other=0.0, cache_modifier=".cg")
+    l0 = tl.load(ml_rows + j0 * 2 + 1, mask=ok0, other=0.0, cache_modifier=".cg")
+    l1 = tl.load(ml_rows + (j0 + 1) * 2 + 1, mask=ok1, other=0.0, cache_modifier=".cg")
+    l2 = tl.load(ml_rows + (j0 + 2) * 2 + 1, mask=ok2, other=0.0, cache_modifier=".cg")
+    l3 = tl.load(ml_rows + (j0 + 3) * 2 + 1, mask=ok3, other=0.0, cache_modifier=".cg")
+    m0 = tl.where(l0 > 0.0, tl.load(ml_rows + j0 * 2, mask=ok0, other=0.0, cache_modifier=".cg"), float("-inf"))
+    m1 = tl.where(l1 > 0.0, tl.load(ml_rows + (j0 + 1) * 2, mask=ok1, other=0.0, cache_modifier=".cg"), float("-inf"))
+    m2 = tl.where(l2 > 0.0, tl.load(ml_rows + (j0 + 2) * 2, mask=ok2, other=0.0, cache_modifier=".cg"), float("-inf"))
+    m3 = tl.where(l3 > 0.0, tl.load(ml_rows + (j0 + 3) * 2, mask=ok3, other=0.0, cache_modifier=".cg"), float("-inf"))
+    new = tl.maximum(tl.maximum(mx, tl.maximum(m0, m1)), tl.maximum(m2, m3))
+    ref = tl.where(new == float("-inf"), 0.0, new)  # no key yet: every weight below is 0
+    keep = tl.exp(mx - ref)
+    w0, w1, w2, w3 = tl.exp(m0 - ref), tl.exp(m1 - ref), tl.exp(m2 - ref), tl.exp(m3 - ref)
+    o = o * keep[:, None] + a0 * w0[:, None] + a1 * w1[:, None] + a2 * w2[:, None] + a3 * w3[:, None]
+    return o, den * keep + l0 * w0 + l1 * w1 + l2 * w2 + l3 * w3, new
 
 
 _SM_COUNT: dict[int, int] = {}

@@ -54,11 +54,12 @@ def test_paged_attention_matches_reference(device, dtype, case):
 @pytest.mark.parametrize("splits", [2, 4, 16])
 def test_decode_split_keys_match_reference(device, dtype, splits):
     """Single-token queries with the keys split over programs (splits past the keys included: 16
-    splits of a 140-key context, 3 of them active) and combined by the last active program of each
-    (sequence, KV head); contexts within one split (1, 18 keys) written by that program: the
-    reference's result, twice (the arrival counters are back at 0 after each launch)."""
+    splits of a 140-key context, 3 of them active; of a 601-key one, 10: the combine's loop past its
+    first four partials) and combined by the last active program of each (sequence, KV head);
+    contexts within one split (1, 18 keys) written by that program: the reference's result, twice
+    (the arrival counters are back at 0 after each launch)."""
     hq, hkv, d, ps = 8, 2, 16, 4
-    batch, kv, q, k, v = random_batch([1, 1, 1], [0, 17, 139], ps, hq, hkv, d, dtype, device, seed=splits)
+    batch, kv, q, k, v = random_batch([1, 1, 1, 1], [0, 17, 139, 600], ps, hq, hkv, d, dtype, device, seed=splits)
     meta = ops.AttentionMetadata.build(batch, ps)
     ft.store_kv(kv, k, v, meta.slot_mapping)
     ref = ops.paged_attention(q.float(), kv.float(), meta, d**-0.5)
