@@ -27,7 +27,9 @@ FP8 with 1 x 128 scales twice).
 PDL (`aot.pdl`): which expert's weights to read comes from topk_ids, which the routing kernel
 writes just before `gate_up`, so `gate_up` waits first (aot.pdl's rule: nothing the previous kernel
 writes is read before `wait_prior`); after it, each K step's tile is loaded one step ahead, as
-nvl72.model.fused_triton's GEMV does. The early launch still hides launch and block scheduling.
+nvl72.model.fused_triton's GEMV does, and so are the step's activations and block scales (loaded in the
+step that used them they were one dependent L2 round trip a step: H100, 48 layers, batch 1: 2.621-2.634
+-> 2.591-2.594 ms a step, perf/RESULTS.md). The early launch still hides launch and block scheduling.
 For `down` the routing is two kernels back: `down(early=True)` (fused_decode's default, EARLY_W2)
 reads it and its first w2 tiles before its wait, while gate_up runs; see `down` for why that holds.
 Grids depend on T only (no size argument changes per step) and the per-step tensors are not
@@ -80,22 +82,29 @@ def gate_up_rows(xr, e64, w_ptr, s_ptr, H, I, n0, BLOCK_N: tl.constexpr, BLOCK_K
     m = kc[None, :] < H
     gv = tl.load(g_rows + kc[None, :], mask=m, other=0.0)
     uv = tl.load(u_rows + kc[None, :], mask=m, other=0.0)
+    xv, s_g, s_u = _x_and_scales(xr, sg, su, kc, H)
     acc_g = tl.zeros([BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        c = k0 + kc
-        cm = c < H
-        nc = c + BLOCK_K  # the next step's columns (all masked after the last step)
+        nc = k0 + kc + BLOCK_K  # the next step's columns (all masked after the last step)
         nm = nc[None, :] < H
         g_next = tl.load(g_rows + nc[None, :], mask=nm, other=0.0)
         u_next = tl.load(u_rows + nc[None, :], mask=nm, other=0.0)
-        xv = tl.load(xr + c, mask=cm, other=0.0).to(tl.float32)
-        xg = xv * tl.load(sg + c // 128, mask=cm, other=0.0)
-        xu = xv * tl.load(su + c // 128, mask=cm, other=0.0)
-        acc_g += tl.sum(gv.to(tl.float32) * xg[None, :], 1)
-        acc_u += tl.sum(uv.to(tl.float32) * xu[None, :], 1)
-        gv, uv = g_next, u_next
+        x_next, sg_next, su_next = _x_and_scales(xr, sg, su, nc, H)
+        acc_g += tl.sum(gv.to(tl.float32) * (xv * s_g)[None, :], 1)
+        acc_u += tl.sum(uv.to(tl.float32) * (xv * s_u)[None, :], 1)
+        gv, uv, xv, s_g, s_u = g_next, u_next, x_next, sg_next, su_next
     return acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+
+
+@triton.jit
+def _x_and_scales(xr, sg, su, c, H):
+    """x at columns c (fp32) and the gate / up scales of their 128-blocks, zeros past H: loaded a step
+    ahead of their use, as the weight tiles are (in the step that used them they were a dependent
+    L2 round trip each)."""
+    cm = c < H
+    return (tl.load(xr + c, mask=cm, other=0.0).to(tl.float32), tl.load(sg + c // 128, mask=cm, other=0.0),
+            tl.load(su + c // 128, mask=cm, other=0.0))
 
 
 @triton.jit(do_not_specialize_on_alignment=["act_ptr", "ids_ptr", "tw_ptr", "out_ptr", "sh_ptr", "g_ptr"])
@@ -139,18 +148,20 @@ def down_rows(act_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, t, n0, H, I, num_local, ex
     a_row = act_ptr + pair.to(tl.int64) * I
     ok3 = ok[:, None, None]
     wv = tl.load(w_rows + kc[None, None, :], mask=ok3 & (kc[None, None, :] < I), other=0.0)
+    m2 = ok[:, None] & (kc[None, :] < I)
+    sv = tl.load(s_row[:, None] + kc[None, :] // 128, mask=m2, other=0.0)  # [KP, BLOCK_K] (weights': early)
     if WAIT_AFTER_FIRST:
         wait_prior(PDL)
+    av = tl.load(a_row[:, None] + kc[None, :], mask=m2, other=0.0)
     acc = tl.zeros([KP, BLOCK_N], tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        c = k0 + kc
-        nc = c + BLOCK_K
+        nc = k0 + kc + BLOCK_K  # the next step's: weights, act and scales a step ahead of their use
         w_next = tl.load(w_rows + nc[None, None, :], mask=ok3 & (nc[None, None, :] < I), other=0.0)
-        m2 = ok[:, None] & (c[None, :] < I)
-        av = tl.load(a_row[:, None] + c[None, :], mask=m2, other=0.0)
-        av = av * tl.load(s_row[:, None] + c[None, :] // 128, mask=m2, other=0.0)  # [KP, BLOCK_K]
-        acc += tl.sum(wv.to(tl.float32) * av[:, None, :], 2)
-        wv = w_next
+        m2 = ok[:, None] & (nc[None, :] < I)
+        a_next = tl.load(a_row[:, None] + nc[None, :], mask=m2, other=0.0)
+        s_next = tl.load(s_row[:, None] + nc[None, :] // 128, mask=m2, other=0.0)
+        acc += tl.sum(wv.to(tl.float32) * (av * sv)[:, None, :], 2)
+        wv, av, sv = w_next, a_next, s_next
     tw = tl.load(tw_ptr + pair, mask=ok, other=0.0)
     return tl.sum(acc * tw[:, None], 0)
 

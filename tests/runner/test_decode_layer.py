@@ -4,7 +4,8 @@ prefilled context, on FP8 experts whose dequantized weights the reference uses.
 
 CPU: Triton's interpreter runs the six phases as separate launches ("phased"; it runs programs
 one after another, so the grid barriers of "fused" would never open), in fp32 and fp16 (it has no
-faithful bf16). GPU: "fused" and "phased" in bf16, eager and in a CUDA graph."""
+faithful bf16). GPU: "fused" and "phased" in bf16, eager and in a CUDA graph. The same harness checks
+the per-op kernels of these steps (mode None: the default serving path) on CPU."""
 import os
 
 import pytest
