@@ -28,26 +28,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from moe import backend  # noqa: E402
 from moe.kernels import triton_fused_decode as fd  # noqa: E402
 from nvl72.cuda_timing import hbm_copy_bandwidth  # noqa: E402
-from tests.moe.gpu_layer_profile import capture  # noqa: E402
+from tests.moe.gpu_layer_profile import capture, median_us  # noqa: E402
 
 E, H, I, K = 128, 2048, 768, 8
 K1 = [dict(block_n=bn, block_k=bk, num_warps=w) for bn, bk, w in itertools.product([16, 32], [256, 512], [4, 8])]
 K2 = [dict(block_n2=bn, block_k2=bk, num_warps2=w, early=early)
       for early, bn, bk, w in itertools.product([False, True], [8, 16], [128, 256], [4, 8])]
-
-
-def median_us(g, replays: int) -> float:
-    """Median microseconds of one replay (CUDA events around each)."""
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    for a, b in ev:
-        a.record()
-        g.replay()
-        b.record()
-    torch.cuda.synchronize()
-    return 1e3 * sorted(a.elapsed_time(b) for a, b in ev)[replays // 2]
 
 
 def dequant(q, s):

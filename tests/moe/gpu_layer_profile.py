@@ -48,6 +48,20 @@ def build_layers(cfg: dict, n: int, seed: int) -> list[MoE]:
     return layers
 
 
+def median_us(g, replays: int = 50) -> float:
+    """Median microseconds of one replay of graph g (CUDA events around each)."""
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    for a, b in ev:
+        a.record()
+        g.replay()
+        b.record()
+    torch.cuda.synchronize()
+    return 1e3 * sorted(a.elapsed_time(b) for a, b in ev)[replays // 2]
+
+
 def capture(fn):
     """A CUDA graph of fn() after warm-up on a side stream (as the engine captures decode steps)."""
     side = torch.cuda.Stream()

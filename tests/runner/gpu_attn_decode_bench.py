@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from nvl72.model import fused_triton, ops  # noqa: E402
-from tests.moe.gpu_layer_profile import capture  # noqa: E402
+from tests.moe.gpu_layer_profile import capture, median_us  # noqa: E402
 from tests.runner.paged import random_batch, rel_err  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 4, 128, 16
@@ -32,18 +32,6 @@ def load_module(path: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def median_us(g, replays: int = 50) -> float:
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
-    for _ in range(3):
-        g.replay()
-    for a, b in ev:
-        a.record()
-        g.replay()
-        b.record()
-    torch.cuda.synchronize()
-    return 1e3 * sorted(a.elapsed_time(b) for a, b in ev)[replays // 2]
 
 
 def main() -> None:
