@@ -13,7 +13,7 @@ one. CUDA-graph capture keeps these programmatic edges, which is where this pays
 
 The rules for a kernel with `PDL: tl.constexpr` (see `wait_prior`): no store before
 `wait_prior(PDL)`, and no load there of data the previous kernel in the stream writes. Weights may
-be read before it (a weight made on first use, e.g. the packed q/k/v of `layers.Attention._qkv`,
+be read before it (a weight made on first use, e.g. the packed q/k/v of `layers.Attention.packed_qkv`,
 is written by the kernel just before on that first call, which may then read it early: in the
 engine that call is a CUDA-graph warm-up forward, whose output is dropped). So may data written
 before the previous kernel started, where that kernel follows these rules or was launched plainly

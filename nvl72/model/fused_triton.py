@@ -558,25 +558,24 @@ def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_le
 
 
 @triton.jit
+def _split_partial(acc_rows, ml_rows, j, active, row_ok, D: tl.constexpr):
+    """Split j's partial of the rows: (unnormalised acc [R, D], sum [R], max [R]); zeros and -inf for
+    a split from `active` on or whose rows saw no key (sum 0). acc_rows / ml_rows: the rows' split 0."""
+    ok = row_ok.to(tl.int32) * (j < active) > 0  # (bool tensor & bool scalar fails in the interpreter)
+    acc = tl.load(acc_rows + j * D, mask=ok[:, None], other=0.0, cache_modifier=".cg")
+    l_j = tl.load(ml_rows + j * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+    m_j = tl.load(ml_rows + j * 2, mask=ok, other=0.0, cache_modifier=".cg")
+    return acc, l_j, tl.where(l_j > 0.0, m_j, float("-inf"))
+
+
+@triton.jit
 def _combine4(acc_rows, ml_rows, j0, active, row_ok, o, den, mx, D: tl.constexpr):
-    """Splits j0 .. j0 + 3's partials (unnormalised acc [R, D], max, sum; none from `active` on)
-    folded into the rows' running (o, den, max) of the combine, their loads issued together;
-    acc_rows / ml_rows point at the rows' split 0. A split whose rows saw no key (sum 0) adds nothing."""
-    ok = row_ok.to(tl.int32)  # (a mask from a bool tensor & a bool scalar fails in the interpreter)
-    ok0, ok1, ok2, ok3 = ok * (j0 < active) > 0, ok * (j0 + 1 < active) > 0, ok * (j0 + 2 < active) > 0, \
-        ok * (j0 + 3 < active) > 0
-    a0 = tl.load(acc_rows + j0 * D, mask=ok0[:, None], other=0.0, cache_modifier=".cg")
-    a1 = tl.load(acc_rows + (j0 + 1) * D, mask=ok1[:, None], other=0.0, cache_modifier=".cg")
-    a2 = tl.load(acc_rows + (j0 + 2) * D, mask=ok2[:, None], other=0.0, cache_modifier=".cg")
-    a3 = tl.load(acc_rows + (j0 + 3) * D, mask=ok3[:, None], other=0.0, cache_modifier=".cg")
-    l0 = tl.load(ml_rows + j0 * 2 + 1, mask=ok0, other=0.0, cache_modifier=".cg")
-    l1 = tl.load(ml_rows + (j0 + 1) * 2 + 1, mask=ok1, other=0.0, cache_modifier=".cg")
-    l2 = tl.load(ml_rows + (j0 + 2) * 2 + 1, mask=ok2, other=0.0, cache_modifier=".cg")
-    l3 = tl.load(ml_rows + (j0 + 3) * 2 + 1, mask=ok3, other=0.0, cache_modifier=".cg")
-    m0 = tl.where(l0 > 0.0, tl.load(ml_rows + j0 * 2, mask=ok0, other=0.0, cache_modifier=".cg"), float("-inf"))
-    m1 = tl.where(l1 > 0.0, tl.load(ml_rows + (j0 + 1) * 2, mask=ok1, other=0.0, cache_modifier=".cg"), float("-inf"))
-    m2 = tl.where(l2 > 0.0, tl.load(ml_rows + (j0 + 2) * 2, mask=ok2, other=0.0, cache_modifier=".cg"), float("-inf"))
-    m3 = tl.where(l3 > 0.0, tl.load(ml_rows + (j0 + 3) * 2, mask=ok3, other=0.0, cache_modifier=".cg"), float("-inf"))
+    """Splits j0 .. j0 + 3's partials (`_split_partial`) folded into the rows' running (o, den, max)
+    of the combine, their loads issued together (none depends on another)."""
+    a0, l0, m0 = _split_partial(acc_rows, ml_rows, j0, active, row_ok, D)
+    a1, l1, m1 = _split_partial(acc_rows, ml_rows, j0 + 1, active, row_ok, D)
+    a2, l2, m2 = _split_partial(acc_rows, ml_rows, j0 + 2, active, row_ok, D)
+    a3, l3, m3 = _split_partial(acc_rows, ml_rows, j0 + 3, active, row_ok, D)
     new = tl.maximum(tl.maximum(mx, tl.maximum(m0, m1)), tl.maximum(m2, m3))
     ref = tl.where(new == float("-inf"), 0.0, new)  # no key yet: every weight below is 0
     keep = tl.exp(mx - ref)

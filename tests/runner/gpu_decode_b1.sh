@@ -64,7 +64,7 @@ case "$mode" in
     timeout -k 5 100 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/runner \
       tests/engine/test_engine_async.py "tests/moe/test_gpu_kernels.py::test_triton_route_and_quant_ops" 2>&1 | tee "$OUT/pytest.log" | tail -15
     echo "pytest rc=${PIPESTATUS[0]}" ;;
-  *) echo "unknown option $mode (expected --gemv, --pdl, --layer, --moe or nothing)"; exit 2 ;;
+  *) echo "unknown option $mode (expected --gemv, --pdl, --layer, --moe, --fuse or nothing)"; exit 2 ;;
 esac
 for run in $runs; do
   IFS=: read -r name pdl gemv layer fdec fuse <<< "$run"
