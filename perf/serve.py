@@ -132,6 +132,22 @@ def ttft(engine: LLMEngine, prompt_len: int, seed: int) -> float:
     return time.perf_counter() - t0
 
 
+def exposed_by_name(spans: list[tuple[str, float, float]]) -> dict[str, tuple[float, int]]:
+    """{name: (exposed time, count)} of GPU spans (name, start, end) on one stream: each span's end
+    minus the later of its start and the previous end. Under PDL a kernel starts before the previous
+    one ends (its own span includes its wait), so its GPU time overstates what it adds to the step;
+    this is what it adds to the critical path. Idle gaps (a start after the previous end) count
+    for nobody."""
+    out: dict[str, tuple[float, int]] = {}
+    prev_end = None
+    for name, start, end in sorted(spans, key=lambda s: s[1]):
+        t = end - (start if prev_end is None else max(prev_end, start))
+        prev_end = end if prev_end is None else max(prev_end, end)
+        total, n = out.get(name, (0.0, 0))
+        out[name] = (total + max(t, 0.0), n + 1)
+    return out
+
+
 def profile_decode(engine: LLMEngine, batch: int, out_dir: str, steps: int = 24) -> None:
     """Where a decode step's time goes: GPU kernel time by kernel beside the step's wall time.
 
@@ -162,6 +178,12 @@ def profile_decode(engine: LLMEngine, batch: int, out_dir: str, steps: int = 24)
     print(f"\nPROFILE decode b={batch}: wall {wall / steps * 1e3:.3f} ms/step, GPU kernel time {busy:.3f} ms/step, "
           f"{launches:.0f} GPU ops (kernels, copies) per step")
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
+    exposed = sorted(exposed_by_name(spans).items(), key=lambda kv: -kv[1][0])
+    print(f"\nEXPOSED decode b={batch} (each GPU op's end minus the previous op's end, us per step; "
+          f"{sum(t for t, _ in dict(exposed).values()) / steps:.1f} us in all)")
+    for name, (t, n) in exposed[:20]:
+        print(f"{t / steps:>9.1f} {n / steps:>6.1f}x  {name[:90]}")
 
 
 def profile_prefill(engine: LLMEngine, prompt_len: int, out_dir: str) -> None:

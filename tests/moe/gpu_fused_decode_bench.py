@@ -2,6 +2,7 @@
 pipeline of the sm90-fp8 backend, at the Qwen3-30B-A3B expert shape (E=128 local, H=2048, I=768, k=8).
 
     python3 tests/moe/gpu_fused_decode_bench.py --out $OUT [--tokens 1,2,4] [--layers 8] [--replays 200]
+        [--k1 16/256/8,...] [--k2 16/128/8/early,...]
 
 Every timed call is a CUDA graph of `--layers` distinct layers back to back (their active experts,
 ~38 MB each, do not stay in the 50 MB L2 between replays), each layer routing (triton_moe.route) then
@@ -58,7 +59,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1,2,4")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--replays", type=int, default=200)
+    ap.add_argument("--k1", help="gate_up configs instead of the sweep: bn/bk/warps,... (e.g. 16/256/8)")
+    ap.add_argument("--k2", help="down configs instead of the sweep: bn/bk/warps[/early],... (e.g. 16/1024/8/early)")
     a = ap.parse_args(argv)
+    k1 = K1 if a.k1 is None else [dict(zip(("block_n", "block_k", "num_warps"), map(int, c.split("/"))))
+                                  for c in a.k1.split(",") if c]
+    k2 = K2 if a.k2 is None else [dict(zip(("block_n2", "block_k2", "num_warps2"), map(int, c.split("/")[:3])),
+                                       early=c.endswith("/early")) for c in a.k2.split(",") if c]
     os.makedirs(a.out, exist_ok=True)
     be = backend.select("cuda", "sm90-fp8")
     pipe = backend.Fp8PipelineBackend("sm90-pipeline", be.ops, fused_decode_tokens=0)
@@ -110,7 +117,7 @@ def main(argv=None) -> int:
         errs, eager = {}, {}
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # launched as in the graphs (PDL on a side stream): one compile each
-            for cfg in [{}] + K1 + K2:
+            for cfg in [{}] + k1 + k2:
                 got = eager[json.dumps(cfg)] = fd.fused_decode(x, tw, ids, weights[0].w13, weights[0].w13_scale,
                                                                weights[0].w2, weights[0].w2_scale, **cfg)
                 errs[json.dumps(cfg)] = ((got.float() - want).norm() / want.norm()).item()
@@ -124,7 +131,7 @@ def main(argv=None) -> int:
         timed("route", None)
         timed("pipeline", lambda tw, ids, w: pipe.run(x, tw, ids, w, 0))
         timed("fused", fused({}))
-        for cfg in K1 + K2:
+        for cfg in k1 + k2:
             if json.dumps(cfg) not in bad:
                 timed("fused", fused(cfg), cfg)
     with open(os.path.join(a.out, "fused_decode.json"), "w") as f:
