@@ -152,7 +152,8 @@ def profile_decode(engine: LLMEngine, batch: int, out_dir: str, steps: int = 24)
     """Where a decode step's time goes: GPU kernel time by kernel beside the step's wall time.
 
     GPU busy time well under the wall time means the host (scheduling, input preparation, sampling
-    readback) is the limit, not the kernels."""
+    readback) is the limit, not the kernels. Then the kernels by exposed time (`exposed_by_name`):
+    under PDL, what each adds to the step."""
     from torch.profiler import ProfilerActivity, profile
 
     os.makedirs(out_dir, exist_ok=True)
@@ -181,7 +182,7 @@ def profile_decode(engine: LLMEngine, batch: int, out_dir: str, steps: int = 24)
     spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
     exposed = sorted(exposed_by_name(spans).items(), key=lambda kv: -kv[1][0])
     print(f"\nEXPOSED decode b={batch} (each GPU op's end minus the previous op's end, us per step; "
-          f"{sum(t for t, _ in dict(exposed).values()) / steps:.1f} us in all)")
+          f"{sum(t for _, (t, _n) in exposed) / steps:.1f} us in all)")
     for name, (t, n) in exposed[:20]:
         print(f"{t / steps:>9.1f} {n / steps:>6.1f}x  {name[:90]}")
 
@@ -225,7 +226,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="also profile decode at batch 1 and 64 (graphs) and one 1K / 8K prefill: kernel tables "
-                         "printed, traces in DIR")
+                         "(decode: also by exposed time) printed, traces in DIR")
     args = ap.parse_args(argv)
     want = set(args.modes.split(","))
     if not want or want - {"graphs", "eager", "flashinfer"}:
