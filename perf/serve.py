@@ -139,10 +139,10 @@ def exposed_by_name(spans: list[tuple[str, float, float]]) -> dict[str, tuple[fl
     this is what it adds to the critical path. Idle gaps (a start after the previous end) count
     for nobody."""
     out: dict[str, tuple[float, int]] = {}
-    prev_end = None
+    prev_end = float("-inf")
     for name, start, end in sorted(spans, key=lambda s: s[1]):
-        t = end - (start if prev_end is None else max(prev_end, start))
-        prev_end = end if prev_end is None else max(prev_end, end)
+        t = end - max(prev_end, start)
+        prev_end = max(prev_end, end)
         total, n = out.get(name, (0.0, 0))
         out[name] = (total + max(t, 0.0), n + 1)
     return out
