@@ -44,7 +44,6 @@ import torch
 import triton
 import triton.language as tl
 
-from aot.grid import grid_leave, grid_sync, programs_per_sm
 from aot.pdl import launch_args, wait_prior
 from moe.kernels.triton_fused_decode import down_rows, gate_up_rows
 from moe.kernels.triton_moe import topk_softmax
@@ -61,6 +60,24 @@ BN_DN, BK_DN = 16, 128  # down rows per item, K step
 BLOCK_KV = 64  # keys per attention step (paged_attention's for head_dim <= 128)
 NUM_WARPS = 8
 CTAS_PER_SM = 4  # programs per SM: each keeps its weight tiles in flight, so more of them stream faster
+SPIN_LIMIT = tl.constexpr(1 << 24)  # polls of a grid barrier before giving up (seconds; a barrier takes us)
+
+
+@triton.jit
+def _grid_sync(bar, target):
+    """Arrive at the grid barrier and wait until `target` arrivals: all programs' earlier stores
+    are visible to this program's later loads (release add, acquire polls). Bounded: after
+    SPIN_LIMIT polls the program goes on and raises the error flag after the counter (bar + 1),
+    which `check_errors` reads: a wrong result instead of a GPU hung forever."""
+    tl.debug_barrier()
+    cur = tl.atomic_add(bar, 1, sem="acq_rel", scope="gpu") + 1
+    polls = 0
+    while (cur < target) & (polls < SPIN_LIMIT):
+        cur = tl.atomic_add(bar, 0, sem="acquire", scope="gpu")
+        polls += 1
+    if cur < target:
+        tl.atomic_xchg(bar + 1, 1)
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -142,7 +159,7 @@ def _decode_layer_kernel(
         tl.debug_barrier()
         _gemv_items(wqkv, hr, qkv, wv, pid, nprog, NQKV, H, BN_QKV, BK_QKV)
         if PHASE == 0:
-            grid_sync(bar, nprog)
+            _grid_sync(bar, nprog)
     if PHASE == 2:
         wait_prior(PDL)
     if PHASE == 0 or PHASE == 2:
@@ -168,7 +185,7 @@ def _decode_layer_kernel(
             tl.debug_barrier()
         wv = _tile(wo, pid, 0, H, HQ * D, BN_O, BK_O)
         if PHASE == 0:
-            grid_sync(bar, 2 * nprog)
+            _grid_sync(bar, 2 * nprog)
     if PHASE == 3:
         wait_prior(PDL)
         wv = _tile(wo, pid, 0, H, HQ * D, BN_O, BK_O)
@@ -176,7 +193,7 @@ def _decode_layer_kernel(
         _gemv_items(wo, attn, o, wv, pid, nprog, H, HQ * D, BN_O, BK_O)
         wv = _tile(wr, pid, 0, E, H, BN_R, BK_R)
         if PHASE == 0:
-            grid_sync(bar, 3 * nprog)
+            _grid_sync(bar, 3 * nprog)
     if PHASE == 4:
         wait_prior(PDL)
         wv = _tile(wr, pid, 0, E, H, BN_R, BK_R)
@@ -189,7 +206,7 @@ def _decode_layer_kernel(
         tl.debug_barrier()
         _gemv_items(wr, hr, logits, wv, pid, nprog, E, H, BN_R, BK_R)
         if PHASE == 0:
-            grid_sync(bar, 4 * nprog)
+            _grid_sync(bar, 4 * nprog)
     if PHASE == 5:
         wait_prior(PDL)
     if PHASE == 0 or PHASE == 5:
@@ -205,15 +222,16 @@ def _decode_layer_kernel(
             a = gate_up_rows(h2, e, w13, s13, H, I, n0, BN_UP, BK_UP)
             tl.store(act + slot * I + n0 + tl.arange(0, BN_UP), a)
         if PHASE == 0:
-            grid_sync(bar, 5 * nprog)
+            _grid_sync(bar, 5 * nprog)
     if PHASE == 6:
         wait_prior(PDL)
     if PHASE == 0 or PHASE == 6:
         for item in range(pid, H // BN_DN, nprog):
             yv = down_rows(act, tid, tw, w2, s2, 0, item * BN_DN, H, I, E, 0, K, KP, BN_DN, BK_DN, False, PDL)
             tl.store(mlp_out + item * BN_DN + tl.arange(0, BN_DN), yv.to(DT))
-        if PHASE == 0:
-            grid_leave(bar, 6 * nprog)
+        if PHASE == 0:  # the last program out resets the barrier for the next launch
+            if tl.atomic_add(bar, 1, sem="acq_rel", scope="gpu") == 6 * nprog - 1:
+                tl.atomic_xchg(bar, 0)
 
 
 def unsupported(layer) -> str | None:
@@ -315,7 +333,10 @@ def grid_size(device: torch.device, args: tuple, const: dict, phase: int) -> int
         k._init_handles()  # loads the binary: n_regs, n_spills
         props = torch.cuda.get_device_properties(device)
         warps = const["num_warps"]
-        fit = programs_per_sm(k, warps, props)
+        warp_regs = -(-k.n_regs * 32 // 256) * 256  # registers are allocated per warp, 256 at a time
+        fit = min(getattr(props, "regs_per_multiprocessor", 65536) // (warp_regs * warps),
+                  props.max_threads_per_multi_processor // (32 * warps),
+                  getattr(props, "shared_memory_per_multiprocessor", 233472) // (k.metadata.shared + 1024), 32)
         if fit < 1:
             raise RuntimeError(f"decode_layer: the kernel ({k.n_regs} registers x {32 * warps} threads, "
                                f"{k.metadata.shared} B shared) does not fit an SM")

@@ -10,9 +10,6 @@
 #   bash tests/runner/gpu_decode_b1.sh --moe     (<= 500 s: tests, then perf.serve with the one-token MoE on
 #                                                 the FP8 pipeline / the fused decode kernels, twice each,
 #                                                 alternating: NVL72_MOE_FUSED_DECODE_TOKENS=0 / 1)
-#   bash tests/runner/gpu_decode_b1.sh --one     (<= 450 s: tests, then perf.serve with the one-token MoE as
-#                                                 two kernels / one (moe/kernels/triton_one_token.py),
-#                                                 NVL72_MOE_ONE_KERNEL=0 / 1, twice each, alternating)
 #   bash tests/runner/gpu_decode_b1.sh --fuse    (<= 400 s: tests, then perf.serve with the input norm before
 #                                                 / inside the q/k/v GEMV, NVL72_NORM_GEMV=0 / 1, twice each,
 #                                                 alternating)
@@ -59,13 +56,6 @@ case "$mode" in
     timeout -k 5 100 python3 -m pytest -q -m gpu -rs --tb=short -p no:cacheprovider tests/runner/test_decode_layer.py \
       tests/runner/test_fused_triton.py tests/runner/test_attn_backends.py 2>&1 | tee "$OUT/pytest.log" | tail -15
     echo "pytest rc=${PIPESTATUS[0]}" ;;
-  --one) runs="two:1:1:0:1:1:0 one:1:1:0:1:1:1 two2:1:1:0:1:1:0 one2:1:1:0:1:1:1"; profiled="one"; per_run=75
-    budget=${BUDGET:-450}
-    sizes="--graph-batch-sizes 1,64"
-    timeout -k 5 150 python3 -m pytest -q -m gpu -rs --tb=short -p no:cacheprovider tests/moe/test_triton_one_token.py \
-      tests/moe/test_triton_fused_decode.py tests/runner/test_runner_engine.py tests/runner/test_decode_layer.py \
-      2>&1 | tee "$OUT/pytest.log" | tail -15
-    echo "pytest rc=${PIPESTATUS[0]}" ;;
   --layer) runs="ops:1:1:0 fused:1:1:fused phased:1:1:phased"; per_run=110; budget=${BUDGET:-460}; sizes="--graph-batch-sizes 1,64"
     timeout -k 5 120 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/runner/test_decode_layer.py \
       tests/runner/test_pdl.py tests/runner/test_runner_engine.py tests/runner/test_fused_triton.py 2>&1 | tee "$OUT/pytest.log" | tail -15
@@ -74,21 +64,20 @@ case "$mode" in
     timeout -k 5 100 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/runner \
       tests/engine/test_engine_async.py "tests/moe/test_gpu_kernels.py::test_triton_route_and_quant_ops" 2>&1 | tee "$OUT/pytest.log" | tail -15
     echo "pytest rc=${PIPESTATUS[0]}" ;;
-  *) echo "unknown option $mode (expected --gemv, --pdl, --layer, --moe, --one, --fuse or nothing)"; exit 2 ;;
+  *) echo "unknown option $mode (expected --gemv, --pdl, --layer, --moe, --fuse or nothing)"; exit 2 ;;
 esac
 for run in $runs; do
-  IFS=: read -r name pdl gemv layer fdec fuse one <<< "$run"
+  IFS=: read -r name pdl gemv layer fdec fuse <<< "$run"
   prof=""
   case " ${profiled:-$name} " in *" $name "*) prof="--profile /tmp/prof_$name" ;; esac
   left=$((budget - 10 - SECONDS))
   limit=$((left < per_run ? left : per_run))
   if [ "$limit" -lt 20 ]; then echo "perf.serve $name skipped: ${left} s left"; continue; fi
   NVL72_MOE_FUSED_DECODE_TOKENS=${fdec:-1} NVL72_PDL=$pdl NVL72_TRITON_GEMV=$gemv NVL72_DECODE_LAYER=${layer:-0} \
-    NVL72_NORM_GEMV=${fuse:-1} NVL72_MOE_ONE_KERNEL=${one:-1} timeout -k 5 "$limit" python3 -m perf.serve --layers "${LAYERS:-48}" --modes graphs \
+    NVL72_NORM_GEMV=${fuse:-1} timeout -k 5 "$limit" python3 -m perf.serve --layers "${LAYERS:-48}" --modes graphs \
     --no-ttft --decode-out 64 $sizes $prof --json "$OUT/serve_$name.json" > "$OUT/serve_$name.log" 2>&1
   echo "perf.serve $name (NVL72_PDL=$pdl NVL72_TRITON_GEMV=$gemv NVL72_DECODE_LAYER=${layer:-0}" \
-    "NVL72_MOE_FUSED_DECODE_TOKENS=${fdec:-1} NVL72_NORM_GEMV=${fuse:-1} NVL72_MOE_ONE_KERNEL=${one:-1}," \
-    "limit ${limit} s) rc=$?"
+    "NVL72_MOE_FUSED_DECODE_TOKENS=${fdec:-1} NVL72_NORM_GEMV=${fuse:-1}, limit ${limit} s) rc=$?"
   gzip -c "/tmp/prof_$name/decode_b1.json" > "$OUT/decode_b1_$name.json.gz" 2>/dev/null
 done
 for run in $runs; do
