@@ -1,14 +1,15 @@
-"""Where the one-token MoE's time goes inside its two kernels: each program's start, PDL-wait return and
-end (%globaltimer, ns) and SM, for gate/up and down (moe.kernels.triton_fused_decode's code paths,
-launched as `fused_decode` launches them), in a CUDA graph of `--layers` layers (routing, gate/up, down
-each) at the Qwen3-30B-A3B expert shape.
+"""Where the one-token MoE's time goes inside its two kernels: each program's start, a middle point and
+end (%globaltimer, ns) and SM, for gate/up (middle: its PDL-wait return) and down (middle: the end of its
+math; its wait is inside down_rows), moe.kernels.triton_fused_decode's code paths launched as
+`fused_decode` launches them, in a CUDA graph of `--layers` layers (routing, gate/up, down each) at the
+Qwen3-30B-A3B expert shape.
 
     python3 tests/moe/gpu_moe_timeline.py [--layers 8] [--replays 20]
 
 Times are relative to the layer's first gate/up wait return (= the routing kernel's end). Per kernel:
-first / median / last start, wait return and end; "resident before wait" counts the down programs that
-started before gate/up's last program ended (down reads its first tile before its wait: only resident
-programs do). Prints one line per middle layer and their median last.
+first / median / last of each point; the last column counts the down programs that started before
+gate/up's last program ended (down reads its first tile before its wait: only resident programs do).
+Prints one line per layer, then the median over the middle layers.
 """
 from __future__ import annotations
 
@@ -67,13 +68,12 @@ def _gate_up_timed(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, ts_ptr, H, I, K: tl.co
 @triton.jit
 def _down_timed(act_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, out_ptr, ts_ptr, H, I, K: tl.constexpr, KP: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """triton_fused_decode._down_kernel (EARLY, one token, no shared expert) with its times recorded;
-    the wait-return time is taken inside down_rows' wait by reading the clock right after it returns
-    (approximately: the first act load follows it)."""
+    """triton_fused_decode._down_kernel (EARLY, one token, no shared expert) with its start, the end of
+    its math and its end recorded."""
     t0 = _now()
     n0 = tl.program_id(1) * BLOCK_N
     y = fd.down_rows(act_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, 0, n0, H, I, NUM_E, 0, K, KP, BLOCK_N, BLOCK_K, True, PDL)
-    t1 = _now()  # down_rows waits inside; this is the end of its math, before the store
+    t1 = _now()
     tl.store(out_ptr + n0 + tl.arange(0, BLOCK_N), y.to(out_ptr.dtype.element_ty))
     _record(ts_ptr, tl.program_id(1), t0, t1)
 
