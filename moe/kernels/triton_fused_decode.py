@@ -177,7 +177,7 @@ def _check(w: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int, nam
         raise ValueError(f"{name}: block_n={block_n} must divide 128, block_k={block_k} a power of two >= 16")
 
 
-def _out(buf, shape, dtype, device, name):
+def out_buffer(buf, shape, dtype, device, name):
     if buf is None:
         return torch.empty(shape, dtype=dtype, device=device)
     if buf.shape != shape or buf.dtype != dtype or not buf.is_contiguous():
@@ -197,7 +197,7 @@ def gate_up(x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w13_scal
     inter = two_i // 2
     if inter % SCALE_BLOCK:
         raise ValueError(f"w13.shape={tuple(w13.shape)}: I={inter} must be a multiple of 128 (gate / up scale rows)")
-    act = _out(act, (t * k, inter), torch.float32, x.device, "act")
+    act = out_buffer(act, (t * k, inter), torch.float32, x.device, "act")
     if t:
         _gate_up_kernel[(t * k, inter // block_n)](
             x.contiguous(), topk_ids.contiguous(), w13, w13_scale, act, h, inter, num_local, expert_offset, K=k,
@@ -223,7 +223,7 @@ def down(act: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, 
     (t, k), (num_local, h, inter) = topk_ids.shape, w2.shape
     if act.shape != (t * k, inter) or act.dtype != torch.float32 or not act.is_contiguous():
         raise ValueError(f"act: {act.dtype} {tuple(act.shape)}: expected gate_up's contiguous fp32 {(t * k, inter)}")
-    out = _out(out, (t, h), dtype, act.device, "out")
+    out = out_buffer(out, (t, h), dtype, act.device, "out")
     has_shared = shared is not None
     if t:
         _down_kernel[(t, h // block_n)](
