@@ -56,13 +56,17 @@ def bulk_g2s(dst, src, nbytes, mbar, *, loc=None, ip=None):
          "r,l,r,r,~{memory}", loc, ip)
 
 
+def _v4f(addr, text, cons, loc, ip):
+    """Inline asm returning four f32 ($0-$3) from one address operand ($4)."""
+    r = _asm(ir.Type.parse("!llvm.struct<(f32,f32,f32,f32)>"), [addr], text, cons, loc, ip)
+    return [cutlass.Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
+
+
 @dsl_user_op
 def ld_global_v4f(addr, *, loc=None, ip=None):
     """16-byte global load past L1 (act: written by the previous kernel) -> 4 x Float32."""
-    ty = ir.Type.parse("!llvm.struct<(f32,f32,f32,f32)>")
-    r = _asm(ty, [cutlass.Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];",
-             "=f,=f,=f,=f,l,~{memory}", loc, ip)
-    return [cutlass.Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
+    return _v4f(cutlass.Int64(addr).ir_value(loc=loc, ip=ip), "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];",
+                "=f,=f,=f,=f,l,~{memory}", loc, ip)
 
 
 @dsl_user_op
@@ -76,23 +80,19 @@ def st_shared_v4f(addr, v, *, loc=None, ip=None):
 @dsl_user_op
 def ld_shared_v4f(addr, *, loc=None, ip=None):
     """16-byte shared load -> 4 x Float32."""
-    ty = ir.Type.parse("!llvm.struct<(f32,f32,f32,f32)>")
-    r = _asm(ty, [cutlass.Int32(addr).ir_value(loc=loc, ip=ip)], "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
-             "=f,=f,=f,=f,r,~{memory}", loc, ip)
-    return [cutlass.Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
+    return _v4f(cutlass.Int32(addr).ir_value(loc=loc, ip=ip), "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
+                "=f,=f,=f,=f,r,~{memory}", loc, ip)
 
 
 @dsl_user_op
 def ld_shared_e4m3x4(addr, *, loc=None, ip=None):
     """Four e4m3 bytes at shared address `addr` (Int32) -> 4 x Float32 (exact: e4m3 -> f16 -> f32)."""
-    ty = ir.Type.parse("!llvm.struct<(f32,f32,f32,f32)>")
-    r = _asm(ty, [cutlass.Int32(addr).ir_value(loc=loc, ip=ip)],
-             "{\n .reg .b32 w, a, b;\n .reg .b16 lo, hi, h0, h1, h2, h3;\n ld.shared.b32 w, [$4];\n"
-             " mov.b32 {lo, hi}, w;\n cvt.rn.f16x2.e4m3x2 a, lo;\n cvt.rn.f16x2.e4m3x2 b, hi;\n"
-             " mov.b32 {h0, h1}, a;\n mov.b32 {h2, h3}, b;\n cvt.f32.f16 $0, h0;\n cvt.f32.f16 $1, h1;\n"
-             " cvt.f32.f16 $2, h2;\n cvt.f32.f16 $3, h3;\n}",
-             "=f,=f,=f,=f,r,~{memory}", loc, ip)
-    return [cutlass.Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
+    return _v4f(cutlass.Int32(addr).ir_value(loc=loc, ip=ip),
+                "{\n .reg .b32 w, a, b;\n .reg .b16 lo, hi, h0, h1, h2, h3;\n ld.shared.b32 w, [$4];\n"
+                " mov.b32 {lo, hi}, w;\n cvt.rn.f16x2.e4m3x2 a, lo;\n cvt.rn.f16x2.e4m3x2 b, hi;\n"
+                " mov.b32 {h0, h1}, a;\n mov.b32 {h2, h3}, b;\n cvt.f32.f16 $0, h0;\n cvt.f32.f16 $1, h1;\n"
+                " cvt.f32.f16 $2, h2;\n cvt.f32.f16 $3, h3;\n}",
+                "=f,=f,=f,=f,r,~{memory}", loc, ip)
 
 
 class DownOneToken:
