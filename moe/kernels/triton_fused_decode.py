@@ -178,6 +178,7 @@ def _check(w: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int, nam
 
 
 def out_buffer(buf, shape, dtype, device, name):
+    """`buf` checked as a contiguous `dtype` tensor of `shape` (the error names `name`), or a new one."""
     if buf is None:
         return torch.empty(shape, dtype=dtype, device=device)
     if buf.shape != shape or buf.dtype != dtype or not buf.is_contiguous():
