@@ -52,19 +52,20 @@ def test_one_token_runs_the_export_with_its_contract(monkeypatch, caplog):
         sh = torch.randn(1, 256, generator=c.gen).to(torch.bfloat16).to(DEV)
         g = torch.randn(1, 1, generator=c.gen).to(torch.bfloat16).to(DEV)
         op(c.x[:1], c.tw[:1], c.ids[:1], *c.w, 8, sh, g)
-        monkeypatch.setenv(fused_decode.ENV, "0")
-        op(c.x[:1], c.tw[:1], c.ids[:1], *c.w, 8)
+        monkeypatch.setenv(fused_decode.ENV, "0")  # read when the op is made (the backend's selection)
+        _op(256, calls)(c.x[:1], c.tw[:1], c.ids[:1], *c.w, 8)
     assert calls == [0, 0]
     assert caplog.text.count("down in CuTeDSL (down_k4_i256)") == 1
     for why in ("2 tokens", "a shared expert", f"${fused_decode.ENV}=0"):
         assert f"down in Triton ({why})" in caplog.text
+    monkeypatch.delenv(fused_decode.ENV)  # the cases below: on, but no variant / no module
     d = _case(1, 8, 16, 16, 0, 256, 256, seed=4)  # k = 8: no such variant
     _op(256, calls)(d.x, d.tw, d.ids, *d.w)
     assert calls == [0, 0]
     assert fused_decode.FusedDecode(None)._variant(d.x, d.ids, d.w[2], None) is None
     monkeypatch.setenv(fused_decode.ENV, "2")
     with pytest.raises(ValueError, match="NVL72_MOE_SM90_DOWN='2'"):
-        op(c.x[:1], c.tw[:1], c.ids[:1], *c.w, 8)
+        _op(256, calls)
 
 
 @pytest.mark.gpu
