@@ -15,8 +15,8 @@ With 1 <= T <= $NVL72_MOE_FUSED_DECODE_TOKENS (default FUSED_DECODE_TOKENS; 0 tu
 with a `fused_decode` op (sm90-fp8: moe.kernels.triton_fused_decode) runs two kernels instead: gate/up +
 SiLU per (token, expert) pair and down + weighted combine (+ the gated shared expert) per token, reading
 the FP8 weights directly -- at one to a few tokens the pipeline's launches and dependencies cost more
-than the active experts' bytes. At one token without a shared expert sm90-fp8 runs the CuTeDSL down of
-moe.kernels.sm90_decode_down instead of Triton's (moe.fused_decode). The reference ops have no
+than the active experts' bytes. At one token sm90-fp8 runs the CuTeDSL gate/up and (without a shared
+expert) down of moe.kernels.sm90_one_token instead of Triton's (moe.fused_decode). The reference ops have no
 `fused_decode` op, so mxfp8-emulated is unchanged.
 Weights are converted once (`prepare`): MXFP8 (1 x 32, E8M0) then regrouped exactly into 128 x 128
 power-of-two blocks for Hopper (moe.mxfp8). A backend that cannot run raises at selection time,
@@ -449,10 +449,10 @@ def _sm90_ops() -> SimpleNamespace:
     gemm = Sm90Gemm(load_sm90_module(), ws, kernels)
     log.info("moe: sm90 FP8 grouped GEMM defaults: %s kernels", kernels)
     try:
-        down = load_sm90_module(fused_decode.MODULE)
+        one_token = load_sm90_module(fused_decode.MODULE)
     except BackendUnavailable as e:
-        log.info("moe: one-token decode keeps Triton's down (%s)", e)
-        down = None
+        log.info("moe: one-token decode keeps Triton's kernels (%s)", e)
+        one_token = None
     return SimpleNamespace(
         route=triton_moe.route,
         permute_masked=triton_moe.permute_masked,
@@ -461,7 +461,7 @@ def _sm90_ops() -> SimpleNamespace:
         silu_mul_quant=triton_moe.silu_mul_quant,
         grouped_gemm=gemm,
         unpermute=triton_moe.unpermute,
-        fused_decode=fused_decode.FusedDecode(down),
+        fused_decode=fused_decode.FusedDecode(one_token),
     )
 
 

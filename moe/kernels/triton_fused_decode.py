@@ -166,7 +166,9 @@ def down_rows(act_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, t, n0, H, I, num_local, ex
     return tl.sum(acc * tw[:, None], 0)
 
 
-def _check(w: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int, name: str) -> None:
+def check_weights(w: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int, name: str) -> None:
+    """`w` e4m3 [E, N, K] (N, K multiples of 128) with its fp32 block scales, and a valid tile; errors
+    name `name`. Shared with moe.fused_decode (its CuTeDSL kernels take the same weights)."""
     e, n, k = w.shape
     if w.dtype != torch.float8_e4m3fn or n % SCALE_BLOCK or k % SCALE_BLOCK:
         raise ValueError(f"{name}: {w.dtype} {tuple(w.shape)}: expected e4m3 [E, N, K] with N, K multiples of 128")
@@ -191,7 +193,7 @@ def gate_up(x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w13_scal
             block_k: int = BLOCK_K, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """x [T, H], topk_ids [T, k] -> act [T * k, I] fp32 (given or new) = silu(x . gate[e]) * (x . up[e])
     per pair; rows of pairs whose expert is not in [expert_offset, + E_local) are left unwritten."""
-    _check(w13, w13_scale, block_n, block_k, "w13")
+    check_weights(w13, w13_scale, block_n, block_k, "w13")
     (t, k), (num_local, two_i, h) = topk_ids.shape, w13.shape
     if x.shape != (t, h):
         raise ValueError(f"x.shape={tuple(x.shape)}: expected {(t, h)}")
@@ -220,7 +222,7 @@ def down(act: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, 
     once all its programs have passed their own wait, i.e. once the routing kernel has completed, so
     the ids are final by then (read past L1, `.cg`): aot.pdl's rule for data of the kernels before
     the previous one. `fused_decode` launches it so by default (EARLY_W2)."""
-    _check(w2, w2_scale, block_n, block_k, "w2")
+    check_weights(w2, w2_scale, block_n, block_k, "w2")
     (t, k), (num_local, h, inter) = topk_ids.shape, w2.shape
     if act.shape != (t * k, inter) or act.dtype != torch.float32 or not act.is_contiguous():
         raise ValueError(f"act: {act.dtype} {tuple(act.shape)}: expected gate_up's contiguous fp32 {(t * k, inter)}")

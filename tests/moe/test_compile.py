@@ -96,23 +96,26 @@ def test_sm100_mxfp8_grouped_gemm_compiles():
         mod.compile_for_export("sm_90a")
 
 
-def test_sm90_decode_down_compiles(tmp_path):
-    """The one-token down links into a bundle module whose cubin has the bulk copies and mbarrier ops."""
+def test_sm90_one_token_compiles(tmp_path):
+    """The one-token gate/up and down link into a bundle module."""
     from aot import build
 
-    mod = importlib.import_module("moe.kernels.sm90_decode_down")
-    assert sorted(mod.compile_for_export("sm_90a")) == sorted(mod.VARIANTS)
+    mod = importlib.import_module("moe.kernels.sm90_one_token")
+    names = sorted({**mod.DOWN_VARIANTS, **mod.GATE_UP_VARIANTS})
+    assert sorted(mod.compile_for_export("sm_90a")) == names
     with pytest.raises(ValueError, match="sm_100a"):
         mod.compile_for_export("sm_100a")
     with pytest.raises(ValueError, match="I=200"):
         mod.DownOneToken(8, 200)
-    assert build.compile_module("moe.kernels.sm90_decode_down", "sm_90a", str(tmp_path)) == sorted(mod.VARIANTS)
-    assert (tmp_path / "moe.kernels.sm90_decode_down.so").stat().st_size > 10_000
+    with pytest.raises(ValueError, match="H=1000"):
+        mod.GateUpOneToken(1000)
+    assert build.compile_module("moe.kernels.sm90_one_token", "sm_90a", str(tmp_path)) == names
+    assert (tmp_path / "moe.kernels.sm90_one_token.so").stat().st_size > 10_000
 
 
 def test_exports_listed():
     assert EXPORTS == ["moe.kernels.sm90_grouped_gemm", "moe.kernels.sm90_grouped_gemm_ws",
-                       "moe.kernels.sm100_grouped_gemm", "moe.kernels.sm90_decode_down"]
+                       "moe.kernels.sm100_grouped_gemm", "moe.kernels.sm90_one_token"]
     for name in EXPORTS:
         mod = importlib.import_module(name)
         assert callable(mod.compile_for_export) and mod.ARCHS

@@ -1,0 +1,325 @@
+"""The one-token MoE expert kernels for Hopper in CuTeDSL (gate/up, then down): each CTA's whole
+weight slice arrives by bulk copies (`cp.async.bulk`, issued by one thread, completing on an
+mbarrier) into shared memory, so every byte of the layer's expert weights is in flight from the
+moment the CTAs may ask for it; the dot products then read shared memory, a warp per row.
+
+Why (perf/RESULTS.md, 2026-11-28, H200): Triton's one-token kernels (moe.kernels.triton_fused_decode)
+hold their bytes in flight in registers, one tile ahead: gate/up streamed at 68% of copy bandwidth
+and `down` walked six dependent 16 KB steps per program, ending ~8 us after gate/up for 12.6 MB
+(Qwen3-30B-A3B, FP8). 48-layer batch-1 step: 2.313-2.318 ms with both in Triton, 2.229-2.237 with
+this down, 2.141-2.154 with this gate/up too.
+
+`GateUpOneToken` (exports gate_up_h{H}, GATE_UP_VARIANTS): CTA (slot p, block of GU_ROWS rows of I).
+After the PDL wait (the routing is the previous kernel), one thread asks for the block's gate rows
+and up rows of expert ids[p] (two contiguous GU_ROWS x H byte runs); all threads stage x (bf16 ->
+fp32) and the two block-scale rows; warp r takes gate row r and up row r, lane l reading columns
+q * 128 + 4 l (a 128-byte shared segment per warp and step: no bank conflicts, the step's scale
+uniform); act[p, row] = silu(g) * u in fp32. A slot of another rank's expert does nothing (its row
+is never read). Arguments (flat torch views): (x [H] bf16, ids [k] int64, w13 [E * 2I * H] uint8
+(the e4m3 bits), s13 [E * 2I/128 * H/128] fp32, act [k * I] fp32, expert_offset, num_local, I, k, pdl).
+
+`DownOneToken` (exports down_k{k}_i{I}, DOWN_VARIANTS): CTA of ROWS output rows. One thread asks for
+all k slots' rows w2[e_slot, rows, :] (one contiguous ROWS x I run each: 12 KB at I = 768) and the
+row block's block scales go to shared memory, both before the PDL wait: the routing was written two
+kernels back (the routing kernel, then gate/up, which lets this kernel launch only after its own
+wait), aot.pdl's rule. Then the wait (gate/up's act), act [k, I] fp32 staged into shared memory, the
+mbarrier wait; thread t: row t // PARTS, columns [p * I / PARTS, +I / PARTS) with p = t % PARTS, over
+the local slots weighted by topk_weight, the row's lanes summed by butterfly shuffles, out[row] in
+bf16. With 256 threads and the scales read from global memory after the wait it was slower (2.436 ms
+a step). Arguments: (act [k * I] fp32, ids [k] int64, tw [k] fp32, w2 [E * H * I] uint8, s2
+[E * H/128 * I/128] fp32, out [H] bf16, expert_offset, num_local, H, pdl).
+
+Both: FP8 four at a time (one 32-bit shared load, `cvt.rn.f16x2.e4m3x2`, exact), fp32 accumulation
+on the FP8 weights and their 128 x 128 block scales, as triton_fused_decode (the summation order
+differs). Shared memory is sized at compile time: one variant per H (gate/up) and per (k, I) (down).
+"""
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+ARCHS = ("sm_90a",)
+ROWS = 16  # output rows per CTA: the grid is H / ROWS
+THREADS = 512  # a warp per row: the dot products after the wait are its critical path
+PARTS = THREADS // ROWS  # lanes per row, each a 1/PARTS of the columns
+DOWN_VARIANTS = {"down_k8_i768": dict(k=8, inter=768)}  # Qwen3-30B-A3B
+GU_ROWS = 16  # gate/up: rows of gate (and of up) per CTA, a warp each (8: the same step time, H200)
+GU_THREADS = 32 * GU_ROWS
+GATE_UP_VARIANTS = {"gate_up_h2048": dict(hidden=2048)}  # Qwen3-30B-A3B, Qwen3-Next-80B-A3B
+
+
+def _asm(ret, args, text, cons, loc, ip):
+    return llvm.inline_asm(ret, args, text, cons, has_side_effects=True, asm_dialect=0, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def bulk_g2s(dst, src, nbytes, mbar, *, loc=None, ip=None):
+    """cp.async.bulk of `nbytes` (a multiple of 16) from global address `src` (Int64) to shared address
+    `dst` (Int32), completing on the mbarrier at shared address `mbar` (Int32)."""
+    _asm(None, [cutlass.Int32(dst).ir_value(loc=loc, ip=ip), cutlass.Int64(src).ir_value(loc=loc, ip=ip),
+                cutlass.Int32(nbytes).ir_value(loc=loc, ip=ip), cutlass.Int32(mbar).ir_value(loc=loc, ip=ip)],
+         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+         "r,l,r,r,~{memory}", loc, ip)
+
+
+def _v4f(addr, text, cons, loc, ip):
+    """Inline asm returning four f32 ($0-$3) from one address operand ($4)."""
+    r = _asm(ir.Type.parse("!llvm.struct<(f32,f32,f32,f32)>"), [addr], text, cons, loc, ip)
+    return [cutlass.Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
+
+
+@dsl_user_op
+def ld_global_v4f(addr, *, loc=None, ip=None):
+    """16-byte global load past L1 (act: written by the previous kernel) -> 4 x Float32."""
+    return _v4f(cutlass.Int64(addr).ir_value(loc=loc, ip=ip), "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];",
+                "=f,=f,=f,=f,l,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def st_shared_v4f(addr, v, *, loc=None, ip=None):
+    """16-byte shared store of 4 x Float32 at shared address `addr` (Int32)."""
+    _asm(None, [cutlass.Int32(addr).ir_value(loc=loc, ip=ip)] + [cutlass.Float32(x).ir_value(loc=loc, ip=ip)
+                                                                  for x in v],
+         "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def ld_shared_v4f(addr, *, loc=None, ip=None):
+    """16-byte shared load -> 4 x Float32."""
+    return _v4f(cutlass.Int32(addr).ir_value(loc=loc, ip=ip), "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
+                "=f,=f,=f,=f,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def ld_shared_e4m3x4(addr, *, loc=None, ip=None):
+    """Four e4m3 bytes at shared address `addr` (Int32) -> 4 x Float32 (exact: e4m3 -> f16 -> f32)."""
+    return _v4f(cutlass.Int32(addr).ir_value(loc=loc, ip=ip),
+                "{\n .reg .b32 w, a, b;\n .reg .b16 lo, hi, h0, h1, h2, h3;\n ld.shared.b32 w, [$4];\n"
+                " mov.b32 {lo, hi}, w;\n cvt.rn.f16x2.e4m3x2 a, lo;\n cvt.rn.f16x2.e4m3x2 b, hi;\n"
+                " mov.b32 {h0, h1}, a;\n mov.b32 {h2, h3}, b;\n cvt.f32.f16 $0, h0;\n cvt.f32.f16 $1, h1;\n"
+                " cvt.f32.f16 $2, h2;\n cvt.f32.f16 $3, h3;\n}",
+                "=f,=f,=f,=f,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def ld_global_bf16x4(addr, *, loc=None, ip=None):
+    """Four bf16 (8 bytes, global, past L1) -> 4 x Float32 (exact: the bf16 bits in the high half)."""
+    return _v4f(cutlass.Int64(addr).ir_value(loc=loc, ip=ip),
+                "{\n .reg .b32 a, b;\n ld.global.cg.v2.b32 {a, b}, [$4];\n shl.b32 $0, a, 16;\n"
+                " and.b32 $1, a, 0xFFFF0000;\n shl.b32 $2, b, 16;\n and.b32 $3, b, 0xFFFF0000;\n}",
+                "=f,=f,=f,=f,l,~{memory}", loc, ip)
+
+
+class GateUpOneToken:
+    """One compiled gate/up variant: H (sizes the shared memory); I, the expert count and k are runtime
+    (the grid is k x I / GU_ROWS; I a multiple of 128). See the module docstring."""
+
+    def __init__(self, hidden: int):
+        if hidden % 128 or hidden % (4 * GU_THREADS):
+            raise ValueError(f"H={hidden}: must be a multiple of 128 and of {4 * GU_THREADS}")
+        self.hidden = hidden
+        self.rows_bytes = GU_ROWS * hidden  # one block's gate (or up) rows: contiguous
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32, k: cutlass.Int32,
+                 pdl: cutlass.Int32, stream):
+        @cute.struct
+        class SharedStorage:
+            bar: cute.struct.MemRange[cutlass.Int64, 1]
+            w: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 2 * self.rows_bytes], 128]
+            x: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.hidden], 128]
+            sc: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * (self.hidden // 128)], 16]
+
+        self.shared_storage = SharedStorage
+        self.kernel(x, ids, w13, s13, act, expert_offset, num_local, inter).launch(
+            grid=[k, inter // GU_ROWS, 1], block=[GU_THREADS, 1, 1], stream=stream, use_pdl=pdl)
+
+    @cute.kernel
+    def kernel(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        p, j, _ = cute.arch.block_idx()
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        bar = storage.bar.data_ptr()
+        w_s = storage.w.data_ptr().toint()
+        x_s = storage.x.data_ptr().toint()
+        sc = storage.sc.get_tensor(cute.make_layout(2 * (self.hidden // 128)))
+        hidden = self.hidden
+        nkb = hidden // 128
+        n0 = j * GU_ROWS
+        if tidx == 0:
+            cute.arch.mbarrier_init(bar, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        cute.arch.griddepcontrol_wait()  # the routing (the previous kernel) is complete and visible
+        cute.arch.griddepcontrol_launch_dependents()
+        e = cutlass.Int32(ids[p]) - expert_offset
+        if e >= 0 and e < num_local:
+            g_row = cutlass.Int64(e) * 2 * inter + n0  # first gate row; its up rows start I rows later
+            if tidx == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, 2 * self.rows_bytes)
+                w_base = w13.iterator.toint()
+                bulk_g2s(w_s, w_base + g_row * hidden, self.rows_bytes, bar.toint())
+                bulk_g2s(w_s + self.rows_bytes, w_base + (g_row + inter) * hidden, self.rows_bytes, bar.toint())
+            if tidx < 2 * nkb:  # gate's then up's block scales of this row block, along K
+                half = tidx // nkb
+                sc[tidx] = s13[((cutlass.Int64(e) * 2 * inter + half * inter + n0) // 128) * nkb + tidx % nkb]
+            x_base = x.iterator.toint()
+            for i in cutlass.range_constexpr(hidden // (4 * GU_THREADS)):
+                c = (i * GU_THREADS + tidx) * 4
+                st_shared_v4f(x_s + c * 4, ld_global_bf16x4(x_base + cutlass.Int64(c) * 2))
+            cute.arch.sync_threads()
+            cute.arch.mbarrier_wait(bar, 0)
+            r = tidx // 32
+            lane = tidx % 32
+            acc_g = cutlass.Float32(0.0)
+            acc_u = cutlass.Float32(0.0)
+            for q in cutlass.range_constexpr(nkb):
+                col = q * 128 + lane * 4
+                xv = ld_shared_v4f(x_s + col * 4)
+                gv = ld_shared_e4m3x4(w_s + r * hidden + col)
+                uv = ld_shared_e4m3x4(w_s + self.rows_bytes + r * hidden + col)
+                acc_g += (gv[0] * xv[0] + gv[1] * xv[1] + gv[2] * xv[2] + gv[3] * xv[3]) * sc[q]
+                acc_u += (uv[0] * xv[0] + uv[1] * xv[1] + uv[2] * xv[2] + uv[3] * xv[3]) * sc[nkb + q]
+            for off in cutlass.range_constexpr(5):
+                acc_g += cute.arch.shuffle_sync_bfly(acc_g, offset=16 >> off)
+                acc_u += cute.arch.shuffle_sync_bfly(acc_u, offset=16 >> off)
+            if lane == 0:
+                act[cutlass.Int64(p) * inter + n0 + r] = acc_g / (1.0 + cute.math.exp(-acc_g)) * acc_u
+
+
+class DownOneToken:
+    """One compiled variant: k slots, I columns (both fixed: they size the shared memory)."""
+
+    def __init__(self, k: int, inter: int):
+        step = math.lcm(PARTS * 4, 128)  # four columns a lane, whole scale blocks
+        if inter % step or k * inter % (4 * THREADS):
+            raise ValueError(f"I={inter}, k={k}: I must be a multiple of {step} and k x I of {4 * THREADS} "
+                             "(act is staged 16 bytes a thread)")
+        self.k, self.inter = k, inter
+        self.slot_bytes = ROWS * inter  # one slot's rows of w2: contiguous
+
+    @cute.jit
+    def __call__(self, act: cute.Tensor, ids: cute.Tensor, tw: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor,
+                 out: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, hidden: cutlass.Int32,
+                 pdl: cutlass.Int32, stream):
+        @cute.struct
+        class SharedStorage:
+            bar: cute.struct.MemRange[cutlass.Int64, 1]
+            w: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.k * self.slot_bytes], 128]
+            a: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.k * self.inter], 128]
+            sc: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.k * (self.inter // 128)], 16]
+
+        self.shared_storage = SharedStorage
+        self.kernel(act, ids, tw, w2, s2, out, expert_offset, num_local, hidden).launch(
+            grid=[hidden // ROWS, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=pdl)
+
+    @cute.kernel
+    def kernel(self, act: cute.Tensor, ids: cute.Tensor, tw: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor,
+               out: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, hidden: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        bar = storage.bar.data_ptr()
+        w_s = storage.w.data_ptr().toint()
+        a_s = storage.a.data_ptr().toint()
+        sc = storage.sc.get_tensor(cute.make_layout(self.k * (self.inter // 128)))
+        inter = self.inter
+        n0 = bidx * ROWS
+        if tidx == 0:
+            cute.arch.mbarrier_init(bar, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        if tidx == 0:  # the routing is final (two kernels back): ask for every local slot's rows now
+            total = cutlass.Int32(0)
+            for s in cutlass.range_constexpr(self.k):
+                e = cutlass.Int32(ids[s]) - expert_offset
+                if e >= 0 and e < num_local:
+                    total += self.slot_bytes
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, total)
+            w_base = w2.iterator.toint()
+            for s in cutlass.range_constexpr(self.k):
+                e = cutlass.Int32(ids[s]) - expert_offset
+                if e >= 0 and e < num_local:
+                    src = w_base + (cutlass.Int64(e) * hidden + n0) * inter
+                    bulk_g2s(w_s + s * self.slot_bytes, src, self.slot_bytes, bar.toint())
+        nkb = inter // 128
+        if tidx < self.k * nkb:  # this row block's scales of every local slot, before the wait (weights)
+            s = tidx // nkb
+            e = cutlass.Int32(ids[s]) - expert_offset
+            if e >= 0 and e < num_local:
+                sc[tidx] = s2[(e * (hidden // 128) + n0 // 128) * nkb + tidx % nkb]
+        cute.arch.griddepcontrol_wait()  # gate/up's act is complete and visible
+        cute.arch.griddepcontrol_launch_dependents()
+        a_base = act.iterator.toint()
+        for i in cutlass.range_constexpr(self.k * inter // (4 * THREADS)):  # stage act in shared memory
+            j = (i * THREADS + tidx) * 4
+            st_shared_v4f(a_s + j * 4, ld_global_v4f(a_base + cutlass.Int64(j) * 4))
+        cute.arch.sync_threads()
+        cute.arch.mbarrier_wait(bar, 0)
+        r = tidx // PARTS
+        cw = inter // PARTS
+        c0 = (tidx % PARTS) * cw
+        acc = cutlass.Float32(0.0)
+        for s in cutlass.range_constexpr(self.k):
+            e = cutlass.Int32(ids[s]) - expert_offset
+            if e >= 0 and e < num_local:
+                part = cutlass.Float32(0.0)
+                for q in cutlass.range_constexpr(cw // 4):
+                    col = c0 + q * 4
+                    wv = ld_shared_e4m3x4(w_s + s * self.slot_bytes + r * inter + col)
+                    av = ld_shared_v4f(a_s + (s * inter + col) * 4)
+                    dot = wv[0] * av[0] + wv[1] * av[1] + wv[2] * av[2] + wv[3] * av[3]
+                    part += dot * sc[s * nkb + col // 128]
+                acc += part * tw[s]
+        for off in cutlass.range_constexpr(PARTS.bit_length() - 1):
+            acc += cute.arch.shuffle_sync_bfly(acc, offset=PARTS >> (off + 1))
+        if tidx % PARTS == 0:
+            out[n0 + r] = acc.to(cutlass.BFloat16)
+
+
+def _fake_args():
+    from cutlass.cute.runtime import make_fake_compact_tensor
+    from cutlass.runtime import make_fake_stream
+
+    n = [cute.sym_int() for _ in range(6)]
+    return (make_fake_compact_tensor(cutlass.Float32, (n[0],), assumed_align=16),
+            make_fake_compact_tensor(cutlass.Int64, (n[1],), assumed_align=8),
+            make_fake_compact_tensor(cutlass.Float32, (n[2],), assumed_align=4),
+            make_fake_compact_tensor(cutlass.Uint8, (n[3],), assumed_align=16),
+            make_fake_compact_tensor(cutlass.Float32, (n[4],), assumed_align=4),
+            make_fake_compact_tensor(cutlass.BFloat16, (n[5],), assumed_align=2),
+            cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0),
+            make_fake_stream(use_tvm_ffi_env_stream=True))
+
+
+def _fake_gate_up_args():
+    from cutlass.cute.runtime import make_fake_compact_tensor
+    from cutlass.runtime import make_fake_stream
+
+    n = [cute.sym_int() for _ in range(5)]
+    return (make_fake_compact_tensor(cutlass.BFloat16, (n[0],), assumed_align=8),
+            make_fake_compact_tensor(cutlass.Int64, (n[1],), assumed_align=8),
+            make_fake_compact_tensor(cutlass.Uint8, (n[2],), assumed_align=16),
+            make_fake_compact_tensor(cutlass.Float32, (n[3],), assumed_align=4),
+            make_fake_compact_tensor(cutlass.Float32, (n[4],), assumed_align=4),
+            cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0),
+            make_fake_stream(use_tvm_ffi_env_stream=True))
+
+
+def compile_for_export(arch: str = "sm_90a") -> dict:
+    """{export name: compiled fn} for every entry of DOWN_VARIANTS and GATE_UP_VARIANTS (arguments: module
+    docstring)."""
+    if not arch.startswith("sm_90"):
+        raise ValueError(f"arch={arch!r}: the decode kernels are built for sm_90a")
+    opts = f"--gpu-arch {arch} --enable-tvm-ffi"
+    out = {name: cute.compile(DownOneToken(**kw), *_fake_args(), options=opts) for name, kw in DOWN_VARIANTS.items()}
+    out.update({name: cute.compile(GateUpOneToken(**kw), *_fake_gate_up_args(), options=opts)
+                for name, kw in GATE_UP_VARIANTS.items()})
+    return out
