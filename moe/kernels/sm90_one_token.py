@@ -7,7 +7,9 @@ Why (perf/RESULTS.md, 2026-11-28, H200): Triton's one-token kernels (moe.kernels
 hold their bytes in flight in registers, one tile ahead: gate/up streamed at 68% of copy bandwidth
 and `down` walked six dependent 16 KB steps per program, ending ~8 us after gate/up for 12.6 MB
 (Qwen3-30B-A3B, FP8). 48-layer batch-1 step: 2.313-2.318 ms with both in Triton, 2.229-2.237 with
-this down, 2.141-2.154 with this gate/up too.
+this down, 2.141-2.156 with this gate/up too, 2.130-2.134 with down's act staged in one L2 round trip
+(`stage_f32`) and its routing read once. One kernel for both (a grid barrier between gate/up and down,
+w2 bulk-copied during gate/up) measured slower, 2.257-2.263 (perf/RESULTS.md).
 
 `GateUpOneToken` (exports gate_up_h{H}, GATE_UP_VARIANTS): CTA (slot p, block of GU_ROWS rows of I).
 After the PDL wait (the routing is the previous kernel), one thread asks for the block's gate rows
@@ -22,8 +24,8 @@ is never read). Arguments (flat torch views): (x [H] bf16, ids [k] int64, w13 [E
 all k slots' rows w2[e_slot, rows, :] (one contiguous ROWS x I run each: 12 KB at I = 768) and the
 row block's block scales go to shared memory, both before the PDL wait: the routing was written two
 kernels back (the routing kernel, then gate/up, which lets this kernel launch only after its own
-wait), aot.pdl's rule. Then the wait (gate/up's act), act [k, I] fp32 staged into shared memory, the
-mbarrier wait; thread t: row t // PARTS, columns [p * I / PARTS, +I / PARTS) with p = t % PARTS, over
+wait), aot.pdl's rule: each slot's expert and weight are read once, into registers. Then the wait
+(gate/up's act), act [k, I] fp32 staged into shared memory, the mbarrier wait; thread t: row t // PARTS, columns [p * I / PARTS, +I / PARTS) with p = t % PARTS, over
 the local slots weighted by topk_weight, the row's lanes summed by butterfly shuffles, out[row] in
 bf16. With 256 threads and the scales read from global memory after the wait it was slower (2.436 ms
 a step). Arguments: (act [k * I] fp32, ids [k] int64, tw [k] fp32, w2 [E * H * I] uint8, s2
@@ -113,6 +115,16 @@ def ld_global_bf16x4(addr, *, loc=None, ip=None):
                 "{\n .reg .b32 a, b;\n ld.global.cg.v2.b32 {a, b}, [$4];\n shl.b32 $0, a, 16;\n"
                 " and.b32 $1, a, 0xFFFF0000;\n shl.b32 $2, b, 16;\n and.b32 $3, b, 0xFFFF0000;\n}",
                 "=f,=f,=f,=f,l,~{memory}", loc, ip)
+
+
+def stage_f32(dst, src, count, tidx):
+    """Copy `count` fp32 (a multiple of 4 x THREADS) from global `src` (past L1) to shared `dst`, 16
+    bytes a thread a step: all loads issued before the first store (the inline asm's memory clobbers
+    would otherwise make each load wait for the previous store, one L2 round trip a step)."""
+    steps = count // (4 * THREADS)
+    vals = [ld_global_v4f(src + cutlass.Int64((i * THREADS + tidx) * 4) * 4) for i in range(steps)]
+    for i in range(steps):
+        st_shared_v4f(dst + (i * THREADS + tidx) * 16, vals[i])
 
 
 class GateUpOneToken:
@@ -236,16 +248,19 @@ class DownOneToken:
             cute.arch.mbarrier_init(bar, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-        if tidx == 0:  # the routing is final (two kernels back): ask for every local slot's rows now
+        # the routing is final (two kernels back): each slot's expert and weight, read once, and
+        # every local slot's rows asked for now
+        es = [cutlass.Int32(ids[s]) - expert_offset for s in range(self.k)]
+        tws = [cutlass.Float32(tw[s]) for s in range(self.k)]
+        if tidx == 0:
             total = cutlass.Int32(0)
             for s in cutlass.range_constexpr(self.k):
-                e = cutlass.Int32(ids[s]) - expert_offset
-                if e >= 0 and e < num_local:
+                if es[s] >= 0 and es[s] < num_local:
                     total += self.slot_bytes
             cute.arch.mbarrier_arrive_and_expect_tx(bar, total)
             w_base = w2.iterator.toint()
             for s in cutlass.range_constexpr(self.k):
-                e = cutlass.Int32(ids[s]) - expert_offset
+                e = es[s]
                 if e >= 0 and e < num_local:
                     src = w_base + (cutlass.Int64(e) * hidden + n0) * inter
                     bulk_g2s(w_s + s * self.slot_bytes, src, self.slot_bytes, bar.toint())
@@ -258,9 +273,7 @@ class DownOneToken:
         cute.arch.griddepcontrol_wait()  # gate/up's act is complete and visible
         cute.arch.griddepcontrol_launch_dependents()
         a_base = act.iterator.toint()
-        for i in cutlass.range_constexpr(self.k * inter // (4 * THREADS)):  # stage act in shared memory
-            j = (i * THREADS + tidx) * 4
-            st_shared_v4f(a_s + j * 4, ld_global_v4f(a_base + cutlass.Int64(j) * 4))
+        stage_f32(a_s, a_base, self.k * inter, tidx)
         cute.arch.sync_threads()
         cute.arch.mbarrier_wait(bar, 0)
         r = tidx // PARTS
@@ -268,8 +281,7 @@ class DownOneToken:
         c0 = (tidx % PARTS) * cw
         acc = cutlass.Float32(0.0)
         for s in cutlass.range_constexpr(self.k):
-            e = cutlass.Int32(ids[s]) - expert_offset
-            if e >= 0 and e < num_local:
+            if es[s] >= 0 and es[s] < num_local:
                 part = cutlass.Float32(0.0)
                 for q in cutlass.range_constexpr(cw // 4):
                     col = c0 + q * 4
@@ -277,7 +289,7 @@ class DownOneToken:
                     av = ld_shared_v4f(a_s + (s * inter + col) * 4)
                     dot = wv[0] * av[0] + wv[1] * av[1] + wv[2] * av[2] + wv[3] * av[3]
                     part += dot * sc[s * nkb + col // 128]
-                acc += part * tw[s]
+                acc += part * tws[s]
         for off in cutlass.range_constexpr(PARTS.bit_length() - 1):
             acc += cute.arch.shuffle_sync_bfly(acc, offset=PARTS >> (off + 1))
         if tidx % PARTS == 0:
