@@ -296,6 +296,260 @@ class DownOneToken:
             out[n0 + r] = acc.to(cutlass.BFloat16)
 
 
+@dsl_user_op
+def atom_add_release_u64(addr, v, *, loc=None, ip=None):
+    """atom.add.release.gpu of `v` at global `addr` (Int64) -> the old value (Int64)."""
+    r = _asm(T.i64(), [cutlass.Int64(addr).ir_value(loc=loc, ip=ip), cutlass.Int64(v).ir_value(loc=loc, ip=ip)],
+             "atom.add.release.gpu.global.u64 $0, [$1], $2;", "=l,l,l,~{memory}", loc, ip)
+    return cutlass.Int64(r)
+
+
+@dsl_user_op
+def ld_acquire_u64(addr, *, loc=None, ip=None):
+    """ld.acquire.gpu of the u64 at global `addr`."""
+    r = _asm(T.i64(), [cutlass.Int64(addr).ir_value(loc=loc, ip=ip)], "ld.acquire.gpu.global.u64 $0, [$1];",
+             "=l,l,~{memory}", loc, ip)
+    return cutlass.Int64(r)
+
+
+@dsl_user_op
+def globaltimer(*, loc=None, ip=None):
+    """%globaltimer (ns)."""
+    return cutlass.Int64(_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l,~{memory}", loc, ip))
+
+
+@dsl_user_op
+def trap(*, loc=None, ip=None):
+    """Abort the kernel (the launch fails with an error): a grid barrier that timed out."""
+    _asm(None, [], "trap;", "~{memory}", loc, ip)
+
+
+BARRIER_TIMEOUT_NS = 2_000_000_000  # a grid barrier that waits longer traps (never a silent hang)
+MOE_UNIT_ROWS = 8  # the fused kernel's gate/up unit: rows of gate (and of up)
+MOE_BUFFERS = 3  # gate/up units in flight per CTA
+MOE_VARIANTS = {"moe_k8_h2048_i768": dict(k=8, hidden=2048, inter=768), "moe_k8_h2048_i768_timed": dict(k=8, hidden=2048, inter=768, timed=True)}  # Qwen3-30B-A3B
+
+
+class MoeOneToken:
+    """The one-token MoE in one kernel: H / ROWS CTAs, which must all be resident at once (one an SM:
+    the caller launches it only when the device has that many SMs). Each CTA, after the PDL wait:
+    one thread asks for its down rows of every local slot (as DownOneToken) and for its first
+    MOE_BUFFERS gate/up units (unit: MOE_UNIT_ROWS rows of gate and of up of one slot; CTA c has
+    units [c * U, +U), U = k * I / (MOE_UNIT_ROWS * grid)), refilling a buffer as soon as its unit is
+    done; warps 0-7 take gate rows, 8-15 up rows; act goes to global memory. Then a grid barrier (a
+    u64 counter that only grows: each launch adds grid, each CTA waits for the next multiple; traps
+    after BARRIER_TIMEOUT_NS), act staged into the freed unit buffers, and the down dot products as
+    DownOneToken. Arguments: (x [H] bf16, ids [k] int64, tw [k] fp32, w13, s13, w2, s2 (as the two
+    kernels), act [k * I] fp32 scratch, out [H] bf16, counter [1] int64 (zero once), expert_offset,
+    num_local, pdl)."""
+
+    def __init__(self, k: int, hidden: int, inter: int, timed: bool = False):
+        self.timed = timed
+        grid = hidden // ROWS
+        units = k * inter // MOE_UNIT_ROWS
+        if hidden % 128 or inter % 128 or hidden % (4 * THREADS) or units % grid or k * inter % (4 * THREADS):
+            raise ValueError(f"k={k}, H={hidden}, I={inter}: unsupported by the fused one-token kernel")
+        self.k, self.hidden, self.inter, self.grid = k, hidden, inter, grid
+        self.upc = units // grid  # units per CTA
+        self.unit_bytes = MOE_UNIT_ROWS * hidden  # one unit's gate (or up) rows
+        self.slot_bytes = ROWS * inter
+        if k * inter * 4 > MOE_BUFFERS * 2 * self.unit_bytes:
+            raise ValueError(f"k={k}, I={inter}: act does not fit the unit buffers")
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, ids: cute.Tensor, tw: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor,
+                 w2: cute.Tensor, s2: cute.Tensor, act: cute.Tensor, out: cute.Tensor, counter: cute.Tensor,
+                 ts: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, pdl: cutlass.Int32, stream):
+        @cute.struct
+        class SharedStorage:
+            bars: cute.struct.MemRange[cutlass.Int64, 1 + MOE_BUFFERS]
+            w: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.k * self.slot_bytes], 128]
+            u: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, MOE_BUFFERS * 2 * self.unit_bytes], 128]
+            x: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.hidden], 128]
+            usc: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.upc * 2 * (self.hidden // 128)], 16]
+            sc: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.k * (self.inter // 128)], 16]
+            gu: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * 2 * MOE_UNIT_ROWS], 16]
+            ex: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, self.k], 16]
+            tws: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.k], 16]
+
+        self.shared_storage = SharedStorage
+        self.kernel(x, ids, tw, w13, s13, w2, s2, act, out, counter, ts, expert_offset, num_local).launch(
+            grid=[self.grid, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=pdl)
+
+    @cute.jit
+    def _issue_unit(self, u, buf, bar, ex, w13):
+        """Thread 0: ask for unit u of this CTA into buffer `buf` (an arrive without bytes if its
+        slot's expert is another rank's: the buffer's phase still completes)."""
+        bidx, _, _ = cute.arch.block_idx()
+        g = bidx * self.upc + u
+        blocks = self.inter // MOE_UNIT_ROWS
+        e = ex[g // blocks]
+        if e >= 0:
+            row = cutlass.Int64(e) * 2 * self.inter + (g % blocks) * MOE_UNIT_ROWS
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, 2 * self.unit_bytes)
+            base = w13.iterator.toint()
+            bulk_g2s(buf, base + row * self.hidden, self.unit_bytes, bar.toint())
+            bulk_g2s(buf + self.unit_bytes, base + (row + self.inter) * self.hidden, self.unit_bytes, bar.toint())
+        else:
+            cute.arch.mbarrier_arrive(bar)
+
+    @cute.kernel
+    def kernel(self, x: cute.Tensor, ids: cute.Tensor, tw: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor,
+               w2: cute.Tensor, s2: cute.Tensor, act: cute.Tensor, out: cute.Tensor, counter: cute.Tensor,
+               ts: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        bars = storage.bars.data_ptr()
+        w_s = storage.w.data_ptr().toint()
+        u_s = storage.u.data_ptr().toint()
+        x_s = storage.x.data_ptr().toint()
+        usc = storage.usc.get_tensor(cute.make_layout(self.upc * 2 * (self.hidden // 128)))
+        sc = storage.sc.get_tensor(cute.make_layout(self.k * (self.inter // 128)))
+        gu = storage.gu.get_tensor(cute.make_layout(2 * 2 * MOE_UNIT_ROWS))
+        ex = storage.ex.get_tensor(cute.make_layout(self.k))
+        tws = storage.tws.get_tensor(cute.make_layout(self.k))
+        t_start = globaltimer()
+        hidden, inter = self.hidden, self.inter
+        nkh, nki = hidden // 128, inter // 128
+        blocks = inter // MOE_UNIT_ROWS
+        n0 = bidx * ROWS
+        if tidx == 0:
+            for b in cutlass.range_constexpr(1 + MOE_BUFFERS):
+                cute.arch.mbarrier_init(bars + b, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        cute.arch.griddepcontrol_wait()  # the routing (the previous kernel) is complete and visible
+        t_wait = globaltimer()
+        if tidx < self.k:  # each slot's local expert (-1: another rank's) and weight, once
+            e = cutlass.Int32(ids[tidx]) - expert_offset
+            v = cutlass.Int32(-1)
+            if e >= 0 and e < num_local:
+                v = e
+            ex[tidx] = v
+            tws[tidx] = tw[tidx]
+        cute.arch.sync_threads()
+        if tidx == 0:
+            for b in cutlass.range_constexpr(MOE_BUFFERS):
+                self._issue_unit(b, u_s + b * 2 * self.unit_bytes, bars + 1 + b, ex, w13)
+            total = cutlass.Int32(0)
+            for s in cutlass.range_constexpr(self.k):
+                if ex[s] >= 0:
+                    total += self.slot_bytes
+            cute.arch.mbarrier_arrive_and_expect_tx(bars, total)
+            w_base = w2.iterator.toint()
+            for s in cutlass.range_constexpr(self.k):
+                e = ex[s]
+                if e >= 0:
+                    bulk_g2s(w_s + s * self.slot_bytes, w_base + (cutlass.Int64(e) * hidden + n0) * inter,
+                             self.slot_bytes, bars.toint())
+        if tidx < self.upc * 2 * nkh:  # each unit's gate and up block scales along H
+            g = bidx * self.upc + tidx // (2 * nkh)
+            e = ex[g // blocks]
+            if e >= 0:
+                half = (tidx // nkh) % 2
+                srow = (cutlass.Int64(e) * 2 * inter + half * inter + (g % blocks) * MOE_UNIT_ROWS) // 128
+                usc[tidx] = s13[srow * nkh + tidx % nkh]
+        if tidx < self.k * nki:  # the down rows' block scales of every local slot
+            e = ex[tidx // nki]
+            if e >= 0:
+                sc[tidx] = s2[(e * (hidden // 128) + n0 // 128) * nki + tidx % nki]
+        x_base = x.iterator.toint()
+        for i in cutlass.range_constexpr(hidden // (4 * THREADS)):
+            c = (i * THREADS + tidx) * 4
+            st_shared_v4f(x_s + c * 4, ld_global_bf16x4(x_base + cutlass.Int64(c) * 2))
+        cute.arch.sync_threads()
+        warp, lane = tidx // 32, tidx % 32
+        r, half = warp % MOE_UNIT_ROWS, warp // MOE_UNIT_ROWS  # warps 0-7: gate rows, 8-15: up rows
+        for u in cutlass.range_constexpr(self.upc):
+            b = u % MOE_BUFFERS
+            cute.arch.mbarrier_wait(bars + 1 + b, (u // MOE_BUFFERS) % 2)
+            g = bidx * self.upc + u
+            local = ex[g // blocks] >= 0
+            if local:
+                row = u_s + b * 2 * self.unit_bytes + half * self.unit_bytes + r * hidden
+                acc = cutlass.Float32(0.0)
+                for q in cutlass.range_constexpr(nkh):
+                    col = q * 128 + lane * 4
+                    xv = ld_shared_v4f(x_s + col * 4)
+                    wv = ld_shared_e4m3x4(row + col)
+                    acc += (wv[0] * xv[0] + wv[1] * xv[1] + wv[2] * xv[2] + wv[3] * xv[3]) * usc[(u * 2 + half) * nkh + q]
+                for off in cutlass.range_constexpr(5):
+                    acc += cute.arch.shuffle_sync_bfly(acc, offset=16 >> off)
+                if lane == 0:
+                    gu[(u % 2) * 2 * MOE_UNIT_ROWS + half * MOE_UNIT_ROWS + r] = acc
+            cute.arch.sync_threads()  # the buffer is read; gu[u % 2] is complete
+            if local and tidx < MOE_UNIT_ROWS:
+                gv = gu[(u % 2) * 2 * MOE_UNIT_ROWS + tidx]
+                uv = gu[(u % 2) * 2 * MOE_UNIT_ROWS + MOE_UNIT_ROWS + tidx]
+                act[cutlass.Int64(g // blocks) * inter + (g % blocks) * MOE_UNIT_ROWS + tidx] = (
+                    gv / (1.0 + cute.math.exp(-gv)) * uv)
+            if cutlass.const_expr(u + MOE_BUFFERS < self.upc):
+                if tidx == 0:
+                    self._issue_unit(u + MOE_BUFFERS, u_s + b * 2 * self.unit_bytes, bars + 1 + b, ex, w13)
+        cute.arch.sync_threads()  # every act store of this CTA precedes thread 0's release
+        t_units = globaltimer()
+        if tidx == 0:  # grid barrier
+            ctr = counter.iterator.toint()
+            cute.arch.fence_acq_rel_gpu()
+            old = atom_add_release_u64(ctr, 1)
+            target = (old // self.grid + 1) * self.grid
+            t0 = globaltimer()
+            cur = ld_acquire_u64(ctr)
+            while cur < target:
+                if globaltimer() - t0 > BARRIER_TIMEOUT_NS:
+                    trap()
+                cur = ld_acquire_u64(ctr)
+            cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_threads()
+        t_bar = globaltimer()
+        cute.arch.griddepcontrol_launch_dependents()
+        a_base = act.iterator.toint()
+        stage_f32(u_s, a_base, self.k * inter, tidx)  # act into the unit buffers
+        cute.arch.sync_threads()
+        cute.arch.mbarrier_wait(bars, 0)
+        r = tidx // PARTS
+        cw = inter // PARTS
+        c0 = (tidx % PARTS) * cw
+        acc = cutlass.Float32(0.0)
+        for s in cutlass.range_constexpr(self.k):
+            if ex[s] >= 0:
+                part = cutlass.Float32(0.0)
+                for q in cutlass.range_constexpr(cw // 4):
+                    col = c0 + q * 4
+                    wv = ld_shared_e4m3x4(w_s + s * self.slot_bytes + r * inter + col)
+                    av = ld_shared_v4f(u_s + (s * inter + col) * 4)
+                    part += (wv[0] * av[0] + wv[1] * av[1] + wv[2] * av[2] + wv[3] * av[3]) * sc[s * nki + col // 128]
+                acc += part * tws[s]
+        for off in cutlass.range_constexpr(PARTS.bit_length() - 1):
+            acc += cute.arch.shuffle_sync_bfly(acc, offset=PARTS >> (off + 1))
+        if tidx % PARTS == 0:
+            out[n0 + r] = acc.to(cutlass.BFloat16)
+        if cutlass.const_expr(self.timed):
+            if tidx == 0:
+                t_end = globaltimer()
+                ts[bidx * 5] = t_start
+                ts[bidx * 5 + 1] = t_wait
+                ts[bidx * 5 + 2] = t_units
+                ts[bidx * 5 + 3] = t_bar
+                ts[bidx * 5 + 4] = t_end
+
+
+def _fake_moe_args():
+    from cutlass.cute.runtime import make_fake_compact_tensor
+    from cutlass.runtime import make_fake_stream
+
+    n = [cute.sym_int() for _ in range(11)]
+    t = make_fake_compact_tensor
+    return (t(cutlass.BFloat16, (n[0],), assumed_align=8), t(cutlass.Int64, (n[1],), assumed_align=8),
+            t(cutlass.Float32, (n[2],), assumed_align=4), t(cutlass.Uint8, (n[3],), assumed_align=16),
+            t(cutlass.Float32, (n[4],), assumed_align=4), t(cutlass.Uint8, (n[5],), assumed_align=16),
+            t(cutlass.Float32, (n[6],), assumed_align=4), t(cutlass.Float32, (n[7],), assumed_align=16),
+            t(cutlass.BFloat16, (n[8],), assumed_align=2), t(cutlass.Int64, (n[9],), assumed_align=8),
+            t(cutlass.Int64, (n[10],), assumed_align=8), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0), make_fake_stream(use_tvm_ffi_env_stream=True))
+
+
 def _fake_args():
     from cutlass.cute.runtime import make_fake_compact_tensor
     from cutlass.runtime import make_fake_stream
@@ -334,4 +588,6 @@ def compile_for_export(arch: str = "sm_90a") -> dict:
     out = {name: cute.compile(DownOneToken(**kw), *_fake_args(), options=opts) for name, kw in DOWN_VARIANTS.items()}
     out.update({name: cute.compile(GateUpOneToken(**kw), *_fake_gate_up_args(), options=opts)
                 for name, kw in GATE_UP_VARIANTS.items()})
+    out.update({name: cute.compile(MoeOneToken(**kw), *_fake_moe_args(), options=opts)
+                for name, kw in MOE_VARIANTS.items()})
     return out
