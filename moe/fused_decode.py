@@ -86,20 +86,6 @@ class FusedDecode:
     def __call__(self, x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, expert_offset=0, shared=None,
                  shared_gate=None, shared_ready=None, out=None):
         gu, dn = self.variants(x, topk_ids, w2, shared)
-        if os.environ.get("XGU_ONE") == "1" and dn is not None:
-            num_local, h, inter = w2.shape
-            k = topk_ids.shape[1]
-            ctr = getattr(self, "_ctr", None)
-            if ctr is None:
-                ctr = self._ctr = torch.zeros(1, dtype=torch.int64, device=x.device)
-            act = torch.empty((k, inter), dtype=torch.float32, device=x.device)
-            out = tfd.out_buffer(out, (1, h), x.dtype, x.device, "out")
-            getattr(self.module, f"moe_k{k}_h{h}_i{inter}")(
-                x.contiguous().view(-1), topk_ids.contiguous().view(-1), topk_weights.float().contiguous().view(-1),
-                w13.view(torch.uint8).view(-1), w13_scale.contiguous().view(-1), w2.view(torch.uint8).view(-1),
-                w2_scale.contiguous().view(-1), act.view(-1), out.view(-1), ctr, ctr, expert_offset, num_local,
-                int(pdl_enabled(x.device)))
-            return out
         if gu is None and dn is None:
             return tfd.fused_decode(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, expert_offset, shared,
                                     shared_gate, shared_ready, out)
