@@ -25,11 +25,12 @@ all k slots' rows w2[e_slot, rows, :] (one contiguous ROWS x I run each: 12 KB a
 row block's block scales go to shared memory, both before the PDL wait: the routing was written two
 kernels back (the routing kernel, then gate/up, which lets this kernel launch only after its own
 wait), aot.pdl's rule: each slot's expert and weight are read once, into registers. Then the wait
-(gate/up's act), act [k, I] fp32 staged into shared memory, the mbarrier wait; thread t: row t // PARTS, columns [p * I / PARTS, +I / PARTS) with p = t % PARTS, over
-the local slots weighted by topk_weight, the row's lanes summed by butterfly shuffles, out[row] in
-bf16. With 256 threads and the scales read from global memory after the wait it was slower (2.436 ms
-a step). Arguments: (act [k * I] fp32, ids [k] int64, tw [k] fp32, w2 [E * H * I] uint8, s2
-[E * H/128 * I/128] fp32, out [H] bf16, expert_offset, num_local, H, pdl).
+(gate/up's act), act [k, I] fp32 staged into shared memory, the mbarrier wait; thread t: row
+t // PARTS, columns [p * I / PARTS, +I / PARTS) with p = t % PARTS, over the local slots weighted by
+topk_weight, the row's lanes summed by butterfly shuffles, out[row] in bf16. With 256 threads and
+the scales read from global memory after the wait it was slower (2.436 ms a step). Arguments: (act
+[k * I] fp32, ids [k] int64, tw [k] fp32, w2 [E * H * I] uint8, s2 [E * H/128 * I/128] fp32, out [H]
+bf16, expert_offset, num_local, H, pdl).
 
 Both: FP8 four at a time (one 32-bit shared load, `cvt.rn.f16x2.e4m3x2`, exact), fp32 accumulation
 on the FP8 weights and their 128 x 128 block scales, as triton_fused_decode (the summation order
@@ -138,7 +139,8 @@ class GateUpOneToken:
         self.rows_bytes = GU_ROWS * hidden  # one block's gate (or up) rows: contiguous
 
     @cute.jit
-    def __call__(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32, k: cutlass.Int32,
+    def __call__(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor,
+                 expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32, k: cutlass.Int32,
                  pdl: cutlass.Int32, stream):
         @cute.struct
         class SharedStorage:
@@ -152,7 +154,8 @@ class GateUpOneToken:
             grid=[k, inter // GU_ROWS, 1], block=[GU_THREADS, 1, 1], stream=stream, use_pdl=pdl)
 
     @cute.kernel
-    def kernel(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32):
+    def kernel(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor,
+               expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         p, j, _ = cute.arch.block_idx()
         smem = cutlass.utils.SmemAllocator()
