@@ -163,21 +163,21 @@ ERR_CAPACITY = 3 << 16
 # ------------------------------------------------------------------------------- PTX helpers
 @dsl_user_op
 def st_b32(addr, val, *, loc=None, ip=None) -> None:
-    ptx._asm(None, [ptx._i64(addr, loc, ip), ptx._i32(val, loc, ip)], "st.global.b32 [$0], $1;",
-             "l,r,~{memory}", loc, ip)
+    ptx.asm(None, [ptx.i64(addr, loc, ip), ptx.i32(val, loc, ip)], "st.global.b32 [$0], $1;",
+            "l,r,~{memory}", loc, ip)
 
 
 @dsl_user_op
 def st_b64(addr, val, *, loc=None, ip=None) -> None:
-    ptx._asm(None, [ptx._i64(addr, loc, ip), ptx._i64(val, loc, ip)], "st.global.b64 [$0], $1;",
-             "l,l,~{memory}", loc, ip)
+    ptx.asm(None, [ptx.i64(addr, loc, ip), ptx.i64(val, loc, ip)], "st.global.b64 [$0], $1;",
+            "l,l,~{memory}", loc, ip)
 
 
 @dsl_user_op
 def ld_b32_cg(addr, *, loc=None, ip=None) -> Int32:
     """4-byte load that bypasses L1 (heap data written by peers)."""
-    return Int32(ptx._asm(T.i32(), [ptx._i64(addr, loc, ip)], "ld.global.cg.b32 $0, [$1];",
-                          "=r,l,~{memory}", loc, ip))
+    return Int32(ptx.asm(T.i32(), [ptx.i64(addr, loc, ip)], "ld.global.cg.b32 $0, [$1];",
+                         "=r,l,~{memory}", loc, ip))
 
 
 @dsl_user_op
@@ -185,111 +185,111 @@ def red_add_sys(addr, val, release: bool, *, loc=None, ip=None) -> None:
     """Atomic add at system scope, a release (a fence, then the add) or relaxed (a strong add: after
     a release by the same thread it is itself a release pattern, PTX memory model, without a second
     fence)."""
-    ptx._asm(None, [ptx._i64(addr, loc, ip), ptx._i32(val, loc, ip)],
-             f"red.{'release' if release else 'relaxed'}.sys.global.add.u32 [$0], $1;", "l,r,~{memory}", loc, ip)
+    ptx.asm(None, [ptx.i64(addr, loc, ip), ptx.i32(val, loc, ip)],
+            f"red.{'release' if release else 'relaxed'}.sys.global.add.u32 [$0], $1;", "l,r,~{memory}", loc, ip)
 
 
 @dsl_user_op
 def lanemask_lt(*, loc=None, ip=None) -> Int32:
     """Bits of the lanes below this one (%lanemask_lt)."""
-    return Int32(ptx._asm(T.i32(), [], "mov.u32 $0, %lanemask_lt;", "=r", loc, ip))
+    return Int32(ptx.asm(T.i32(), [], "mov.u32 $0, %lanemask_lt;", "=r", loc, ip))
 
 
 @dsl_user_op
 def lowest_lane(m, *, loc=None, ip=None) -> Int32:
     """Index of the lowest set bit of a ballot (32 when none)."""
-    return Int32(ptx._asm(T.i32(), [ptx._i32(m, loc, ip)], "{ .reg .b32 r; brev.b32 r, $1; clz.b32 $0, r; }",
-                          "=r,r", loc, ip))
+    return Int32(ptx.asm(T.i32(), [ptx.i32(m, loc, ip)], "{ .reg .b32 r; brev.b32 r, $1; clz.b32 $0, r; }",
+                         "=r,r", loc, ip))
 
 
 @dsl_user_op
 def warp_min(v, *, loc=None, ip=None) -> Int32:
     """Minimum of v over the 32 lanes, as unsigned (redux.sync, sm_80+: one instruction; -1 is the
     largest value, so lanes holding -1 never win unless every lane does)."""
-    return Int32(ptx._asm(T.i32(), [ptx._i32(v, loc, ip)], "redux.sync.min.u32 $0, $1, 0xffffffff;", "=r,r",
-                          loc, ip))
+    return Int32(ptx.asm(T.i32(), [ptx.i32(v, loc, ip)], "redux.sync.min.u32 $0, $1, 0xffffffff;", "=r,r",
+                         loc, ip))
 
 
 @dsl_user_op
 def warp_max(v, *, loc=None, ip=None) -> Int32:
     """Maximum of v (>= 0) over the 32 lanes (redux.sync.max.u32)."""
-    return Int32(ptx._asm(T.i32(), [ptx._i32(v, loc, ip)], "redux.sync.max.u32 $0, $1, 0xffffffff;", "=r,r",
-                          loc, ip))
+    return Int32(ptx.asm(T.i32(), [ptx.i32(v, loc, ip)], "redux.sync.max.u32 $0, $1, 0xffffffff;", "=r,r",
+                         loc, ip))
 
 
 @dsl_user_op
 def wrap_sub(a, b, *, loc=None, ip=None) -> Int32:
     """a - b modulo 2**32 (counters wrap; plain Int32 arithmetic may assume no signed overflow)."""
-    return Int32(ptx._asm(T.i32(), [ptx._i32(a, loc, ip), ptx._i32(b, loc, ip)], "sub.s32 $0, $1, $2;",
-                          "=r,r,r", loc, ip))
+    return Int32(ptx.asm(T.i32(), [ptx.i32(a, loc, ip), ptx.i32(b, loc, ip)], "sub.s32 $0, $1, $2;",
+                         "=r,r,r", loc, ip))
 
 
 @dsl_user_op
 def wrap_mul(a, b, *, loc=None, ip=None) -> Int32:
     """a * b modulo 2**32 (the arrival target epoch * ARRIVAL_STEP wraps with the epoch)."""
-    return Int32(ptx._asm(T.i32(), [ptx._i32(a, loc, ip), ptx._i32(b, loc, ip)], "mul.lo.s32 $0, $1, $2;",
-                          "=r,r,r", loc, ip))
+    return Int32(ptx.asm(T.i32(), [ptx.i32(a, loc, ip), ptx.i32(b, loc, ip)], "mul.lo.s32 $0, $1, $2;",
+                         "=r,r,r", loc, ip))
 
 
 @dsl_user_op
 def st_b8(addr, val, *, loc=None, ip=None) -> None:
-    ptx._asm(None, [ptx._i64(addr, loc, ip), ptx._i32(val, loc, ip)], "st.global.b8 [$0], $1;",
-             "l,r,~{memory}", loc, ip)
+    ptx.asm(None, [ptx.i64(addr, loc, ip), ptx.i32(val, loc, ip)], "st.global.b8 [$0], $1;",
+            "l,r,~{memory}", loc, ip)
 
 
 @dsl_user_op
 def st_v2(addr, v, *, loc=None, ip=None) -> None:
     """8-byte store of 2 x Int32 (local or peer address)."""
-    ptx._asm(None, [ptx._i64(addr, loc, ip)] + [ptx._i32(x, loc, ip) for x in v],
-             "st.global.v2.b32 [$0], {$1, $2};", "l,r,r,~{memory}", loc, ip)
+    ptx.asm(None, [ptx.i64(addr, loc, ip)] + [ptx.i32(x, loc, ip) for x in v],
+            "st.global.v2.b32 [$0], {$1, $2};", "l,r,r,~{memory}", loc, ip)
 
 
 @dsl_user_op
 def absmax_bits_bf16x8(v, *, loc=None, ip=None) -> Int32:
     """max |x| over the 8 bf16 of 4 words, as the bits of the fp32 (bf16 bits << 16). Exact: for
     finite values |x|'s bit pattern orders like |x| (max.u16x2 of the sign-cleared halves)."""
-    return Int32(ptx._asm(T.i32(), [ptx._i32(w, loc, ip) for w in v],
-                          "{ .reg .b32 a, b, c, d; and.b32 a, $1, 0x7fff7fff; and.b32 b, $2, 0x7fff7fff; "
-                          "and.b32 c, $3, 0x7fff7fff; and.b32 d, $4, 0x7fff7fff; max.u16x2 a, a, b; "
-                          "max.u16x2 c, c, d; max.u16x2 a, a, c; shr.b32 b, a, 16; and.b32 c, a, 0xffff; "
-                          "max.u32 a, b, c; shl.b32 $0, a, 16; }", "=r,r,r,r,r", loc, ip))
+    return Int32(ptx.asm(T.i32(), [ptx.i32(w, loc, ip) for w in v],
+                         "{ .reg .b32 a, b, c, d; and.b32 a, $1, 0x7fff7fff; and.b32 b, $2, 0x7fff7fff; "
+                         "and.b32 c, $3, 0x7fff7fff; and.b32 d, $4, 0x7fff7fff; max.u16x2 a, a, b; "
+                         "max.u16x2 c, c, d; max.u16x2 a, a, c; shr.b32 b, a, 16; and.b32 c, a, 0xffff; "
+                         "max.u32 a, b, c; shl.b32 $0, a, 16; }", "=r,r,r,r,r", loc, ip))
 
 
 @dsl_user_op
 def e4m3x4_bf16(a, b, inv, *, loc=None, ip=None) -> Int32:
     """Four bf16 (two words, low element first) times `inv` in fp32 (mul.rn: exact for a power of
     two short of underflow), rounded to E4M3 (cvt.rn.satfinite: nearest even) -> 4 bytes in order."""
-    return Int32(ptx._asm(T.i32(), [ptx._i32(a, loc, ip), ptx._i32(b, loc, ip), ptx._f32(inv, loc, ip)],
-                          "{ .reg .b32 t; .reg .f32 a0, a1, b0, b1; .reg .b16 l, h; "
-                          "shl.b32 t, $1, 16; mov.b32 a0, t; and.b32 t, $1, 0xffff0000; mov.b32 a1, t; "
-                          "shl.b32 t, $2, 16; mov.b32 b0, t; and.b32 t, $2, 0xffff0000; mov.b32 b1, t; "
-                          "mul.rn.f32 a0, a0, $3; mul.rn.f32 a1, a1, $3; mul.rn.f32 b0, b0, $3; "
-                          "mul.rn.f32 b1, b1, $3; cvt.rn.satfinite.e4m3x2.f32 l, a1, a0; "
-                          "cvt.rn.satfinite.e4m3x2.f32 h, b1, b0; mov.b32 $0, {l, h}; }",
-                          "=r,r,r,f", loc, ip))
+    return Int32(ptx.asm(T.i32(), [ptx.i32(a, loc, ip), ptx.i32(b, loc, ip), ptx.f32(inv, loc, ip)],
+                         "{ .reg .b32 t; .reg .f32 a0, a1, b0, b1; .reg .b16 l, h; "
+                         "shl.b32 t, $1, 16; mov.b32 a0, t; and.b32 t, $1, 0xffff0000; mov.b32 a1, t; "
+                         "shl.b32 t, $2, 16; mov.b32 b0, t; and.b32 t, $2, 0xffff0000; mov.b32 b1, t; "
+                         "mul.rn.f32 a0, a0, $3; mul.rn.f32 a1, a1, $3; mul.rn.f32 b0, b0, $3; "
+                         "mul.rn.f32 b1, b1, $3; cvt.rn.satfinite.e4m3x2.f32 l, a1, a0; "
+                         "cvt.rn.satfinite.e4m3x2.f32 h, b1, b0; mov.b32 $0, {l, h}; }",
+                         "=r,r,r,f", loc, ip))
 
 
 @dsl_user_op
 def fma_bf16x2_sel(lo, hi, v, w, ok, *, loc=None, ip=None):
     """(lo, hi) + w * bf16x2(v) in fp32 (mul.rn, add.rn: never fused) where ok != 0, else (lo, hi)."""
-    r = ptx._asm(ptx._struct(2, "f32"),
-                 [ptx._f32(lo, loc, ip), ptx._f32(hi, loc, ip), ptx._i32(v, loc, ip), ptx._f32(w, loc, ip),
-                  ptx._i32(ok, loc, ip)],
-                 "{ .reg .b32 t; .reg .f32 l, h; .reg .pred q; shl.b32 t, $4, 16; mov.b32 l, t; "
-                 "and.b32 t, $4, 0xffff0000; mov.b32 h, t; mul.rn.f32 l, l, $5; mul.rn.f32 h, h, $5; "
-                 "add.rn.f32 l, $2, l; add.rn.f32 h, $3, h; setp.ne.s32 q, $6, 0; "
-                 "selp.f32 $0, l, $2, q; selp.f32 $1, h, $3, q; }",
-                 "=f,=f,f,f,r,f,r", loc, ip)
+    r = ptx.asm(ptx._struct(2, "f32"),
+                [ptx.f32(lo, loc, ip), ptx.f32(hi, loc, ip), ptx.i32(v, loc, ip), ptx.f32(w, loc, ip),
+                  ptx.i32(ok, loc, ip)],
+                "{ .reg .b32 t; .reg .f32 l, h; .reg .pred q; shl.b32 t, $4, 16; mov.b32 l, t; "
+                "and.b32 t, $4, 0xffff0000; mov.b32 h, t; mul.rn.f32 l, l, $5; mul.rn.f32 h, h, $5; "
+                "add.rn.f32 l, $2, l; add.rn.f32 h, $3, h; setp.ne.s32 q, $6, 0; "
+                "selp.f32 $0, l, $2, q; selp.f32 $1, h, $3, q; }",
+                "=f,=f,f,f,r,f,r", loc, ip)
     return [cutlass.Float32(x) for x in ptx._unpack(r, 2, T.f32())]
 
 
 @dsl_user_op
 def add_bf16x2(lo, hi, v, *, loc=None, ip=None):
     """(lo, hi) + bf16x2(v) in fp32 (add.rn)."""
-    r = ptx._asm(ptx._struct(2, "f32"), [ptx._f32(lo, loc, ip), ptx._f32(hi, loc, ip), ptx._i32(v, loc, ip)],
-                 "{ .reg .b32 t; .reg .f32 l, h; shl.b32 t, $4, 16; mov.b32 l, t; and.b32 t, $4, 0xffff0000; "
-                 "mov.b32 h, t; add.rn.f32 $0, $2, l; add.rn.f32 $1, $3, h; }",
-                 "=f,=f,f,f,r", loc, ip)
+    r = ptx.asm(ptx._struct(2, "f32"), [ptx.f32(lo, loc, ip), ptx.f32(hi, loc, ip), ptx.i32(v, loc, ip)],
+                "{ .reg .b32 t; .reg .f32 l, h; shl.b32 t, $4, 16; mov.b32 l, t; and.b32 t, $4, 0xffff0000; "
+                "mov.b32 h, t; add.rn.f32 $0, $2, l; add.rn.f32 $1, $3, h; }",
+                "=f,=f,f,f,r", loc, ip)
     return [cutlass.Float32(x) for x in ptx._unpack(r, 2, T.f32())]
 
 

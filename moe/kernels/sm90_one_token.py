@@ -46,6 +46,8 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from aot.ptx import asm, f32, i32, i64
+
 ARCHS = ("sm_90a",)
 ROWS = 16  # output rows per CTA: the grid is H / ROWS
 THREADS = 512  # a warp per row: the dot products after the wait are its critical path
@@ -56,52 +58,46 @@ GU_THREADS = 32 * GU_ROWS
 GATE_UP_VARIANTS = {"gate_up_h2048": dict(hidden=2048)}  # Qwen3-30B-A3B, Qwen3-Next-80B-A3B
 
 
-def _asm(ret, args, text, cons, loc, ip):
-    return llvm.inline_asm(ret, args, text, cons, has_side_effects=True, asm_dialect=0, loc=loc, ip=ip)
-
-
 @dsl_user_op
 def bulk_g2s(dst, src, nbytes, mbar, *, loc=None, ip=None):
     """cp.async.bulk of `nbytes` (a multiple of 16) from global address `src` (Int64) to shared address
     `dst` (Int32), completing on the mbarrier at shared address `mbar` (Int32)."""
-    _asm(None, [cutlass.Int32(dst).ir_value(loc=loc, ip=ip), cutlass.Int64(src).ir_value(loc=loc, ip=ip),
-                cutlass.Int32(nbytes).ir_value(loc=loc, ip=ip), cutlass.Int32(mbar).ir_value(loc=loc, ip=ip)],
-         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
-         "r,l,r,r,~{memory}", loc, ip)
+    asm(None, [i32(dst, loc, ip), i64(src, loc, ip), i32(nbytes, loc, ip), i32(mbar, loc, ip)],
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+        "r,l,r,r,~{memory}", loc, ip)
 
 
 def _v4f(addr, text, cons, loc, ip):
     """Inline asm returning four f32 ($0-$3) from one address operand ($4)."""
-    r = _asm(ir.Type.parse("!llvm.struct<(f32,f32,f32,f32)>"), [addr], text, cons, loc, ip)
+    r = asm(ir.Type.parse("!llvm.struct<(f32,f32,f32,f32)>"), [addr], text, cons, loc, ip)
     return [cutlass.Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
 
 
 @dsl_user_op
 def ld_global_v4f(addr, *, loc=None, ip=None):
     """16-byte global load past L1 (act: written by the previous kernel) -> 4 x Float32."""
-    return _v4f(cutlass.Int64(addr).ir_value(loc=loc, ip=ip), "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];",
+    return _v4f(i64(addr, loc, ip), "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];",
                 "=f,=f,=f,=f,l,~{memory}", loc, ip)
 
 
 @dsl_user_op
 def st_shared_v4f(addr, v, *, loc=None, ip=None):
     """16-byte shared store of 4 x Float32 at shared address `addr` (Int32)."""
-    _asm(None, [cutlass.Int32(addr).ir_value(loc=loc, ip=ip)] + [cutlass.Float32(x).ir_value(loc=loc, ip=ip)
-                                                                  for x in v],
-         "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f,~{memory}", loc, ip)
+    asm(None, [i32(addr, loc, ip)] + [f32(x, loc, ip) for x in v],
+        "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f,~{memory}", loc, ip)
 
 
 @dsl_user_op
 def ld_shared_v4f(addr, *, loc=None, ip=None):
     """16-byte shared load -> 4 x Float32."""
-    return _v4f(cutlass.Int32(addr).ir_value(loc=loc, ip=ip), "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
+    return _v4f(i32(addr, loc, ip), "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
                 "=f,=f,=f,=f,r,~{memory}", loc, ip)
 
 
 @dsl_user_op
 def ld_shared_e4m3x4(addr, *, loc=None, ip=None):
     """Four e4m3 bytes at shared address `addr` (Int32) -> 4 x Float32 (exact: e4m3 -> f16 -> f32)."""
-    return _v4f(cutlass.Int32(addr).ir_value(loc=loc, ip=ip),
+    return _v4f(i32(addr, loc, ip),
                 "{\n .reg .b32 w, a, b;\n .reg .b16 lo, hi, h0, h1, h2, h3;\n ld.shared.b32 w, [$4];\n"
                 " mov.b32 {lo, hi}, w;\n cvt.rn.f16x2.e4m3x2 a, lo;\n cvt.rn.f16x2.e4m3x2 b, hi;\n"
                 " mov.b32 {h0, h1}, a;\n mov.b32 {h2, h3}, b;\n cvt.f32.f16 $0, h0;\n cvt.f32.f16 $1, h1;\n"
@@ -112,7 +108,7 @@ def ld_shared_e4m3x4(addr, *, loc=None, ip=None):
 @dsl_user_op
 def ld_global_bf16x4(addr, *, loc=None, ip=None):
     """Four bf16 (8 bytes, global, past L1) -> 4 x Float32 (exact: the bf16 bits in the high half)."""
-    return _v4f(cutlass.Int64(addr).ir_value(loc=loc, ip=ip),
+    return _v4f(i64(addr, loc, ip),
                 "{\n .reg .b32 a, b;\n ld.global.cg.v2.b32 {a, b}, [$4];\n shl.b32 $0, a, 16;\n"
                 " and.b32 $1, a, 0xFFFF0000;\n shl.b32 $2, b, 16;\n and.b32 $3, b, 0xFFFF0000;\n}",
                 "=f,=f,=f,=f,l,~{memory}", loc, ip)
