@@ -295,33 +295,22 @@ class DownOneToken:
             out[n0 + r] = acc.to(cutlass.BFloat16)
 
 
-def _fake_args():
+def _fake_args(tensors, scalars: int):
+    """Compile-time stand-ins of an export's arguments: a flat tensor of symbolic length per (dtype,
+    assumed alignment) of `tensors`, then `scalars` Int32s and the caller's stream."""
     from cutlass.cute.runtime import make_fake_compact_tensor
     from cutlass.runtime import make_fake_stream
 
-    n = [cute.sym_int() for _ in range(6)]
-    return (make_fake_compact_tensor(cutlass.Float32, (n[0],), assumed_align=16),
-            make_fake_compact_tensor(cutlass.Int64, (n[1],), assumed_align=8),
-            make_fake_compact_tensor(cutlass.Float32, (n[2],), assumed_align=4),
-            make_fake_compact_tensor(cutlass.Uint8, (n[3],), assumed_align=16),
-            make_fake_compact_tensor(cutlass.Float32, (n[4],), assumed_align=4),
-            make_fake_compact_tensor(cutlass.BFloat16, (n[5],), assumed_align=2),
-            cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0),
-            make_fake_stream(use_tvm_ffi_env_stream=True))
+    return (*(make_fake_compact_tensor(dt, (cute.sym_int(),), assumed_align=align) for dt, align in tensors),
+            *(cutlass.Int32(0) for _ in range(scalars)), make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
-def _fake_gate_up_args():
-    from cutlass.cute.runtime import make_fake_compact_tensor
-    from cutlass.runtime import make_fake_stream
-
-    n = [cute.sym_int() for _ in range(5)]
-    return (make_fake_compact_tensor(cutlass.BFloat16, (n[0],), assumed_align=8),
-            make_fake_compact_tensor(cutlass.Int64, (n[1],), assumed_align=8),
-            make_fake_compact_tensor(cutlass.Uint8, (n[2],), assumed_align=16),
-            make_fake_compact_tensor(cutlass.Float32, (n[3],), assumed_align=4),
-            make_fake_compact_tensor(cutlass.Float32, (n[4],), assumed_align=4),
-            cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0),
-            make_fake_stream(use_tvm_ffi_env_stream=True))
+# (act, ids, tw, w2, s2, out), then expert_offset, num_local, H, pdl
+_DOWN_ARGS = ([(cutlass.Float32, 16), (cutlass.Int64, 8), (cutlass.Float32, 4), (cutlass.Uint8, 16),
+               (cutlass.Float32, 4), (cutlass.BFloat16, 2)], 4)
+# (x, ids, w13, s13, act), then expert_offset, num_local, I, k, pdl
+_GATE_UP_ARGS = ([(cutlass.BFloat16, 8), (cutlass.Int64, 8), (cutlass.Uint8, 16), (cutlass.Float32, 4),
+                  (cutlass.Float32, 4)], 5)
 
 
 def compile_for_export(arch: str = "sm_90a") -> dict:
@@ -330,7 +319,8 @@ def compile_for_export(arch: str = "sm_90a") -> dict:
     if not arch.startswith("sm_90"):
         raise ValueError(f"arch={arch!r}: the decode kernels are built for sm_90a")
     opts = f"--gpu-arch {arch} --enable-tvm-ffi"
-    out = {name: cute.compile(DownOneToken(**kw), *_fake_args(), options=opts) for name, kw in DOWN_VARIANTS.items()}
-    out.update({name: cute.compile(GateUpOneToken(**kw), *_fake_gate_up_args(), options=opts)
+    out = {name: cute.compile(DownOneToken(**kw), *_fake_args(*_DOWN_ARGS), options=opts)
+           for name, kw in DOWN_VARIANTS.items()}
+    out.update({name: cute.compile(GateUpOneToken(**kw), *_fake_args(*_GATE_UP_ARGS), options=opts)
                 for name, kw in GATE_UP_VARIANTS.items()})
     return out
