@@ -36,8 +36,6 @@ Both: FP8 four at a time (one 32-bit shared load, `cvt.rn.f16x2.e4m3x2`, exact),
 on the FP8 weights and their 128 x 128 block scales, as triton_fused_decode (the summation order
 differs). Shared memory is sized at compile time: one variant per H (gate/up) and per (k, I) (down).
 """
-from __future__ import annotations
-
 import math
 
 import cutlass
@@ -124,6 +122,20 @@ def stage_f32(dst, src, count, tidx):
         st_shared_v4f(dst + (i * THREADS + tidx) * 16, vals[i])
 
 
+def _shared_storage(weight_bytes: int, vec: int, scales: int):
+    """Both kernels' shared memory: the mbarrier of the bulk copies, the CTA's weight rows, the
+    staged fp32 vector (gate/up's x, down's act) and the rows' block scales. (The struct needs its
+    annotations evaluated: this module has no `from __future__ import annotations`.)"""
+    @cute.struct
+    class SharedStorage:
+        bar: cute.struct.MemRange[cutlass.Int64, 1]
+        w: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, weight_bytes], 128]
+        v: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, vec], 128]
+        sc: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, scales], 16]
+
+    return SharedStorage
+
+
 class GateUpOneToken:
     """One compiled gate/up variant: H (sizes the shared memory); I, the expert count and k are runtime
     (the grid is k x I / GU_ROWS; I a multiple of 128). See the module docstring."""
@@ -138,14 +150,7 @@ class GateUpOneToken:
     def __call__(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor,
                  expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32, k: cutlass.Int32,
                  pdl: cutlass.Int32, stream):
-        @cute.struct
-        class SharedStorage:
-            bar: cute.struct.MemRange[cutlass.Int64, 1]
-            w: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 2 * self.rows_bytes], 128]
-            x: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.hidden], 128]
-            sc: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * (self.hidden // 128)], 16]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = _shared_storage(2 * self.rows_bytes, self.hidden, 2 * (self.hidden // 128))
         self.kernel(x, ids, w13, s13, act, expert_offset, num_local, inter).launch(
             grid=[k, inter // GU_ROWS, 1], block=[GU_THREADS, 1, 1], stream=stream, use_pdl=pdl)
 
@@ -158,7 +163,7 @@ class GateUpOneToken:
         storage = smem.allocate(self.shared_storage)
         bar = storage.bar.data_ptr()
         w_s = storage.w.data_ptr().toint()
-        x_s = storage.x.data_ptr().toint()
+        x_s = storage.v.data_ptr().toint()
         sc = storage.sc.get_tensor(cute.make_layout(2 * (self.hidden // 128)))
         hidden = self.hidden
         nkb = hidden // 128
@@ -219,14 +224,8 @@ class DownOneToken:
     def __call__(self, act: cute.Tensor, ids: cute.Tensor, tw: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor,
                  out: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, hidden: cutlass.Int32,
                  pdl: cutlass.Int32, stream):
-        @cute.struct
-        class SharedStorage:
-            bar: cute.struct.MemRange[cutlass.Int64, 1]
-            w: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.k * self.slot_bytes], 128]
-            a: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.k * self.inter], 128]
-            sc: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.k * (self.inter // 128)], 16]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = _shared_storage(self.k * self.slot_bytes, self.k * self.inter,
+                                              self.k * (self.inter // 128))
         self.kernel(act, ids, tw, w2, s2, out, expert_offset, num_local, hidden).launch(
             grid=[hidden // ROWS, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=pdl)
 
@@ -239,7 +238,7 @@ class DownOneToken:
         storage = smem.allocate(self.shared_storage)
         bar = storage.bar.data_ptr()
         w_s = storage.w.data_ptr().toint()
-        a_s = storage.a.data_ptr().toint()
+        a_s = storage.v.data_ptr().toint()
         sc = storage.sc.get_tensor(cute.make_layout(self.k * (self.inter // 128)))
         inter = self.inter
         n0 = bidx * ROWS
