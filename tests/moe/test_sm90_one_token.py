@@ -15,7 +15,9 @@ tfd = pytest.importorskip("moe.kernels.triton_fused_decode")
 
 
 def _torch_gate_up(x, ids, w13, s13, act, offset, num_local, inter, k, pdl, *, calls):
-    """The gate/up export's semantics in torch (flat views as FusedDecode passes them)."""
+    """The gate/up export's semantics in torch (flat views as FusedDecode passes them; x 8-byte aligned,
+    as the kernel reads it)."""
+    assert x.data_ptr() % 8 == 0
     calls.append(("gate_up", pdl))
     h = x.numel()
     w = w13.view(torch.float8_e4m3fn).view(num_local, 2 * inter, h).float()
@@ -106,6 +108,12 @@ def test_gate_up_leaves_other_ranks_rows_and_checks_its_input():
     assert _rel(act[local], tfd.gate_up(c.x, c.ids, c.w[0], c.w[1], 8)[local]) < 1e-5
     with pytest.raises(ValueError, match="x.shape"):
         op.gate_up(c.x[:, :128], c.ids, c.w[0], c.w[1], 8, "gate_up_h256")
+    wide = torch.empty(1, 257, dtype=c.x.dtype, device=DEV)
+    wide[:, 1:] = c.x
+    odd = wide[:, 1:]  # contiguous, 2 bytes past an aligned start: passed on as an aligned copy
+    assert odd.is_contiguous() and odd.data_ptr() % 8
+    again = op.gate_up(odd, c.ids, c.w[0], c.w[1], 8, "gate_up_h256")
+    assert torch.equal(again[local], act[local])
 
 
 @pytest.mark.gpu
