@@ -79,7 +79,7 @@ class FusedDecode:
         if x.data_ptr() % 8:  # the export reads x 8 bytes a thread
             x = x.clone()
         getattr(self.module, name)(x.view(-1), topk_ids.contiguous().view(-1), w13.view(torch.uint8).view(-1),
-                                   w13_scale.contiguous().view(-1), act.view(-1), act.view(torch.int64).view(-1), expert_offset, num_local,
+                                   w13_scale.contiguous().view(-1), act.view(-1), expert_offset, num_local,
                                    two_i // 2, k, int(pdl_enabled(x.device)))
         return act
 
@@ -99,6 +99,6 @@ class FusedDecode:
         out = tfd.out_buffer(out, (1, h), x.dtype, x.device, "out")
         getattr(self.module, dn)(act.view(-1), topk_ids.contiguous().view(-1),
                                  topk_weights.float().contiguous().view(-1), w2.view(torch.uint8).view(-1),
-                                 w2_scale.contiguous().view(-1), out.view(-1), act.view(torch.int64).view(-1), expert_offset, num_local, h,
+                                 w2_scale.contiguous().view(-1), out.view(-1), expert_offset, num_local, h,
                                  int(pdl_enabled(x.device)))
         return out

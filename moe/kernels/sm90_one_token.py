@@ -50,10 +50,10 @@ ARCHS = ("sm_90a",)
 ROWS = 16  # output rows per CTA: the grid is H / ROWS
 THREADS = 512  # a warp per row: the dot products after the wait are its critical path
 PARTS = THREADS // ROWS  # lanes per row, each a 1/PARTS of the columns
-DOWN_VARIANTS = {"down_k8_i768": dict(k=8, inter=768), "down_k8_i768_timed": dict(k=8, inter=768, timed=True)}  # Qwen3-30B-A3B
+DOWN_VARIANTS = {"down_k8_i768": dict(k=8, inter=768)}  # Qwen3-30B-A3B
 GU_ROWS = 16  # gate/up: rows of gate (and of up) per CTA, a warp each (8: the same step time, H200)
 GU_THREADS = 32 * GU_ROWS
-GATE_UP_VARIANTS = {"gate_up_h2048": dict(hidden=2048), "gate_up_h2048_timed": dict(hidden=2048, timed=True)}  # Qwen3-30B-A3B, Qwen3-Next-80B-A3B
+GATE_UP_VARIANTS = {"gate_up_h2048": dict(hidden=2048)}  # Qwen3-30B-A3B, Qwen3-Next-80B-A3B
 
 
 @dsl_user_op
@@ -63,11 +63,6 @@ def bulk_g2s(dst, src, nbytes, mbar, *, loc=None, ip=None):
     asm(None, [i32(dst, loc, ip), i64(src, loc, ip), i32(nbytes, loc, ip), i32(mbar, loc, ip)],
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
         "r,l,r,r,~{memory}", loc, ip)
-
-
-@dsl_user_op
-def globaltimer(*, loc=None, ip=None):
-    return cutlass.Int64(asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l,~{memory}", loc, ip))
 
 
 def _v4f(addr, text, cons, loc, ip):
@@ -145,8 +140,7 @@ class GateUpOneToken:
     """One compiled gate/up variant: H (sizes the shared memory); I, the expert count and k are runtime
     (the grid is k x I / GU_ROWS; I a multiple of 128). See the module docstring."""
 
-    def __init__(self, hidden: int, timed: bool = False):
-        self.timed = timed
+    def __init__(self, hidden: int):
         if hidden % 128 or hidden % (4 * GU_THREADS):
             raise ValueError(f"H={hidden}: must be a multiple of 128 and of {4 * GU_THREADS}")
         self.hidden = hidden
@@ -154,15 +148,15 @@ class GateUpOneToken:
 
     @cute.jit
     def __call__(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor,
-                 ts: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32, k: cutlass.Int32,
+                 expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32, k: cutlass.Int32,
                  pdl: cutlass.Int32, stream):
         self.shared_storage = _shared_storage(2 * self.rows_bytes, self.hidden, 2 * (self.hidden // 128))
-        self.kernel(x, ids, w13, s13, act, ts, expert_offset, num_local, inter).launch(
+        self.kernel(x, ids, w13, s13, act, expert_offset, num_local, inter).launch(
             grid=[k, inter // GU_ROWS, 1], block=[GU_THREADS, 1, 1], stream=stream, use_pdl=pdl)
 
     @cute.kernel
     def kernel(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor,
-               ts: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32):
+               expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         p, j, _ = cute.arch.block_idx()
         smem = cutlass.utils.SmemAllocator()
@@ -174,16 +168,12 @@ class GateUpOneToken:
         hidden = self.hidden
         nkb = hidden // 128
         n0 = j * GU_ROWS
-        if cutlass.const_expr(self.timed):
-            t0 = globaltimer()
         if tidx == 0:
             cute.arch.mbarrier_init(bar, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         cute.arch.griddepcontrol_wait()  # the routing (the previous kernel) is complete and visible
         cute.arch.griddepcontrol_launch_dependents()
-        if cutlass.const_expr(self.timed):
-            t1 = globaltimer()
         e = cutlass.Int32(ids[p]) - expert_offset
         if e >= 0 and e < num_local:
             g_row = cutlass.Int64(e) * 2 * inter + n0  # first gate row; its up rows start I rows later
@@ -200,11 +190,7 @@ class GateUpOneToken:
                 c = (i * GU_THREADS + tidx) * 4
                 st_shared_v4f(x_s + c * 4, ld_global_bf16x4(x_base + cutlass.Int64(c) * 2))
             cute.arch.sync_threads()
-            if cutlass.const_expr(self.timed):
-                t2 = globaltimer()
             cute.arch.mbarrier_wait(bar, 0)
-            if cutlass.const_expr(self.timed):
-                t3 = globaltimer()
             r = tidx // 32
             lane = tidx % 32
             acc_g = cutlass.Float32(0.0)
@@ -221,22 +207,12 @@ class GateUpOneToken:
                 acc_u += cute.arch.shuffle_sync_bfly(acc_u, offset=16 >> off)
             if lane == 0:
                 act[cutlass.Int64(p) * inter + n0 + r] = acc_g / (1.0 + cute.math.exp(-acc_g)) * acc_u
-            if cutlass.const_expr(self.timed):
-                if tidx == 0:
-                    t4 = globaltimer()
-                    b5 = (p * (inter // GU_ROWS) + j) * 5
-                    ts[b5] = t0
-                    ts[b5 + 1] = t1
-                    ts[b5 + 2] = t2
-                    ts[b5 + 3] = t3
-                    ts[b5 + 4] = t4
 
 
 class DownOneToken:
     """One compiled variant: k slots, I columns (both fixed: they size the shared memory)."""
 
-    def __init__(self, k: int, inter: int, timed: bool = False):
-        self.timed = timed
+    def __init__(self, k: int, inter: int):
         step = math.lcm(PARTS * 4, 128)  # four columns a lane, whole scale blocks
         if inter % step or k * inter % (4 * THREADS):
             raise ValueError(f"I={inter}, k={k}: I must be a multiple of {step} and k x I of {4 * THREADS} "
@@ -246,17 +222,16 @@ class DownOneToken:
 
     @cute.jit
     def __call__(self, act: cute.Tensor, ids: cute.Tensor, tw: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor,
-                 out: cute.Tensor, ts: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32,
-                 hidden: cutlass.Int32, pdl: cutlass.Int32, stream):
+                 out: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, hidden: cutlass.Int32,
+                 pdl: cutlass.Int32, stream):
         self.shared_storage = _shared_storage(self.k * self.slot_bytes, self.k * self.inter,
                                               self.k * (self.inter // 128))
-        self.kernel(act, ids, tw, w2, s2, out, ts, expert_offset, num_local, hidden).launch(
+        self.kernel(act, ids, tw, w2, s2, out, expert_offset, num_local, hidden).launch(
             grid=[hidden // ROWS, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=pdl)
 
     @cute.kernel
     def kernel(self, act: cute.Tensor, ids: cute.Tensor, tw: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor,
-               out: cute.Tensor, ts: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32,
-               hidden: cutlass.Int32):
+               out: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, hidden: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         smem = cutlass.utils.SmemAllocator()
@@ -267,8 +242,6 @@ class DownOneToken:
         sc = storage.sc.get_tensor(cute.make_layout(self.k * (self.inter // 128)))
         inter = self.inter
         n0 = bidx * ROWS
-        if cutlass.const_expr(self.timed):
-            t0 = globaltimer()
         if tidx == 0:
             cute.arch.mbarrier_init(bar, 1)
             cute.arch.mbarrier_init_fence()
@@ -297,16 +270,10 @@ class DownOneToken:
                 sc[tidx] = s2[(e * (hidden // 128) + n0 // 128) * nkb + tidx % nkb]
         cute.arch.griddepcontrol_wait()  # gate/up's act is complete and visible
         cute.arch.griddepcontrol_launch_dependents()
-        if cutlass.const_expr(self.timed):
-            t1 = globaltimer()
         a_base = act.iterator.toint()
         stage_f32(a_s, a_base, self.k * inter, tidx)
         cute.arch.sync_threads()
-        if cutlass.const_expr(self.timed):
-            t2 = globaltimer()
         cute.arch.mbarrier_wait(bar, 0)
-        if cutlass.const_expr(self.timed):
-            t3 = globaltimer()
         r = tidx // PARTS
         cw = inter // PARTS
         c0 = (tidx % PARTS) * cw
@@ -325,14 +292,6 @@ class DownOneToken:
             acc += cute.arch.shuffle_sync_bfly(acc, offset=PARTS >> (off + 1))
         if tidx % PARTS == 0:
             out[n0 + r] = acc.to(cutlass.BFloat16)
-        if cutlass.const_expr(self.timed):
-            if tidx == 0:
-                t4 = globaltimer()
-                ts[bidx * 5] = t0
-                ts[bidx * 5 + 1] = t1
-                ts[bidx * 5 + 2] = t2
-                ts[bidx * 5 + 3] = t3
-                ts[bidx * 5 + 4] = t4
 
 
 def _fake_args(tensors, scalars: int):
@@ -347,10 +306,10 @@ def _fake_args(tensors, scalars: int):
 
 # (act, ids, tw, w2, s2, out), then expert_offset, num_local, H, pdl
 _DOWN_ARGS = ([(cutlass.Float32, 16), (cutlass.Int64, 8), (cutlass.Float32, 4), (cutlass.Uint8, 16),
-               (cutlass.Float32, 4), (cutlass.BFloat16, 2), (cutlass.Int64, 8)], 4)
+               (cutlass.Float32, 4), (cutlass.BFloat16, 2)], 4)
 # (x, ids, w13, s13, act), then expert_offset, num_local, I, k, pdl
 _GATE_UP_ARGS = ([(cutlass.BFloat16, 8), (cutlass.Int64, 8), (cutlass.Uint8, 16), (cutlass.Float32, 4),
-                  (cutlass.Float32, 4), (cutlass.Int64, 8)], 5)
+                  (cutlass.Float32, 4)], 5)
 
 
 def compile_for_export(arch: str = "sm_90a") -> dict:
