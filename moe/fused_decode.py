@@ -70,31 +70,22 @@ class FusedDecode:
         ranks' slots are left unwritten, as triton_fused_decode.gate_up."""
         if name is None:
             return tfd.gate_up(x, topk_ids, w13, w13_scale, expert_offset, act)
-        tfd.check_weights(w13, w13_scale, tfd.BLOCK_N, tfd.BLOCK_K, "w13")
-        k, (num_local, two_i, h) = topk_ids.shape[1], w13.shape
-        if x.shape != (1, h):
-            raise ValueError(f"x.shape={tuple(x.shape)}: expected {(1, h)}")
-        act = tfd.out_buffer(act, (k, two_i // 2), torch.float32, x.device, "act")
+        _, k, num_local, _, inter, act = tfd.check_gate_up(x, topk_ids, w13, w13_scale, act)
         x = x.contiguous()
         if x.data_ptr() % 8:  # the export reads x 8 bytes a thread
             x = x.clone()
         getattr(self.module, name)(x.view(-1), topk_ids.contiguous().view(-1), w13.view(torch.uint8).view(-1),
                                    w13_scale.contiguous().view(-1), act.view(-1), expert_offset, num_local,
-                                   two_i // 2, k, int(pdl_enabled(x.device)))
+                                   inter, k, int(pdl_enabled(x.device)))
         return act
 
     def __call__(self, x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, expert_offset=0, shared=None,
                  shared_gate=None, shared_ready=None, out=None):
         gu, dn = self.variants(x, topk_ids, w2, shared)
-        if gu is None and dn is None:
-            return tfd.fused_decode(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, expert_offset, shared,
-                                    shared_gate, shared_ready, out)
-        act = self.gate_up(x, topk_ids, w13, w13_scale, expert_offset, gu)
+        act = self.gate_up(x, topk_ids, w13, w13_scale, expert_offset, gu)  # Triton's when gu is None
         if dn is None:
-            if shared_ready is not None:
-                torch.cuda.current_stream(x.device).wait_event(shared_ready)
-            return tfd.down(act, topk_weights, topk_ids, w2, w2_scale, expert_offset, shared, shared_gate, out,
-                            dtype=x.dtype, early=tfd.EARLY_W2)
+            return tfd.fused_decode(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, expert_offset, shared,
+                                    shared_gate, shared_ready, out, act=act)
         num_local, h, _ = w2.shape
         out = tfd.out_buffer(out, (1, h), x.dtype, x.device, "out")
         getattr(self.module, dn)(act.view(-1), topk_ids.contiguous().view(-1),

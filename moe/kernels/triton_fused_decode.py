@@ -188,11 +188,9 @@ def out_buffer(buf, shape, dtype, device, name):
     return buf
 
 
-def gate_up(x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
-            expert_offset: int = 0, act: torch.Tensor | None = None, *, block_n: int = BLOCK_N,
-            block_k: int = BLOCK_K, num_warps: int = NUM_WARPS) -> torch.Tensor:
-    """x [T, H], topk_ids [T, k] -> act [T * k, I] fp32 (given or new) = silu(x . gate[e]) * (x . up[e])
-    per pair; rows of pairs whose expert is not in [expert_offset, + E_local) are left unwritten."""
+def check_gate_up(x, topk_ids, w13, w13_scale, act, block_n=BLOCK_N, block_k=BLOCK_K):
+    """The inputs of a gate/up (this module's or moe.fused_decode's CuTeDSL one) checked ->
+    (T, k, E_local, H, I, act [T * k, I] fp32: `act` checked, or a new one)."""
     check_weights(w13, w13_scale, block_n, block_k, "w13")
     (t, k), (num_local, two_i, h) = topk_ids.shape, w13.shape
     if x.shape != (t, h):
@@ -200,7 +198,15 @@ def gate_up(x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w13_scal
     inter = two_i // 2
     if inter % SCALE_BLOCK:
         raise ValueError(f"w13.shape={tuple(w13.shape)}: I={inter} must be a multiple of 128 (gate / up scale rows)")
-    act = out_buffer(act, (t * k, inter), torch.float32, x.device, "act")
+    return t, k, num_local, h, inter, out_buffer(act, (t * k, inter), torch.float32, x.device, "act")
+
+
+def gate_up(x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+            expert_offset: int = 0, act: torch.Tensor | None = None, *, block_n: int = BLOCK_N,
+            block_k: int = BLOCK_K, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """x [T, H], topk_ids [T, k] -> act [T * k, I] fp32 (given or new) = silu(x . gate[e]) * (x . up[e])
+    per pair; rows of pairs whose expert is not in [expert_offset, + E_local) are left unwritten."""
+    t, k, num_local, h, inter, act = check_gate_up(x, topk_ids, w13, w13_scale, act, block_n, block_k)
     if t:
         _gate_up_kernel[(t * k, inter // block_n)](
             x.contiguous(), topk_ids.contiguous(), w13, w13_scale, act, h, inter, num_local, expert_offset, K=k,
@@ -238,12 +244,15 @@ def down(act: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, 
 
 
 def fused_decode(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, expert_offset=0, shared=None,
-                 shared_gate=None, shared_ready=None, out=None, *, block_n=BLOCK_N, block_k=BLOCK_K,
+                 shared_gate=None, shared_ready=None, out=None, *, act=None, block_n=BLOCK_N, block_k=BLOCK_K,
                  num_warps=NUM_WARPS, block_n2=BLOCK_N2, block_k2=BLOCK_K2, num_warps2=NUM_WARPS2,
                  early=EARLY_W2) -> torch.Tensor:
-    """This rank's experts (and the gated shared expert) for a few tokens: `gate_up` then `down`,
-    the second after waiting on `shared_ready` (the event of the stream that computed `shared`)."""
-    act = gate_up(x, topk_ids, w13, w13_scale, expert_offset, block_n=block_n, block_k=block_k, num_warps=num_warps)
+    """This rank's experts (and the gated shared expert) for a few tokens: `gate_up` (unless `act`, its
+    output, is given: moe.fused_decode's CuTeDSL gate/up) then `down`, the second after waiting on
+    `shared_ready` (the event of the stream that computed `shared`)."""
+    if act is None:
+        act = gate_up(x, topk_ids, w13, w13_scale, expert_offset, block_n=block_n, block_k=block_k,
+                      num_warps=num_warps)
     if shared_ready is not None:
         torch.cuda.current_stream(x.device).wait_event(shared_ready)
     return down(act, topk_weights, topk_ids, w2, w2_scale, expert_offset, shared, shared_gate, out, dtype=x.dtype,

@@ -100,7 +100,10 @@ def test_sm90_one_token_compiles(tmp_path):
     """The one-token gate/up and down link into a bundle module."""
     from aot import build
 
+    from moe import fused_decode
+
     mod = importlib.import_module("moe.kernels.sm90_one_token")
+    assert (fused_decode.ROWS, fused_decode.GU_ROWS) == (mod.ROWS, mod.GU_ROWS)  # the host side's copies
     names = sorted({**mod.DOWN_VARIANTS, **mod.GATE_UP_VARIANTS})
     assert sorted(mod.compile_for_export("sm_90a")) == names
     with pytest.raises(ValueError, match="sm_100a"):

@@ -79,14 +79,19 @@ def test_one_token_runs_the_exports_with_their_contract(monkeypatch, caplog):
         del calls[:]
         got = _op(256, calls, ("gate_up_h256",))(*one)  # no down variant: Triton's down
         assert calls == [("gate_up", 0)] and _rel(got, want) < 1e-2
+        del calls[:]
+        got = _op(256, calls, ("down_k4_i256",))(*one)  # no gate/up variant: Triton's gate/up
+        assert calls == [("down", 0)] and _rel(got, want) < 1e-2
+        del calls[:]
         monkeypatch.setenv(fused_decode.ENV, "0")  # read when the op is made (the backend's selection)
         _op(256, calls)(*one)
-        assert calls == [("gate_up", 0)]
+        assert calls == []
     text = caplog.text
     assert text.count("gate/up in CuTeDSL (gate_up_h256), down in CuTeDSL (down_k4_i256)") == 1
     assert "gate/up in Triton (2 tokens), down in Triton (2 tokens)" in text
     assert "gate/up in CuTeDSL (gate_up_h256), down in Triton (a shared expert)" in text
     assert "down in Triton (no variant down_k4_i256)" in text
+    assert "gate/up in Triton (no variant gate_up_h256), down in CuTeDSL (down_k4_i256)" in text
     assert f"gate/up in Triton (${fused_decode.ENV}=0)" in text
     monkeypatch.delenv(fused_decode.ENV)
     assert fused_decode.FusedDecode(None).variants(c.x[:1], c.ids[:1], c.w[2], None) == (None, None)
