@@ -274,7 +274,7 @@ def fma_bf16x2_sel(lo, hi, v, w, ok, *, loc=None, ip=None):
     """(lo, hi) + w * bf16x2(v) in fp32 (mul.rn, add.rn: never fused) where ok != 0, else (lo, hi)."""
     r = ptx.asm(ptx._struct(2, "f32"),
                 [ptx.f32(lo, loc, ip), ptx.f32(hi, loc, ip), ptx.i32(v, loc, ip), ptx.f32(w, loc, ip),
-                  ptx.i32(ok, loc, ip)],
+                 ptx.i32(ok, loc, ip)],
                 "{ .reg .b32 t; .reg .f32 l, h; .reg .pred q; shl.b32 t, $4, 16; mov.b32 l, t; "
                 "and.b32 t, $4, 0xffff0000; mov.b32 h, t; mul.rn.f32 l, l, $5; mul.rn.f32 h, h, $5; "
                 "add.rn.f32 l, $2, l; add.rn.f32 h, $3, h; setp.ne.s32 q, $6, 0; "
