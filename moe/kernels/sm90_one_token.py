@@ -48,8 +48,10 @@ from aot.ptx import asm, f32, i32, i64
 
 ARCHS = ("sm_90a",)
 ROWS = 16  # output rows per CTA: the grid is H / ROWS
-THREADS = 512  # a warp per row: the dot products after the wait are its critical path
-PARTS = THREADS // ROWS  # lanes per row, each a 1/PARTS of the columns
+ROWS_PER_WARP = 2  # each act value read from shared memory serves two rows (one a warp: 2.5x slower)
+THREADS = 32 * ROWS // ROWS_PER_WARP
+OLD_THREADS = 512
+OLD_PARTS = OLD_THREADS // ROWS
 DOWN_VARIANTS = {"down_k8_i768": dict(k=8, inter=768)}  # Qwen3-30B-A3B
 GU_ROWS = 16  # gate/up: rows of gate (and of up) per CTA, a warp each (8: the same step time, H200)
 GU_THREADS = 32 * GU_ROWS
@@ -112,14 +114,14 @@ def ld_global_bf16x4(addr, *, loc=None, ip=None):
                 "=f,=f,=f,=f,l,~{memory}", loc, ip)
 
 
-def stage_f32(dst, src, count, tidx):
-    """Copy `count` fp32 (a multiple of 4 x THREADS) from global `src` (past L1) to shared `dst`, 16
+def stage_f32(dst, src, count, tidx, threads):
+    """Copy `count` fp32 (a multiple of 4 x `threads`) from global `src` (past L1) to shared `dst`, 16
     bytes a thread a step: all loads issued before the first store (the inline asm's memory clobbers
     would otherwise make each load wait for the previous store, one L2 round trip a step)."""
-    steps = count // (4 * THREADS)
-    vals = [ld_global_v4f(src + cutlass.Int64((i * THREADS + tidx) * 4) * 4) for i in range(steps)]
+    steps = count // (4 * threads)
+    vals = [ld_global_v4f(src + cutlass.Int64((i * threads + tidx) * 4) * 4) for i in range(steps)]
     for i in range(steps):
-        st_shared_v4f(dst + (i * THREADS + tidx) * 16, vals[i])
+        st_shared_v4f(dst + (i * threads + tidx) * 16, vals[i])
 
 
 def _shared_storage(weight_bytes: int, vec: int, scales: int):
@@ -213,9 +215,8 @@ class DownOneToken:
     """One compiled variant: k slots, I columns (both fixed: they size the shared memory)."""
 
     def __init__(self, k: int, inter: int):
-        step = math.lcm(PARTS * 4, 128)  # four columns a lane, whole scale blocks
-        if inter % step or k * inter % (4 * THREADS):
-            raise ValueError(f"I={inter}, k={k}: I must be a multiple of {step} and k x I of {4 * THREADS} "
+        if inter % 128 or k * inter % (4 * THREADS):
+            raise ValueError(f"I={inter}, k={k}: I must be a multiple of 128 and k x I of {4 * THREADS} "
                              "(act is staged 16 bytes a thread)")
         self.k, self.inter = k, inter
         self.slot_bytes = ROWS * inter  # one slot's rows of w2: contiguous
@@ -271,12 +272,104 @@ class DownOneToken:
         cute.arch.griddepcontrol_wait()  # gate/up's act is complete and visible
         cute.arch.griddepcontrol_launch_dependents()
         a_base = act.iterator.toint()
-        stage_f32(a_s, a_base, self.k * inter, tidx)
+        stage_f32(a_s, a_base, self.k * inter, tidx, THREADS)
         cute.arch.sync_threads()
         cute.arch.mbarrier_wait(bar, 0)
-        r = tidx // PARTS
-        cw = inter // PARTS
-        c0 = (tidx % PARTS) * cw
+        r0 = (tidx // 32) * ROWS_PER_WARP  # this warp's rows r0, r0 + 1
+        lane = tidx % 32
+        acc0 = cutlass.Float32(0.0)
+        acc1 = cutlass.Float32(0.0)
+        for s in cutlass.range_constexpr(self.k):
+            if es[s] >= 0 and es[s] < num_local:
+                part0 = cutlass.Float32(0.0)
+                part1 = cutlass.Float32(0.0)
+                row0 = w_s + s * self.slot_bytes + r0 * inter
+                for q in cutlass.range_constexpr(nkb):
+                    col = q * 128 + lane * 4
+                    av = ld_shared_v4f(a_s + (s * inter + col) * 4)
+                    w0 = ld_shared_e4m3x4(row0 + col)
+                    w1 = ld_shared_e4m3x4(row0 + inter + col)
+                    scale = sc[s * nkb + q]
+                    part0 += (w0[0] * av[0] + w0[1] * av[1] + w0[2] * av[2] + w0[3] * av[3]) * scale
+                    part1 += (w1[0] * av[0] + w1[1] * av[1] + w1[2] * av[2] + w1[3] * av[3]) * scale
+                acc0 += part0 * tws[s]
+                acc1 += part1 * tws[s]
+        for off in cutlass.range_constexpr(5):
+            acc0 += cute.arch.shuffle_sync_bfly(acc0, offset=16 >> off)
+            acc1 += cute.arch.shuffle_sync_bfly(acc1, offset=16 >> off)
+        if lane == 0:
+            out[n0 + r0] = acc0.to(cutlass.BFloat16)
+            out[n0 + r0 + 1] = acc1.to(cutlass.BFloat16)
+
+
+class DownOld:
+    """One compiled variant: k slots, I columns (both fixed: they size the shared memory)."""
+
+    def __init__(self, k: int, inter: int):
+        step = math.lcm(OLD_PARTS * 4, 128)  # four columns a lane, whole scale blocks
+        if inter % step or k * inter % (4 * OLD_THREADS):
+            raise ValueError(f"I={inter}, k={k}: I must be a multiple of {step} and k x I of {4 * OLD_THREADS} "
+                             "(act is staged 16 bytes a thread)")
+        self.k, self.inter = k, inter
+        self.slot_bytes = ROWS * inter  # one slot's rows of w2: contiguous
+
+    @cute.jit
+    def __call__(self, act: cute.Tensor, ids: cute.Tensor, tw: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor,
+                 out: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, hidden: cutlass.Int32,
+                 pdl: cutlass.Int32, stream):
+        self.shared_storage = _shared_storage(self.k * self.slot_bytes, self.k * self.inter,
+                                              self.k * (self.inter // 128))
+        self.kernel(act, ids, tw, w2, s2, out, expert_offset, num_local, hidden).launch(
+            grid=[hidden // ROWS, 1, 1], block=[OLD_THREADS, 1, 1], stream=stream, use_pdl=pdl)
+
+    @cute.kernel
+    def kernel(self, act: cute.Tensor, ids: cute.Tensor, tw: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor,
+               out: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, hidden: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        bar = storage.bar.data_ptr()
+        w_s = storage.w.data_ptr().toint()
+        a_s = storage.v.data_ptr().toint()
+        sc = storage.sc.get_tensor(cute.make_layout(self.k * (self.inter // 128)))
+        inter = self.inter
+        n0 = bidx * ROWS
+        if tidx == 0:
+            cute.arch.mbarrier_init(bar, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        # the routing is final (two kernels back): each slot's expert and weight, read once, and
+        # every local slot's rows asked for now
+        es = [cutlass.Int32(ids[s]) - expert_offset for s in range(self.k)]
+        tws = [cutlass.Float32(tw[s]) for s in range(self.k)]
+        if tidx == 0:
+            total = cutlass.Int32(0)
+            for s in cutlass.range_constexpr(self.k):
+                if es[s] >= 0 and es[s] < num_local:
+                    total += self.slot_bytes
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, total)
+            w_base = w2.iterator.toint()
+            for s in cutlass.range_constexpr(self.k):
+                e = es[s]
+                if e >= 0 and e < num_local:
+                    src = w_base + (cutlass.Int64(e) * hidden + n0) * inter
+                    bulk_g2s(w_s + s * self.slot_bytes, src, self.slot_bytes, bar.toint())
+        nkb = inter // 128
+        if tidx < self.k * nkb:  # this row block's scales of every local slot, before the wait (weights)
+            s = tidx // nkb
+            e = cutlass.Int32(ids[s]) - expert_offset
+            if e >= 0 and e < num_local:
+                sc[tidx] = s2[(e * (hidden // 128) + n0 // 128) * nkb + tidx % nkb]
+        cute.arch.griddepcontrol_wait()  # gate/up's act is complete and visible
+        cute.arch.griddepcontrol_launch_dependents()
+        a_base = act.iterator.toint()
+        stage_f32(a_s, a_base, self.k * inter, tidx, OLD_THREADS)
+        cute.arch.sync_threads()
+        cute.arch.mbarrier_wait(bar, 0)
+        r = tidx // OLD_PARTS
+        cw = inter // OLD_PARTS
+        c0 = (tidx % OLD_PARTS) * cw
         acc = cutlass.Float32(0.0)
         for s in cutlass.range_constexpr(self.k):
             if es[s] >= 0 and es[s] < num_local:
@@ -288,9 +381,9 @@ class DownOneToken:
                     dot = wv[0] * av[0] + wv[1] * av[1] + wv[2] * av[2] + wv[3] * av[3]
                     part += dot * sc[s * nkb + col // 128]
                 acc += part * tws[s]
-        for off in cutlass.range_constexpr(PARTS.bit_length() - 1):
-            acc += cute.arch.shuffle_sync_bfly(acc, offset=PARTS >> (off + 1))
-        if tidx % PARTS == 0:
+        for off in cutlass.range_constexpr(OLD_PARTS.bit_length() - 1):
+            acc += cute.arch.shuffle_sync_bfly(acc, offset=OLD_PARTS >> (off + 1))
+        if tidx % OLD_PARTS == 0:
             out[n0 + r] = acc.to(cutlass.BFloat16)
 
 
@@ -320,6 +413,7 @@ def compile_for_export(arch: str = "sm_90a") -> dict:
     opts = f"--gpu-arch {arch} --enable-tvm-ffi"
     out = {name: cute.compile(DownOneToken(**kw), *_fake_args(*_DOWN_ARGS), options=opts)
            for name, kw in DOWN_VARIANTS.items()}
+    out["down_k8_i768_old"] = cute.compile(DownOld(8, 768), *_fake_args(*_DOWN_ARGS), options=opts)
     out.update({name: cute.compile(GateUpOneToken(**kw), *_fake_args(*_GATE_UP_ARGS), options=opts)
                 for name, kw in GATE_UP_VARIANTS.items()})
     return out
