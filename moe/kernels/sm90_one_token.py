@@ -55,6 +55,7 @@ OLD_PARTS = OLD_THREADS // ROWS
 DOWN_VARIANTS = {"down_k8_i768": dict(k=8, inter=768)}  # Qwen3-30B-A3B
 GU_ROWS = 16  # gate/up: rows of gate (and of up) per CTA, a warp each (8: the same step time, H200)
 GU_THREADS = 32 * GU_ROWS
+GU_CHUNKS = 4  # gate/up: the block's rows arrive in this many parts, an mbarrier each
 GATE_UP_VARIANTS = {"gate_up_h2048": dict(hidden=2048)}  # Qwen3-30B-A3B, Qwen3-Next-80B-A3B
 
 
@@ -124,13 +125,13 @@ def stage_f32(dst, src, count, tidx, threads):
         st_shared_v4f(dst + (i * threads + tidx) * 16, vals[i])
 
 
-def _shared_storage(weight_bytes: int, vec: int, scales: int):
-    """Both kernels' shared memory: the mbarrier of the bulk copies, the CTA's weight rows, the
+def _shared_storage(weight_bytes: int, vec: int, scales: int, bars: int):
+    """Both kernels' shared memory: the `bars` mbarriers of the bulk copies, the CTA's weight rows, the
     staged fp32 vector (gate/up's x, down's act) and the rows' block scales. (The struct needs its
     annotations evaluated: this module has no `from __future__ import annotations`.)"""
     @cute.struct
     class SharedStorage:
-        bar: cute.struct.MemRange[cutlass.Int64, 1]
+        bar: cute.struct.MemRange[cutlass.Int64, bars]
         w: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, weight_bytes], 128]
         v: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, vec], 128]
         sc: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, scales], 16]
@@ -140,19 +141,24 @@ def _shared_storage(weight_bytes: int, vec: int, scales: int):
 
 class GateUpOneToken:
     """One compiled gate/up variant: H (sizes the shared memory); I, the expert count and k are runtime
-    (the grid is k x I / GU_ROWS; I a multiple of 128). See the module docstring."""
+    (the grid is k x I / GU_ROWS; I a multiple of 128). `chunks`: the block's rows arrive in that many
+    parts, each on its own mbarrier, so the first warps' dot products run while later rows arrive. See
+    the module docstring."""
 
-    def __init__(self, hidden: int):
+    def __init__(self, hidden: int, chunks: int = GU_CHUNKS):
         if hidden % 128 or hidden % (4 * GU_THREADS):
             raise ValueError(f"H={hidden}: must be a multiple of 128 and of {4 * GU_THREADS}")
-        self.hidden = hidden
+        if GU_ROWS % chunks:
+            raise ValueError(f"chunks={chunks}: must divide {GU_ROWS}")
+        self.hidden, self.chunks = hidden, chunks
         self.rows_bytes = GU_ROWS * hidden  # one block's gate (or up) rows: contiguous
 
     @cute.jit
     def __call__(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor,
                  expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32, k: cutlass.Int32,
                  pdl: cutlass.Int32, stream):
-        self.shared_storage = _shared_storage(2 * self.rows_bytes, self.hidden, 2 * (self.hidden // 128))
+        self.shared_storage = _shared_storage(2 * self.rows_bytes, self.hidden, 2 * (self.hidden // 128),
+                                              self.chunks)
         self.kernel(x, ids, w13, s13, act, expert_offset, num_local, inter).launch(
             grid=[k, inter // GU_ROWS, 1], block=[GU_THREADS, 1, 1], stream=stream, use_pdl=pdl)
 
@@ -170,40 +176,51 @@ class GateUpOneToken:
         hidden = self.hidden
         nkb = hidden // 128
         n0 = j * GU_ROWS
+        crows = GU_ROWS // self.chunks  # rows of gate (and of up) per chunk
+        cbytes = crows * hidden
         if tidx == 0:
-            cute.arch.mbarrier_init(bar, 1)
+            for c in cutlass.range_constexpr(self.chunks):
+                cute.arch.mbarrier_init(bar + c, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         cute.arch.griddepcontrol_wait()  # the routing (the previous kernel) is complete and visible
         cute.arch.griddepcontrol_launch_dependents()
         e = cutlass.Int32(ids[p]) - expert_offset
+        # x is asked for beside the routing (not after it): its stores to shared memory come last
+        x_base = x.iterator.toint()
+        xv = [ld_global_bf16x4(x_base + cutlass.Int64((i * GU_THREADS + tidx) * 4) * 2)
+              for i in range(hidden // (4 * GU_THREADS))]
         if e >= 0 and e < num_local:
             g_row = cutlass.Int64(e) * 2 * inter + n0  # first gate row; its up rows start I rows later
+            scale = cutlass.Float32(0.0)
+            if tidx < 2 * nkb:  # gate's then up's block scales of this row block, along K: asked for
+                half = tidx // nkb  # before the weights, so they do not queue behind them
+                scale = s13[((cutlass.Int64(e) * 2 * inter + half * inter + n0) // 128) * nkb + tidx % nkb]
             if tidx == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(bar, 2 * self.rows_bytes)
                 w_base = w13.iterator.toint()
-                bulk_g2s(w_s, w_base + g_row * hidden, self.rows_bytes, bar.toint())
-                bulk_g2s(w_s + self.rows_bytes, w_base + (g_row + inter) * hidden, self.rows_bytes, bar.toint())
-            if tidx < 2 * nkb:  # gate's then up's block scales of this row block, along K
-                half = tidx // nkb
-                sc[tidx] = s13[((cutlass.Int64(e) * 2 * inter + half * inter + n0) // 128) * nkb + tidx % nkb]
-            x_base = x.iterator.toint()
-            for i in cutlass.range_constexpr(hidden // (4 * GU_THREADS)):
-                c = (i * GU_THREADS + tidx) * 4
-                st_shared_v4f(x_s + c * 4, ld_global_bf16x4(x_base + cutlass.Int64(c) * 2))
-            cute.arch.sync_threads()
-            cute.arch.mbarrier_wait(bar, 0)
+                for c in cutlass.range_constexpr(self.chunks):
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar + c, 2 * cbytes)
+                    bulk_g2s(w_s + c * cbytes, w_base + (g_row + c * crows) * hidden, cbytes, (bar + c).toint())
+                    bulk_g2s(w_s + self.rows_bytes + c * cbytes, w_base + (g_row + inter + c * crows) * hidden,
+                             cbytes, (bar + c).toint())
+            if tidx < 2 * nkb:
+                sc[tidx] = scale
+        for i in cutlass.range_constexpr(hidden // (4 * GU_THREADS)):  # (in every CTA: a store only where
+            st_shared_v4f(x_s + (i * GU_THREADS + tidx) * 16, xv[i])  # x is used lets ptxas sink its load)
+        cute.arch.sync_threads()
+        if e >= 0 and e < num_local:
             r = tidx // 32
             lane = tidx % 32
+            cute.arch.mbarrier_wait(bar + r // crows, 0)
             acc_g = cutlass.Float32(0.0)
             acc_u = cutlass.Float32(0.0)
             for q in cutlass.range_constexpr(nkb):
                 col = q * 128 + lane * 4
-                xv = ld_shared_v4f(x_s + col * 4)
+                xq = ld_shared_v4f(x_s + col * 4)
                 gv = ld_shared_e4m3x4(w_s + r * hidden + col)
                 uv = ld_shared_e4m3x4(w_s + self.rows_bytes + r * hidden + col)
-                acc_g += (gv[0] * xv[0] + gv[1] * xv[1] + gv[2] * xv[2] + gv[3] * xv[3]) * sc[q]
-                acc_u += (uv[0] * xv[0] + uv[1] * xv[1] + uv[2] * xv[2] + uv[3] * xv[3]) * sc[nkb + q]
+                acc_g += (gv[0] * xq[0] + gv[1] * xq[1] + gv[2] * xq[2] + gv[3] * xq[3]) * sc[q]
+                acc_u += (uv[0] * xq[0] + uv[1] * xq[1] + uv[2] * xq[2] + uv[3] * xq[3]) * sc[nkb + q]
             for off in cutlass.range_constexpr(5):
                 acc_g += cute.arch.shuffle_sync_bfly(acc_g, offset=16 >> off)
                 acc_u += cute.arch.shuffle_sync_bfly(acc_u, offset=16 >> off)
@@ -214,11 +231,12 @@ class GateUpOneToken:
 class DownOneToken:
     """One compiled variant: k slots, I columns (both fixed: they size the shared memory)."""
 
-    def __init__(self, k: int, inter: int):
+    def __init__(self, k: int, inter: int, per_slot: bool = True):
         if inter % 128 or k * inter % (4 * THREADS):
             raise ValueError(f"I={inter}, k={k}: I must be a multiple of 128 and k x I of {4 * THREADS} "
                              "(act is staged 16 bytes a thread)")
         self.k, self.inter = k, inter
+        self.bars = k if per_slot else 1  # an mbarrier per slot: slot s is summed while later slots arrive
         self.slot_bytes = ROWS * inter  # one slot's rows of w2: contiguous
 
     @cute.jit
@@ -226,7 +244,7 @@ class DownOneToken:
                  out: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, hidden: cutlass.Int32,
                  pdl: cutlass.Int32, stream):
         self.shared_storage = _shared_storage(self.k * self.slot_bytes, self.k * self.inter,
-                                              self.k * (self.inter // 128))
+                                              self.k * (self.inter // 128), self.bars)
         self.kernel(act, ids, tw, w2, s2, out, expert_offset, num_local, hidden).launch(
             grid=[hidden // ROWS, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=pdl)
 
@@ -244,7 +262,8 @@ class DownOneToken:
         inter = self.inter
         n0 = bidx * ROWS
         if tidx == 0:
-            cute.arch.mbarrier_init(bar, 1)
+            for b in cutlass.range_constexpr(self.bars):
+                cute.arch.mbarrier_init(bar + b, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         # the routing is final (two kernels back): each slot's expert and weight, read once, and
@@ -252,17 +271,20 @@ class DownOneToken:
         es = [cutlass.Int32(ids[s]) - expert_offset for s in range(self.k)]
         tws = [cutlass.Float32(tw[s]) for s in range(self.k)]
         if tidx == 0:
-            total = cutlass.Int32(0)
-            for s in cutlass.range_constexpr(self.k):
-                if es[s] >= 0 and es[s] < num_local:
-                    total += self.slot_bytes
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, total)
+            if self.bars == 1:
+                total = cutlass.Int32(0)
+                for s in cutlass.range_constexpr(self.k):
+                    if es[s] >= 0 and es[s] < num_local:
+                        total += self.slot_bytes
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, total)
             w_base = w2.iterator.toint()
             for s in cutlass.range_constexpr(self.k):
                 e = es[s]
                 if e >= 0 and e < num_local:
+                    if self.bars > 1:
+                        cute.arch.mbarrier_arrive_and_expect_tx(bar + s, self.slot_bytes)
                     src = w_base + (cutlass.Int64(e) * hidden + n0) * inter
-                    bulk_g2s(w_s + s * self.slot_bytes, src, self.slot_bytes, bar.toint())
+                    bulk_g2s(w_s + s * self.slot_bytes, src, self.slot_bytes, (bar + s % self.bars).toint())
         nkb = inter // 128
         if tidx < self.k * nkb:  # this row block's scales of every local slot, before the wait (weights)
             s = tidx // nkb
@@ -274,13 +296,16 @@ class DownOneToken:
         a_base = act.iterator.toint()
         stage_f32(a_s, a_base, self.k * inter, tidx, THREADS)
         cute.arch.sync_threads()
-        cute.arch.mbarrier_wait(bar, 0)
+        if self.bars == 1:
+            cute.arch.mbarrier_wait(bar, 0)
         r0 = (tidx // 32) * ROWS_PER_WARP  # this warp's rows r0, r0 + 1
         lane = tidx % 32
         acc0 = cutlass.Float32(0.0)
         acc1 = cutlass.Float32(0.0)
         for s in cutlass.range_constexpr(self.k):
             if es[s] >= 0 and es[s] < num_local:
+                if self.bars > 1:
+                    cute.arch.mbarrier_wait(bar + s, 0)
                 part0 = cutlass.Float32(0.0)
                 part1 = cutlass.Float32(0.0)
                 row0 = w_s + s * self.slot_bytes + r0 * inter
@@ -318,7 +343,7 @@ class DownOld:
                  out: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, hidden: cutlass.Int32,
                  pdl: cutlass.Int32, stream):
         self.shared_storage = _shared_storage(self.k * self.slot_bytes, self.k * self.inter,
-                                              self.k * (self.inter // 128))
+                                              self.k * (self.inter // 128), 1)
         self.kernel(act, ids, tw, w2, s2, out, expert_offset, num_local, hidden).launch(
             grid=[hidden // ROWS, 1, 1], block=[OLD_THREADS, 1, 1], stream=stream, use_pdl=pdl)
 
@@ -414,6 +439,8 @@ def compile_for_export(arch: str = "sm_90a") -> dict:
     out = {name: cute.compile(DownOneToken(**kw), *_fake_args(*_DOWN_ARGS), options=opts)
            for name, kw in DOWN_VARIANTS.items()}
     out["down_k8_i768_old"] = cute.compile(DownOld(8, 768), *_fake_args(*_DOWN_ARGS), options=opts)
+    out["down_k8_i768_np"] = cute.compile(DownOneToken(8, 768, per_slot=False), *_fake_args(*_DOWN_ARGS), options=opts)
+    out["gate_up_h2048_c1"] = cute.compile(GateUpOneToken(2048, chunks=1), *_fake_args(*_GATE_UP_ARGS), options=opts)
     out.update({name: cute.compile(GateUpOneToken(**kw), *_fake_args(*_GATE_UP_ARGS), options=opts)
                 for name, kw in GATE_UP_VARIANTS.items()})
     return out
