@@ -47,16 +47,13 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from aot.ptx import asm, f32, i32, i64
 
 ARCHS = ("sm_90a",)
-ROWS = 16  # output rows per CTA: the grid is H / ROWS
-ROWS_PER_WARP = 2  # each act value read from shared memory serves two rows (one a warp: 2.5x slower)
-THREADS = 32 * ROWS // ROWS_PER_WARP
-OLD_THREADS = 512
-OLD_PARTS = OLD_THREADS // ROWS
+ROWS = 16  # down: output rows per CTA (the grid is H / ROWS), two a warp: each act value read serves both
+THREADS = 32 * ROWS // 2  # (a warp per row, lanes 4-way bank-conflicted: 2.134 ms a step against 2.027)
 DOWN_VARIANTS = {"down_k8_i768": dict(k=8, inter=768)}  # Qwen3-30B-A3B
-GU_ROWS = 16  # gate/up: rows of gate (and of up) per CTA, a warp each (8: the same step time, H200)
-GU_THREADS = 32 * GU_ROWS
-GU_CHUNKS = 4  # gate/up: the block's rows arrive in this many parts, an mbarrier each
+GU_ROWS = 16  # gate/up: rows of gate (and of up) per CTA (8: the same step time, H200)
 GATE_UP_VARIANTS = {"gate_up_h2048": dict(hidden=2048)}  # Qwen3-30B-A3B, Qwen3-Next-80B-A3B
+# the same kernels routing the token themselves from the router's logits (no top-k kernel before them)
+ROUTED = {"e128k8": (128, 8)}  # (experts, top k): Qwen3-30B-A3B
 
 
 @dsl_user_op
@@ -125,13 +122,13 @@ def stage_f32(dst, src, count, tidx, threads):
         st_shared_v4f(dst + (i * threads + tidx) * 16, vals[i])
 
 
-def _shared_storage(weight_bytes: int, vec: int, scales: int, bars: int):
-    """Both kernels' shared memory: the `bars` mbarriers of the bulk copies, the CTA's weight rows, the
+def _shared_storage(weight_bytes: int, vec: int, scales: int):
+    """Both kernels' shared memory: the mbarrier of the bulk copies, the CTA's weight rows, the
     staged fp32 vector (gate/up's x, down's act) and the rows' block scales. (The struct needs its
     annotations evaluated: this module has no `from __future__ import annotations`.)"""
     @cute.struct
     class SharedStorage:
-        bar: cute.struct.MemRange[cutlass.Int64, bars]
+        bar: cute.struct.MemRange[cutlass.Int64, 1]
         w: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, weight_bytes], 128]
         v: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, vec], 128]
         sc: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, scales], 16]
@@ -139,28 +136,93 @@ def _shared_storage(weight_bytes: int, vec: int, scales: int, bars: int):
     return SharedStorage
 
 
-class GateUpOneToken:
-    """One compiled gate/up variant: H (sizes the shared memory); I, the expert count and k are runtime
-    (the grid is k x I / GU_ROWS; I a multiple of 128). `chunks`: the block's rows arrive in that many
-    parts, each on its own mbarrier, so the first warps' dot products run while later rows arrive. See
-    the module docstring."""
+def _route_storage(experts: int, k: int):
+    """A routing kernel's shared memory: the token's logits (fp32) and its top k (ids, logits)."""
+    @cute.struct
+    class RouteStorage:
+        logits: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, experts], 16]
+        ids: cute.struct.MemRange[cutlass.Int32, k]
+        top: cute.struct.MemRange[cutlass.Float32, k]
 
-    def __init__(self, hidden: int, chunks: int = GU_CHUNKS):
-        if hidden % 128 or hidden % (4 * GU_THREADS):
-            raise ValueError(f"H={hidden}: must be a multiple of 128 and of {4 * GU_THREADS}")
-        if GU_ROWS % chunks:
-            raise ValueError(f"chunks={chunks}: must divide {GU_ROWS}")
-        self.hidden, self.chunks = hidden, chunks
+    return RouteStorage
+
+
+def _check_route(route, threads: int):
+    if route is not None and (route[0] % 128 or route[0] > threads or not 0 < route[1] <= route[0]):
+        raise ValueError(f"route={route}: experts a multiple of 128 and at most {threads}, 0 < k <= experts")
+
+
+@cute.jit
+def route_top_k(rs, logits, experts: cutlass.Constexpr, k: cutlass.Constexpr, tidx):
+    """The token's top k experts into `rs` (a RouteStorage) from its bf16 router logits (global,
+    written by a finished kernel): ids in order, with their logits. Ranked by logit, ties to the
+    lower id -- torch.topk's order of softmax(logits) (monotonic in the logit) -- as one pass: thread
+    t < experts counts the experts that beat t and, ranked r < k, writes slot r. Every thread of the
+    CTA takes part (three CTA barriers): ~0.4 us instead of a top-k kernel between the router and
+    the experts."""
+    lg = rs.logits.data_ptr().toint()
+    if tidx < experts // 4:
+        st_shared_v4f(lg + tidx * 16, ld_global_bf16x4(logits.iterator.toint() + cutlass.Int64(tidx) * 8))
+    cute.arch.sync_threads()
+    if tidx < experts:
+        mine = rs.logits.get_tensor(cute.make_layout(experts))[tidx]
+        rank = cutlass.Int32(0)
+        for u4 in cutlass.range_constexpr(experts // 4):
+            v = ld_shared_v4f(lg + u4 * 16)
+            for i in cutlass.range_constexpr(4):
+                rank += cutlass.select_((v[i] > mine) | ((v[i] == mine) & (tidx > u4 * 4 + i)), 1, 0)
+        if rank < k:
+            rs.ids.get_tensor(cute.make_layout(k))[rank] = tidx
+            rs.top.get_tensor(cute.make_layout(k))[rank] = mine
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def route_weights(rs, experts: cutlass.Constexpr, k: cutlass.Constexpr, renorm, tidx):
+    """[k] Float32: the top k's softmax weights, renormalised over the k when `renorm` != 0 (the
+    router's softmax in fp32, as moe.reference.route up to rounding); every warp sums the softmax's
+    denominator itself (no barrier)."""
+    top = rs.top.get_tensor(cute.make_layout(k))
+    lg = rs.logits.get_tensor(cute.make_layout(experts))
+    m = top[0]
+    ex = [cute.math.exp(top[s] - m) for s in range(k)]
+    in_top = ex[0]
+    for s in cutlass.range_constexpr(1, k):
+        in_top += ex[s]
+    lane = tidx % 32
+    total = cutlass.Float32(0.0)
+    for i in cutlass.range_constexpr(experts // 32):
+        total += cute.math.exp(lg[i * 32 + lane] - m)
+    for off in cutlass.range_constexpr(5):
+        total += cute.arch.shuffle_sync_bfly(total, offset=16 >> off)
+    denom = cutlass.select_(renorm != 0, in_top, total)
+    return [ex[s] / denom for s in range(k)]
+
+
+class GateUpOneToken:
+    """One compiled gate/up variant: H (sizes the shared memory), the rows a warp takes, and `route`
+    (experts, k): the kernel ranks the token's router logits itself (its second argument; None: the
+    top-k ids). I, the expert count and k are runtime (the grid is k x I / GU_ROWS; I a multiple of
+    128). See the module docstring."""
+
+    def __init__(self, hidden: int, rows_per_warp: int = 1, route: tuple[int, int] | None = None):
+        self.threads = 32 * GU_ROWS // rows_per_warp
+        if hidden % 128 or hidden % (4 * self.threads) or GU_ROWS % rows_per_warp:
+            raise ValueError(f"H={hidden}, rows_per_warp={rows_per_warp}: H must be a multiple of 128 and of "
+                             f"{4 * self.threads}, rows_per_warp divide {GU_ROWS}")
+        _check_route(route, self.threads)
+        self.hidden, self.rpw, self.route = hidden, rows_per_warp, route
         self.rows_bytes = GU_ROWS * hidden  # one block's gate (or up) rows: contiguous
 
     @cute.jit
     def __call__(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor,
                  expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32, k: cutlass.Int32,
                  pdl: cutlass.Int32, stream):
-        self.shared_storage = _shared_storage(2 * self.rows_bytes, self.hidden, 2 * (self.hidden // 128),
-                                              self.chunks)
+        self.shared_storage = _shared_storage(2 * self.rows_bytes, self.hidden, 2 * (self.hidden // 128))
+        if cutlass.const_expr(self.route is not None):
+            self.route_storage = _route_storage(*self.route)
         self.kernel(x, ids, w13, s13, act, expert_offset, num_local, inter).launch(
-            grid=[k, inter // GU_ROWS, 1], block=[GU_THREADS, 1, 1], stream=stream, use_pdl=pdl)
+            grid=[k, inter // GU_ROWS, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=pdl)
 
     @cute.kernel
     def kernel(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor,
@@ -173,23 +235,25 @@ class GateUpOneToken:
         w_s = storage.w.data_ptr().toint()
         x_s = storage.v.data_ptr().toint()
         sc = storage.sc.get_tensor(cute.make_layout(2 * (self.hidden // 128)))
-        hidden = self.hidden
+        hidden, threads, rpw = self.hidden, self.threads, self.rpw
         nkb = hidden // 128
         n0 = j * GU_ROWS
-        crows = GU_ROWS // self.chunks  # rows of gate (and of up) per chunk
-        cbytes = crows * hidden
         if tidx == 0:
-            for c in cutlass.range_constexpr(self.chunks):
-                cute.arch.mbarrier_init(bar + c, 1)
+            cute.arch.mbarrier_init(bar, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         cute.arch.griddepcontrol_wait()  # the routing (the previous kernel) is complete and visible
         cute.arch.griddepcontrol_launch_dependents()
-        e = cutlass.Int32(ids[p]) - expert_offset
-        # x is asked for beside the routing (not after it): its stores to shared memory come last
+        # x is asked for beside the routing (not after it); its stores to shared memory come last
         x_base = x.iterator.toint()
-        xv = [ld_global_bf16x4(x_base + cutlass.Int64((i * GU_THREADS + tidx) * 4) * 2)
-              for i in range(hidden // (4 * GU_THREADS))]
+        xv = [ld_global_bf16x4(x_base + cutlass.Int64((i * threads + tidx) * 4) * 2)
+              for i in range(hidden // (4 * threads))]
+        if cutlass.const_expr(self.route is None):
+            e = cutlass.Int32(ids[p]) - expert_offset
+        else:
+            rs = smem.allocate(self.route_storage)
+            route_top_k(rs, ids, *self.route, tidx)
+            e = rs.ids.get_tensor(cute.make_layout(self.route[1]))[p] - expert_offset
         if e >= 0 and e < num_local:
             g_row = cutlass.Int64(e) * 2 * inter + n0  # first gate row; its up rows start I rows later
             scale = cutlass.Float32(0.0)
@@ -197,60 +261,70 @@ class GateUpOneToken:
                 half = tidx // nkb  # before the weights, so they do not queue behind them
                 scale = s13[((cutlass.Int64(e) * 2 * inter + half * inter + n0) // 128) * nkb + tidx % nkb]
             if tidx == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, 2 * self.rows_bytes)
                 w_base = w13.iterator.toint()
-                for c in cutlass.range_constexpr(self.chunks):
-                    cute.arch.mbarrier_arrive_and_expect_tx(bar + c, 2 * cbytes)
-                    bulk_g2s(w_s + c * cbytes, w_base + (g_row + c * crows) * hidden, cbytes, (bar + c).toint())
-                    bulk_g2s(w_s + self.rows_bytes + c * cbytes, w_base + (g_row + inter + c * crows) * hidden,
-                             cbytes, (bar + c).toint())
+                bulk_g2s(w_s, w_base + g_row * hidden, self.rows_bytes, bar.toint())
+                bulk_g2s(w_s + self.rows_bytes, w_base + (g_row + inter) * hidden, self.rows_bytes, bar.toint())
             if tidx < 2 * nkb:
                 sc[tidx] = scale
-        for i in cutlass.range_constexpr(hidden // (4 * GU_THREADS)):  # (in every CTA: a store only where
-            st_shared_v4f(x_s + (i * GU_THREADS + tidx) * 16, xv[i])  # x is used lets ptxas sink its load)
+        for i in cutlass.range_constexpr(hidden // (4 * threads)):  # (in every CTA: a store only where
+            st_shared_v4f(x_s + (i * threads + tidx) * 16, xv[i])  # x is used lets ptxas sink its load)
         cute.arch.sync_threads()
         if e >= 0 and e < num_local:
-            r = tidx // 32
+            cute.arch.mbarrier_wait(bar, 0)
+            r0 = (tidx // 32) * rpw
             lane = tidx % 32
-            cute.arch.mbarrier_wait(bar + r // crows, 0)
-            acc_g = cutlass.Float32(0.0)
-            acc_u = cutlass.Float32(0.0)
+            acc_g = [cutlass.Float32(0.0) for _ in range(rpw)]
+            acc_u = [cutlass.Float32(0.0) for _ in range(rpw)]
             for q in cutlass.range_constexpr(nkb):
                 col = q * 128 + lane * 4
                 xq = ld_shared_v4f(x_s + col * 4)
-                gv = ld_shared_e4m3x4(w_s + r * hidden + col)
-                uv = ld_shared_e4m3x4(w_s + self.rows_bytes + r * hidden + col)
-                acc_g += (gv[0] * xq[0] + gv[1] * xq[1] + gv[2] * xq[2] + gv[3] * xq[3]) * sc[q]
-                acc_u += (uv[0] * xq[0] + uv[1] * xq[1] + uv[2] * xq[2] + uv[3] * xq[3]) * sc[nkb + q]
-            for off in cutlass.range_constexpr(5):
-                acc_g += cute.arch.shuffle_sync_bfly(acc_g, offset=16 >> off)
-                acc_u += cute.arch.shuffle_sync_bfly(acc_u, offset=16 >> off)
-            if lane == 0:
-                act[cutlass.Int64(p) * inter + n0 + r] = acc_g / (1.0 + cute.math.exp(-acc_g)) * acc_u
+                for i in cutlass.range_constexpr(rpw):
+                    gv = ld_shared_e4m3x4(w_s + (r0 + i) * hidden + col)
+                    uv = ld_shared_e4m3x4(w_s + self.rows_bytes + (r0 + i) * hidden + col)
+                    acc_g[i] += (gv[0] * xq[0] + gv[1] * xq[1] + gv[2] * xq[2] + gv[3] * xq[3]) * sc[q]
+                    acc_u[i] += (uv[0] * xq[0] + uv[1] * xq[1] + uv[2] * xq[2] + uv[3] * xq[3]) * sc[nkb + q]
+            for i in cutlass.range_constexpr(rpw):
+                g, u = acc_g[i], acc_u[i]
+                for off in cutlass.range_constexpr(5):
+                    g += cute.arch.shuffle_sync_bfly(g, offset=16 >> off)
+                    u += cute.arch.shuffle_sync_bfly(u, offset=16 >> off)
+                if lane == 0:
+                    act[cutlass.Int64(p) * inter + n0 + r0 + i] = g / (1.0 + cute.math.exp(-g)) * u
 
 
 class DownOneToken:
-    """One compiled variant: k slots, I columns (both fixed: they size the shared memory)."""
+    """One compiled variant: k slots, I columns (both fixed: they size the shared memory); `route`
+    (experts, k): see DownRouted."""
 
-    def __init__(self, k: int, inter: int, per_slot: bool = True):
+    def __init__(self, k: int, inter: int, route: tuple[int, int] | None = None):
         if inter % 128 or k * inter % (4 * THREADS):
             raise ValueError(f"I={inter}, k={k}: I must be a multiple of 128 and k x I of {4 * THREADS} "
                              "(act is staged 16 bytes a thread)")
-        self.k, self.inter = k, inter
-        self.bars = k if per_slot else 1  # an mbarrier per slot: slot s is summed while later slots arrive
+        _check_route(route, THREADS)
+        if route is not None and route[1] != k:
+            raise ValueError(f"route={route}: its k must be the variant's, {k}")
+        self.k, self.inter, self.route = k, inter, route
         self.slot_bytes = ROWS * inter  # one slot's rows of w2: contiguous
 
     @cute.jit
     def __call__(self, act: cute.Tensor, ids: cute.Tensor, tw: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor,
                  out: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, hidden: cutlass.Int32,
                  pdl: cutlass.Int32, stream):
+        self._launch(act, ids, tw, w2, s2, out, expert_offset, num_local, hidden, cutlass.Int32(0), pdl, stream)
+
+    def _launch(self, act, ids, tw, w2, s2, out, expert_offset, num_local, hidden, renorm, pdl, stream):
         self.shared_storage = _shared_storage(self.k * self.slot_bytes, self.k * self.inter,
-                                              self.k * (self.inter // 128), self.bars)
-        self.kernel(act, ids, tw, w2, s2, out, expert_offset, num_local, hidden).launch(
+                                              self.k * (self.inter // 128))
+        if cutlass.const_expr(self.route is not None):
+            self.route_storage = _route_storage(*self.route)
+        self.kernel(act, ids, tw, w2, s2, out, expert_offset, num_local, hidden, renorm).launch(
             grid=[hidden // ROWS, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=pdl)
 
     @cute.kernel
     def kernel(self, act: cute.Tensor, ids: cute.Tensor, tw: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor,
-               out: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, hidden: cutlass.Int32):
+               out: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, hidden: cutlass.Int32,
+               renorm: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         smem = cutlass.utils.SmemAllocator()
@@ -262,33 +336,38 @@ class DownOneToken:
         inter = self.inter
         n0 = bidx * ROWS
         if tidx == 0:
-            for b in cutlass.range_constexpr(self.bars):
-                cute.arch.mbarrier_init(bar + b, 1)
+            cute.arch.mbarrier_init(bar, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-        # the routing is final (two kernels back): each slot's expert and weight, read once, and
-        # every local slot's rows asked for now
-        es = [cutlass.Int32(ids[s]) - expert_offset for s in range(self.k)]
-        tws = [cutlass.Float32(tw[s]) for s in range(self.k)]
+        # the routing is final (two kernels back): each slot's expert and weight, read (or ranked from
+        # the logits) once, and every local slot's rows asked for now
+        if cutlass.const_expr(self.route is None):
+            es = [cutlass.Int32(ids[s]) - expert_offset for s in range(self.k)]
+            tws = [cutlass.Float32(tw[s]) for s in range(self.k)]
+        else:
+            rs = smem.allocate(self.route_storage)
+            route_top_k(rs, ids, *self.route, tidx)
+            top = rs.ids.get_tensor(cute.make_layout(self.k))
+            es = [top[s] - expert_offset for s in range(self.k)]
+            tws = route_weights(rs, *self.route, renorm, tidx)
         if tidx == 0:
-            if self.bars == 1:
-                total = cutlass.Int32(0)
-                for s in cutlass.range_constexpr(self.k):
-                    if es[s] >= 0 and es[s] < num_local:
-                        total += self.slot_bytes
-                cute.arch.mbarrier_arrive_and_expect_tx(bar, total)
+            total = cutlass.Int32(0)
+            for s in cutlass.range_constexpr(self.k):
+                if es[s] >= 0 and es[s] < num_local:
+                    total += self.slot_bytes
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, total)
             w_base = w2.iterator.toint()
             for s in cutlass.range_constexpr(self.k):
                 e = es[s]
                 if e >= 0 and e < num_local:
-                    if self.bars > 1:
-                        cute.arch.mbarrier_arrive_and_expect_tx(bar + s, self.slot_bytes)
                     src = w_base + (cutlass.Int64(e) * hidden + n0) * inter
-                    bulk_g2s(w_s + s * self.slot_bytes, src, self.slot_bytes, (bar + s % self.bars).toint())
+                    bulk_g2s(w_s + s * self.slot_bytes, src, self.slot_bytes, bar.toint())
         nkb = inter // 128
         if tidx < self.k * nkb:  # this row block's scales of every local slot, before the wait (weights)
             s = tidx // nkb
-            e = cutlass.Int32(ids[s]) - expert_offset
+            e = cutlass.Int32(0)
+            for t in cutlass.range_constexpr(self.k):  # es[s] (a list: indexed by constants only)
+                e = cutlass.select_(s == t, es[t], e)
             if e >= 0 and e < num_local:
                 sc[tidx] = s2[(e * (hidden // 128) + n0 // 128) * nkb + tidx % nkb]
         cute.arch.griddepcontrol_wait()  # gate/up's act is complete and visible
@@ -296,16 +375,13 @@ class DownOneToken:
         a_base = act.iterator.toint()
         stage_f32(a_s, a_base, self.k * inter, tidx, THREADS)
         cute.arch.sync_threads()
-        if self.bars == 1:
-            cute.arch.mbarrier_wait(bar, 0)
-        r0 = (tidx // 32) * ROWS_PER_WARP  # this warp's rows r0, r0 + 1
+        cute.arch.mbarrier_wait(bar, 0)
+        r0 = (tidx // 32) * 2  # this warp's rows r0, r0 + 1
         lane = tidx % 32
         acc0 = cutlass.Float32(0.0)
         acc1 = cutlass.Float32(0.0)
         for s in cutlass.range_constexpr(self.k):
             if es[s] >= 0 and es[s] < num_local:
-                if self.bars > 1:
-                    cute.arch.mbarrier_wait(bar + s, 0)
                 part0 = cutlass.Float32(0.0)
                 part1 = cutlass.Float32(0.0)
                 row0 = w_s + s * self.slot_bytes + r0 * inter
@@ -327,89 +403,19 @@ class DownOneToken:
             out[n0 + r0 + 1] = acc1.to(cutlass.BFloat16)
 
 
-class DownOld:
-    """One compiled variant: k slots, I columns (both fixed: they size the shared memory)."""
+class DownRouted(DownOneToken):
+    """The down that ranks the token's router logits itself, before its wait (they are two kernels
+    back: the router, then gate/up), instead of reading a top-k kernel's ids and weights: arguments
+    (act, logits [E] bf16, w2, s2, out, expert_offset, num_local, H, renorm, pdl)."""
 
-    def __init__(self, k: int, inter: int):
-        step = math.lcm(OLD_PARTS * 4, 128)  # four columns a lane, whole scale blocks
-        if inter % step or k * inter % (4 * OLD_THREADS):
-            raise ValueError(f"I={inter}, k={k}: I must be a multiple of {step} and k x I of {4 * OLD_THREADS} "
-                             "(act is staged 16 bytes a thread)")
-        self.k, self.inter = k, inter
-        self.slot_bytes = ROWS * inter  # one slot's rows of w2: contiguous
+    def __init__(self, k: int, inter: int, route: tuple[int, int]):
+        super().__init__(k, inter, route)
 
     @cute.jit
-    def __call__(self, act: cute.Tensor, ids: cute.Tensor, tw: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor,
-                 out: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, hidden: cutlass.Int32,
-                 pdl: cutlass.Int32, stream):
-        self.shared_storage = _shared_storage(self.k * self.slot_bytes, self.k * self.inter,
-                                              self.k * (self.inter // 128), 1)
-        self.kernel(act, ids, tw, w2, s2, out, expert_offset, num_local, hidden).launch(
-            grid=[hidden // ROWS, 1, 1], block=[OLD_THREADS, 1, 1], stream=stream, use_pdl=pdl)
-
-    @cute.kernel
-    def kernel(self, act: cute.Tensor, ids: cute.Tensor, tw: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor,
-               out: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, hidden: cutlass.Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        bar = storage.bar.data_ptr()
-        w_s = storage.w.data_ptr().toint()
-        a_s = storage.v.data_ptr().toint()
-        sc = storage.sc.get_tensor(cute.make_layout(self.k * (self.inter // 128)))
-        inter = self.inter
-        n0 = bidx * ROWS
-        if tidx == 0:
-            cute.arch.mbarrier_init(bar, 1)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
-        # the routing is final (two kernels back): each slot's expert and weight, read once, and
-        # every local slot's rows asked for now
-        es = [cutlass.Int32(ids[s]) - expert_offset for s in range(self.k)]
-        tws = [cutlass.Float32(tw[s]) for s in range(self.k)]
-        if tidx == 0:
-            total = cutlass.Int32(0)
-            for s in cutlass.range_constexpr(self.k):
-                if es[s] >= 0 and es[s] < num_local:
-                    total += self.slot_bytes
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, total)
-            w_base = w2.iterator.toint()
-            for s in cutlass.range_constexpr(self.k):
-                e = es[s]
-                if e >= 0 and e < num_local:
-                    src = w_base + (cutlass.Int64(e) * hidden + n0) * inter
-                    bulk_g2s(w_s + s * self.slot_bytes, src, self.slot_bytes, bar.toint())
-        nkb = inter // 128
-        if tidx < self.k * nkb:  # this row block's scales of every local slot, before the wait (weights)
-            s = tidx // nkb
-            e = cutlass.Int32(ids[s]) - expert_offset
-            if e >= 0 and e < num_local:
-                sc[tidx] = s2[(e * (hidden // 128) + n0 // 128) * nkb + tidx % nkb]
-        cute.arch.griddepcontrol_wait()  # gate/up's act is complete and visible
-        cute.arch.griddepcontrol_launch_dependents()
-        a_base = act.iterator.toint()
-        stage_f32(a_s, a_base, self.k * inter, tidx, OLD_THREADS)
-        cute.arch.sync_threads()
-        cute.arch.mbarrier_wait(bar, 0)
-        r = tidx // OLD_PARTS
-        cw = inter // OLD_PARTS
-        c0 = (tidx % OLD_PARTS) * cw
-        acc = cutlass.Float32(0.0)
-        for s in cutlass.range_constexpr(self.k):
-            if es[s] >= 0 and es[s] < num_local:
-                part = cutlass.Float32(0.0)
-                for q in cutlass.range_constexpr(cw // 4):
-                    col = c0 + q * 4
-                    wv = ld_shared_e4m3x4(w_s + s * self.slot_bytes + r * inter + col)
-                    av = ld_shared_v4f(a_s + (s * inter + col) * 4)
-                    dot = wv[0] * av[0] + wv[1] * av[1] + wv[2] * av[2] + wv[3] * av[3]
-                    part += dot * sc[s * nkb + col // 128]
-                acc += part * tws[s]
-        for off in cutlass.range_constexpr(OLD_PARTS.bit_length() - 1):
-            acc += cute.arch.shuffle_sync_bfly(acc, offset=OLD_PARTS >> (off + 1))
-        if tidx % OLD_PARTS == 0:
-            out[n0 + r] = acc.to(cutlass.BFloat16)
+    def __call__(self, act: cute.Tensor, logits: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor, out: cute.Tensor,
+                 expert_offset: cutlass.Int32, num_local: cutlass.Int32, hidden: cutlass.Int32,
+                 renorm: cutlass.Int32, pdl: cutlass.Int32, stream):
+        self._launch(act, logits, logits, w2, s2, out, expert_offset, num_local, hidden, renorm, pdl, stream)
 
 
 def _fake_args(tensors, scalars: int):
@@ -425,22 +431,35 @@ def _fake_args(tensors, scalars: int):
 # (act, ids, tw, w2, s2, out), then expert_offset, num_local, H, pdl
 _DOWN_ARGS = ([(cutlass.Float32, 16), (cutlass.Int64, 8), (cutlass.Float32, 4), (cutlass.Uint8, 16),
                (cutlass.Float32, 4), (cutlass.BFloat16, 2)], 4)
-# (x, ids, w13, s13, act), then expert_offset, num_local, I, k, pdl
+# (act, logits, w2, s2, out), then expert_offset, num_local, H, renorm, pdl
+_DOWN_ROUTED_ARGS = ([(cutlass.Float32, 16), (cutlass.BFloat16, 8), (cutlass.Uint8, 16), (cutlass.Float32, 4),
+                      (cutlass.BFloat16, 2)], 5)
+# (x, ids or logits, w13, s13, act), then expert_offset, num_local, I, k, pdl
 _GATE_UP_ARGS = ([(cutlass.BFloat16, 8), (cutlass.Int64, 8), (cutlass.Uint8, 16), (cutlass.Float32, 4),
                   (cutlass.Float32, 4)], 5)
+_GATE_UP_ROUTED_ARGS = ([(cutlass.BFloat16, 8), (cutlass.BFloat16, 8), (cutlass.Uint8, 16), (cutlass.Float32, 4),
+                         (cutlass.Float32, 4)], 5)
 
 
 def compile_for_export(arch: str = "sm_90a") -> dict:
-    """{export name: compiled fn} for every entry of DOWN_VARIANTS and GATE_UP_VARIANTS (arguments: module
-    docstring)."""
+    """{export name: compiled fn}: each entry of DOWN_VARIANTS and GATE_UP_VARIANTS, and each again
+    routing itself per ROUTED entry whose k is the down's (gate_up_h{H}_{route}, down_k{k}_i{I}_{route};
+    arguments: module docstring)."""
     if not arch.startswith("sm_90"):
         raise ValueError(f"arch={arch!r}: the decode kernels are built for sm_90a")
     opts = f"--gpu-arch {arch} --enable-tvm-ffi"
-    out = {name: cute.compile(DownOneToken(**kw), *_fake_args(*_DOWN_ARGS), options=opts)
-           for name, kw in DOWN_VARIANTS.items()}
-    out["down_k8_i768_old"] = cute.compile(DownOld(8, 768), *_fake_args(*_DOWN_ARGS), options=opts)
-    out["down_k8_i768_np"] = cute.compile(DownOneToken(8, 768, per_slot=False), *_fake_args(*_DOWN_ARGS), options=opts)
-    out["gate_up_h2048_c1"] = cute.compile(GateUpOneToken(2048, chunks=1), *_fake_args(*_GATE_UP_ARGS), options=opts)
-    out.update({name: cute.compile(GateUpOneToken(**kw), *_fake_args(*_GATE_UP_ARGS), options=opts)
-                for name, kw in GATE_UP_VARIANTS.items()})
+    out = {}
+    for name, kw in DOWN_VARIANTS.items():
+        out[name] = cute.compile(DownOneToken(**kw), *_fake_args(*_DOWN_ARGS), options=opts)
+        for rname, route in ROUTED.items():
+            if route[1] == kw["k"]:
+                out[f"{name}_{rname}"] = cute.compile(DownRouted(**kw, route=route), *_fake_args(*_DOWN_ROUTED_ARGS),
+                                                      options=opts)
+    for name, kw in GATE_UP_VARIANTS.items():
+        for sfx, rpw in (("", 1), ("_r2", 2)):
+            out[name + sfx] = cute.compile(GateUpOneToken(**kw, rows_per_warp=rpw), *_fake_args(*_GATE_UP_ARGS),
+                                           options=opts)
+            for rname, route in ROUTED.items():
+                out[f"{name}_{rname}{sfx}"] = cute.compile(GateUpOneToken(**kw, rows_per_warp=rpw, route=route),
+                                                           *_fake_args(*_GATE_UP_ROUTED_ARGS), options=opts)
     return out

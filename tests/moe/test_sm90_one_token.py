@@ -159,3 +159,51 @@ def test_gpu_kernels_match_reference_in_a_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replay, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("renorm", [True, False])
+def test_gpu_routed_kernels_match_the_top_k_kernel(renorm):
+    """The variants that rank the router logits themselves (no top-k kernel between the router and the
+    experts), at the Qwen3-30B-A3B shape with 32 of its 128 experts on this rank: gate/up's act bit for bit
+    the unrouted kernel's on Triton's top-k (other slots left NaN), the op within bf16 rounding of the
+    unrouted op and of the fp32 reference, NaN-poisoned output overwritten, a CUDA graph replaying bit for
+    bit."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("sm_90")
+    from moe.backend import load_sm90_module
+    from moe.kernels import triton_moe
+
+    op = fused_decode.FusedDecode(load_sm90_module(fused_decode.MODULE))
+    for offset in (0, 64):
+        c = _case(1, 8, 128, 32, offset, 2048, 768, seed=offset + 7 + renorm)
+        logits = torch.randn(1, 128, generator=c.gen)
+        logits[0, offset:offset + 5] += 3.0  # most of the top 8 on this rank, some not
+        logits = logits.to(torch.bfloat16).to("cuda")
+        assert op.routed_variants(c.x, logits, 8, c.w[2], None) == ("gate_up_h2048_e128k8", "down_k8_i768_e128k8")
+        tw, ids = triton_moe.route(logits, 8, renorm)
+        local = (ids[0] >= offset) & (ids[0] < offset + 32)
+        assert 0 < int(local.sum()) < 8
+        act = torch.full((8, 768), float("nan"), device="cuda")
+        op.gate_up(c.x, logits, c.w[0], c.w[1], offset, "gate_up_h2048_e128k8", act, top_k=8)
+        want_act = op.gate_up(c.x, ids, c.w[0], c.w[1], offset, "gate_up_h2048")
+        assert torch.equal(act[local], want_act[local]) and act[~local].isnan().all()
+        out = torch.full((1, 2048), float("nan"), dtype=torch.bfloat16, device="cuda")
+        got = op.from_logits(c.x, logits, 8, renorm, *c.w, offset, out=out, route=triton_moe.route)
+        torch.cuda.synchronize()
+        assert got is out and torch.isfinite(got).all()
+        assert _rel(got, op(c.x, tw, ids, *c.w, offset)) < 2e-3
+        assert _rel(got, _want(c.x, tw, ids, c.d13, c.d2, offset)) < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        op.from_logits(c.x, logits, 8, renorm, *c.w, offset, route=triton_moe.route)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        replay = op.from_logits(c.x, logits, 8, renorm, *c.w, offset, route=triton_moe.route)
+    for _ in range(3):
+        replay.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replay, got)
