@@ -321,12 +321,6 @@ class ExpertBackend:
     def route(self, router_logits, top_k, renormalize):
         return reference.route(router_logits, top_k, renormalize)
 
-    def run_logits(self, x, router_logits, top_k, renormalize, weights, expert_offset, shared=None,
-                   shared_gate=None, shared_ready=None) -> torch.Tensor:
-        """`run` on `route(router_logits, ...)`; a backend may route inside its expert kernels instead."""
-        topk_weights, topk_ids = self.route(router_logits, top_k, renormalize)
-        return self.run(x, topk_weights, topk_ids, weights, expert_offset, shared, shared_gate, shared_ready)
-
     def run(
         self,
         x: torch.Tensor,
@@ -379,15 +373,6 @@ class Fp8PipelineBackend(ExpertBackend):
 
     def route(self, router_logits, top_k, renormalize):
         return self.ops.route(router_logits, top_k, renormalize)
-
-    def run_logits(self, x, router_logits, top_k, renormalize, weights, expert_offset, shared=None,
-                   shared_gate=None, shared_ready=None):
-        if x.shape[0] == 1 <= self.fused_tokens:  # the one-token op may route inside its kernels
-            return self.ops.fused_decode.from_logits(
-                x, router_logits, top_k, renormalize, weights.w13, weights.w13_scale, weights.w2, weights.w2_scale,
-                expert_offset, shared, shared_gate, shared_ready, route=self.ops.route)
-        return super().run_logits(x, router_logits, top_k, renormalize, weights, expert_offset, shared, shared_gate,
-                                  shared_ready)
 
     def prepare(self, w13, w2):
         for nm, w in (("w13", w13), ("w2", w2)):

@@ -65,52 +65,12 @@ class FusedDecode:
             return f"no variant {name}"
         return None
 
-    def routed_variants(self, x, logits, top_k, w2, shared) -> tuple[str, str] | None:
-        """(gate/up export, down export) that rank the token's router logits themselves, or None
-        (then a top-k kernel routes and `variants` applies); logged once per shape."""
-        (t, e), (_, h, inter) = logits.shape, w2.shape
-        key = ("routed", x.device, t, e, top_k, h, inter, shared is not None, logits.dtype)
-        if key not in self._choice:
-            gu, dn = f"gate_up_h{h}_e{e}k{top_k}", f"down_k{top_k}_i{inter}_e{e}k{top_k}"
-            why = (self._why_not(t, gu) or self._why_not(t, dn) or ("a shared expert" if shared is not None else None)
-                   or (f"router logits in {logits.dtype}" if logits.dtype != torch.bfloat16 else None)
-                   or (f"H={h}, I={inter}: not multiples of {ROWS}, {GU_ROWS}" if h % ROWS or inter % GU_ROWS
-                       else None)
-                   or ("XROUTE=0" if os.environ.get("XROUTE") == "0" else None))
-            log.info("moe fused decode, %d token(s), E=%d, k=%d, H=%d, I=%d: routing %s", t, e, top_k, h, inter,
-                     f"by a top-k kernel ({why})" if why else f"in the expert kernels ({gu}, {dn})")
-            self._choice[key] = None if why else (gu, dn)
-        return self._choice[key]
-
-    def from_logits(self, x, logits, top_k, renormalize, w13, w13_scale, w2, w2_scale, expert_offset=0, shared=None,
-                    shared_gate=None, shared_ready=None, out=None, *, route):
-        """`self(x, *route(logits, top_k, renormalize), ...)`, where at one token the CuTeDSL kernels
-        rank the logits themselves when `routed_variants` has a pair (no top-k kernel: gate/up ranks
-        them after its wait, down before its own)."""
-        names = self.routed_variants(x, logits, top_k, w2, shared)
-        if names is None:
-            return self(x, *route(logits, top_k, renormalize), w13, w13_scale, w2, w2_scale, expert_offset, shared,
-                        shared_gate, shared_ready, out)
-        gu, dn = names
-        logits = logits.contiguous()
-        if logits.data_ptr() % 8:  # the kernels read the logits 8 bytes a thread
-            logits = logits.clone()
-        act = self.gate_up(x, logits, w13, w13_scale, expert_offset, gu, top_k=top_k)
-        num_local, h, _ = w2.shape
-        out = tfd.out_buffer(out, (1, h), x.dtype, x.device, "out")
-        getattr(self.module, dn)(act.view(-1), logits.view(-1), w2.view(torch.uint8).view(-1),
-                                 w2_scale.contiguous().view(-1), out.view(-1), expert_offset, num_local, h,
-                                 int(renormalize), int(pdl_enabled(x.device)))
-        return out
-
-    def gate_up(self, x, topk_ids, w13, w13_scale, expert_offset=0, name=None, act=None, top_k=None):
+    def gate_up(self, x, topk_ids, w13, w13_scale, expert_offset=0, name=None, act=None):
         """act [k, I] fp32 (given or new) of gate_up `name` (None: Triton's, any T); rows of other
-        ranks' slots are left unwritten, as triton_fused_decode.gate_up. With `top_k`, `topk_ids` is
-        the token's router logits [1, E] and `name` a variant that ranks them."""
+        ranks' slots are left unwritten, as triton_fused_decode.gate_up."""
         if name is None:
             return tfd.gate_up(x, topk_ids, w13, w13_scale, expert_offset, act)
-        ids = topk_ids if top_k is None else torch.empty(1, top_k, device="meta")  # (the check reads its shape)
-        _, k, num_local, _, inter, act = tfd.check_gate_up(x, ids, w13, w13_scale, act)
+        _, k, num_local, _, inter, act = tfd.check_gate_up(x, topk_ids, w13, w13_scale, act)
         x = x.contiguous()
         if x.data_ptr() % 8:  # the export reads x 8 bytes a thread
             x = x.clone()
@@ -128,7 +88,7 @@ class FusedDecode:
                                     shared_gate, shared_ready, out, act=act)
         num_local, h, _ = w2.shape
         out = tfd.out_buffer(out, (1, h), x.dtype, x.device, "out")
-        getattr(self.module, dn)(act.view(-1), topk_ids.contiguous().view(-1),
+        getattr(self.module, dn + os.environ.get("XDN", ""))(act.view(-1), topk_ids.contiguous().view(-1),
                                  topk_weights.float().contiguous().view(-1), w2.view(torch.uint8).view(-1),
                                  w2_scale.contiguous().view(-1), out.view(-1), expert_offset, num_local, h,
                                  int(pdl_enabled(x.device)))

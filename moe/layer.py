@@ -181,11 +181,6 @@ class MoE(nn.Module):
         return s, g, ready
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
-        """Routing and the experts in one call, so a backend may route inside its expert kernels
-        (`ExpertBackend.run_logits`)."""
-        if x.dim() != 2 or x.shape[1] != self.hidden:
-            raise ValueError(f"x.shape={tuple(x.shape)}: expected [T, {self.hidden}]")
         s, g, ready = self._shared_parts(x)
-        logits = self.gate(x) if router_logits is None else router_logits
-        return self._ready().run_logits(x, logits, self.top_k, self.norm_topk_prob, self._weights, self.expert_offset,
-                                        s, g, ready)
+        topk_weights, topk_ids = self.route(x, router_logits)
+        return self.run_experts(x, topk_weights, topk_ids, s, g, ready)
