@@ -1,22 +1,26 @@
 """The one-token MoE expert kernels for Hopper in CuTeDSL (gate/up, then down): each CTA's whole
 weight slice arrives by bulk copies (`cp.async.bulk`, issued by one thread, completing on an
 mbarrier) into shared memory, so every byte of the layer's expert weights is in flight from the
-moment the CTAs may ask for it; the dot products then read shared memory, a warp per row.
+moment the CTAs may ask for it; the dot products then read shared memory, two rows a warp.
 
 Why (perf/RESULTS.md, 2026-11-28, H200): Triton's one-token kernels (moe.kernels.triton_fused_decode)
 hold their bytes in flight in registers, one tile ahead: gate/up streamed at 68% of copy bandwidth
 and `down` walked six dependent 16 KB steps per program, ending ~8 us after gate/up for 12.6 MB
 (Qwen3-30B-A3B, FP8). 48-layer batch-1 step: 2.313-2.318 ms with both in Triton, 2.229-2.237 with
 this down, 2.141-2.156 with this gate/up too, 2.130-2.134 with down's act staged in one L2 round trip
-(`stage_f32`) and its routing read once. One kernel for both (a grid barrier between gate/up and down,
-w2 bulk-copied during gate/up) measured slower, 2.257-2.263 (perf/RESULTS.md).
+(`stage_f32`) and its routing read once, 2.023-2.027 with two rows a warp in down (conflict-free lanes),
+2.013-2.020 in gate/up too. Measured slower (perf/RESULTS.md): one kernel for both (a grid barrier between
+gate/up and down, w2 bulk-copied during gate/up), 2.257-2.263; the rows arriving in parts on their own
+mbarriers (gate/up in four, down a slot each), no faster; the kernels ranking the router logits
+themselves instead of a top-k kernel, 2.037-2.047 (the ranking lands on both kernels' critical paths).
 
 `GateUpOneToken` (exports gate_up_h{H}, GATE_UP_VARIANTS): CTA (slot p, block of GU_ROWS rows of I).
-After the PDL wait (the routing is the previous kernel), one thread asks for the block's gate rows
-and up rows of expert ids[p] (two contiguous GU_ROWS x H byte runs); all threads stage x (bf16 ->
-fp32) and the two block-scale rows; warp r takes gate row r and up row r, lane l reading columns
-q * 128 + 4 l (a 128-byte shared segment per warp and step: no bank conflicts, the step's scale
-uniform); act[p, row] = silu(g) * u in fp32. A slot of another rank's expert does nothing (its row
+After the PDL wait (the routing is the previous kernel) every thread asks for its part of x beside
+ids[p]; then the block's two block-scale rows are asked for, one thread asks for the block's gate rows
+and up rows of expert ids[p] (two contiguous GU_ROWS x H byte runs), and x goes to shared memory (bf16
+-> fp32); warp w takes gate and up rows 2w, 2w + 1, lane l reading columns q * 128 + 4 l (a 128-byte
+shared segment per warp and step: no bank conflicts, the step's scale uniform; each x value read serves
+four dot products); act[p, row] = silu(g) * u in fp32. A slot of another rank's expert does nothing (its row
 is never read). Arguments (flat torch views): (x [H] bf16, ids [k] int64, w13 [E * 2I * H] uint8
 (the e4m3 bits), s13 [E * 2I/128 * H/128] fp32, act [k * I] fp32, expert_offset, num_local, I, k, pdl).
 
@@ -25,10 +29,11 @@ all k slots' rows w2[e_slot, rows, :] (one contiguous ROWS x I run each: 12 KB a
 row block's block scales go to shared memory, both before the PDL wait: the routing was written two
 kernels back (the routing kernel, then gate/up, which lets this kernel launch only after its own
 wait), aot.pdl's rule: each slot's expert and weight are read once, into registers. Then the wait
-(gate/up's act), act [k, I] fp32 staged into shared memory, the mbarrier wait; thread t: row
-t // PARTS, columns [p * I / PARTS, +I / PARTS) with p = t % PARTS, over the local slots weighted by
-topk_weight, the row's lanes summed by butterfly shuffles, out[row] in bf16. With 256 threads and
-the scales read from global memory after the wait it was slower (2.436 ms a step). Arguments: (act
+(gate/up's act), act [k, I] fp32 staged into shared memory, the mbarrier wait; warp w takes rows 2w,
+2w + 1, lane l columns q * 128 + 4 l (conflict-free, each act value read serving both rows), over the
+local slots weighted by topk_weight, the lanes summed by butterfly shuffles, out[row] in bf16. (A warp
+per row with lanes on contiguous column runs read act with 4-way bank conflicts: 4 us of a layer's
+dot products after w2 had arrived, by a %globaltimer timeline.) Arguments: (act
 [k * I] fp32, ids [k] int64, tw [k] fp32, w2 [E * H * I] uint8, s2 [E * H/128 * I/128] fp32, out [H]
 bf16, expert_offset, num_local, H, pdl).
 
@@ -36,8 +41,6 @@ Both: FP8 four at a time (one 32-bit shared load, `cvt.rn.f16x2.e4m3x2`, exact),
 on the FP8 weights and their 128 x 128 block scales, as triton_fused_decode (the summation order
 differs). Shared memory is sized at compile time: one variant per H (gate/up) and per (k, I) (down).
 """
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass._mlir import ir
@@ -48,8 +51,9 @@ from aot.ptx import asm, f32, i32, i64
 
 ARCHS = ("sm_90a",)
 ROWS = 16  # down: output rows per CTA (the grid is H / ROWS)
-# rows a warp takes: each shared vector value read (act, x) serves them all (down a row a warp, its lanes
-# 4-way bank-conflicted: 2.134 ms a step against 2.027; gate/up a row a warp: 2.023-2.030 against 2.013-2.020)
+# rows a warp takes: each shared vector value read (act, x) serves them all. Step times, H200 (RESULTS):
+# down a row a warp (its lanes then 4-way bank-conflicted) 2.134 ms, two 2.027, four 2.097-2.105;
+# gate/up a row a warp 2.023-2.030, two 2.013-2.020, four 2.068-2.075
 DOWN_ROWS_PER_WARP = 2
 DOWN_VARIANTS = {"down_k8_i768": dict(k=8, inter=768)}  # Qwen3-30B-A3B
 GU_ROWS = 16  # gate/up: rows of gate (and of up) per CTA (8: the same step time, H200)
@@ -341,6 +345,4 @@ def compile_for_export(arch: str = "sm_90a") -> dict:
            for name, kw in DOWN_VARIANTS.items()}
     out.update({name: cute.compile(GateUpOneToken(**kw), *_fake_args(*_GATE_UP_ARGS), options=opts)
                 for name, kw in GATE_UP_VARIANTS.items()})
-    out["gate_up_h2048_r4"] = cute.compile(GateUpOneToken(2048, 4), *_fake_args(*_GATE_UP_ARGS), options=opts)
-    out["down_k8_i768_r4"] = cute.compile(DownOneToken(8, 768, 4), *_fake_args(*_DOWN_ARGS), options=opts)
     return out
