@@ -142,7 +142,6 @@ def _shared_storage(weight_bytes: int, vec: int, scales: int):
 
 
 class GateUpOneToken:
-    frac = 1
     """One compiled gate/up variant: H (sizes the shared memory) and the rows a warp takes; I, the
     expert count and k are runtime (the grid is k x I / GU_ROWS; I a multiple of 128). See the module
     docstring."""
@@ -210,7 +209,7 @@ class GateUpOneToken:
             lane = tidx % 32
             acc_g = [cutlass.Float32(0.0) for _ in range(rpw)]
             acc_u = [cutlass.Float32(0.0) for _ in range(rpw)]
-            for q in cutlass.range_constexpr(nkb // self.frac):
+            for q in cutlass.range_constexpr(nkb):
                 col = q * 128 + lane * 4
                 xq = ld_shared_v4f(x_s + col * 4)
                 for i in cutlass.range_constexpr(rpw):
@@ -228,7 +227,6 @@ class GateUpOneToken:
 
 
 class DownOneToken:
-    frac = 1
     """One compiled variant: k slots, I columns (both fixed: they size the shared memory) and the rows a
     warp takes."""
 
@@ -302,7 +300,7 @@ class DownOneToken:
             if es[s] >= 0 and es[s] < num_local:
                 part = [cutlass.Float32(0.0) for _ in range(rpw)]
                 row0 = w_s + s * self.slot_bytes + r0 * inter
-                for q in cutlass.range_constexpr(nkb // self.frac):
+                for q in cutlass.range_constexpr(nkb):
                     col = q * 128 + lane * 4
                     av = ld_shared_v4f(a_s + (s * inter + col) * 4)
                     scale = sc[s * nkb + q]
@@ -347,8 +345,4 @@ def compile_for_export(arch: str = "sm_90a") -> dict:
            for name, kw in DOWN_VARIANTS.items()}
     out.update({name: cute.compile(GateUpOneToken(**kw), *_fake_args(*_GATE_UP_ARGS), options=opts)
                 for name, kw in GATE_UP_VARIANTS.items()})
-    g, d = GateUpOneToken(2048), DownOneToken(8, 768)
-    g.frac = d.frac = 4
-    out["gate_up_h2048_q4"] = cute.compile(g, *_fake_args(*_GATE_UP_ARGS), options=opts)
-    out["down_k8_i768_q4"] = cute.compile(d, *_fake_args(*_DOWN_ARGS), options=opts)
     return out
