@@ -317,6 +317,302 @@ class DownOneToken:
                 out[n0 + r0 + i] = y.to(cutlass.BFloat16)
 
 
+# ---- tensor-core dot products (experiment): FP8 weights -> f16 (exact), the vector split into f16 hi + lo
+SPLIT_SCALE = 2.0 ** -8  # the vector is scaled by this before its f16 split (range), the sums by its inverse
+
+
+def _i32s(r, n, loc, ip):
+    return [cutlass.Int32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(n)]
+
+
+@dsl_user_op
+def ld_shared_e4m3x4_f16x2(addr, *, loc=None, ip=None):
+    """Four e4m3 bytes at shared address `addr` -> two f16x2 (bytes 0-1, bytes 2-3; exact)."""
+    r = asm(ir.Type.parse("!llvm.struct<(i32,i32)>"), [i32(addr, loc, ip)],
+            "{\n .reg .b32 w;\n .reg .b16 lo, hi;\n ld.shared.b32 w, [$2];\n mov.b32 {lo, hi}, w;\n"
+            " cvt.rn.f16x2.e4m3x2 $0, lo;\n cvt.rn.f16x2.e4m3x2 $1, hi;\n}", "=r,=r,r,~{memory}", loc, ip)
+    return _i32s(r, 2, loc, ip)
+
+
+@dsl_user_op
+def ld_shared_v2b32(addr, *, loc=None, ip=None):
+    """8-byte shared load -> 2 x Int32."""
+    r = asm(ir.Type.parse("!llvm.struct<(i32,i32)>"), [i32(addr, loc, ip)],
+            "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r,~{memory}", loc, ip)
+    return _i32s(r, 2, loc, ip)
+
+
+@dsl_user_op
+def st_shared_v2b32(addr, a, b, *, loc=None, ip=None):
+    asm(None, [i32(addr, loc, ip), i32(a, loc, ip), i32(b, loc, ip)],
+        "st.shared.v2.b32 [$0], {$1, $2};", "r,r,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def split_f16x4(v, *, loc=None, ip=None):
+    """4 x Float32 -> (hi01, hi23, lo01, lo23) f16x2: hi = f16(v), lo = f16(v - hi), element 0 in the low half."""
+    r = asm(ir.Type.parse("!llvm.struct<(i32,i32,i32,i32)>"), [f32(x, loc, ip) for x in v],
+            "{\n .reg .b32 h01, h23, l01, l23;\n .reg .b16 x0, x1, x2, x3;\n .reg .f32 f0, f1, f2, f3;\n"
+            " cvt.rn.f16x2.f32 h01, $5, $4;\n cvt.rn.f16x2.f32 h23, $7, $6;\n"
+            " mov.b32 {x0, x1}, h01;\n mov.b32 {x2, x3}, h23;\n"
+            " cvt.f32.f16 f0, x0;\n cvt.f32.f16 f1, x1;\n cvt.f32.f16 f2, x2;\n cvt.f32.f16 f3, x3;\n"
+            " sub.f32 f0, $4, f0;\n sub.f32 f1, $5, f1;\n sub.f32 f2, $6, f2;\n sub.f32 f3, $7, f3;\n"
+            " cvt.rn.f16x2.f32 l01, f1, f0;\n cvt.rn.f16x2.f32 l23, f3, f2;\n"
+            " mov.b32 $0, h01;\n mov.b32 $1, h23;\n mov.b32 $2, l01;\n mov.b32 $3, l23;\n}",
+            "=r,=r,=r,=r,f,f,f,f", loc, ip)
+    return _i32s(r, 4, loc, ip)
+
+
+@dsl_user_op
+def mma_f16(a, b, c, *, loc=None, ip=None):
+    """mma.sync m16n8k16, f16 A (4 regs) and B (2 regs), f32 C/D (4)."""
+    r = asm(ir.Type.parse("!llvm.struct<(f32,f32,f32,f32)>"),
+            [i32(x, loc, ip) for x in a] + [i32(x, loc, ip) for x in b] + [f32(x, loc, ip) for x in c],
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+            "{$10, $11, $12, $13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", loc, ip)
+    return [cutlass.Float32(llvm.extractvalue(T.f32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+def stage_split(hi, lo, vals, tidx, threads):
+    """Store fp32 `vals` (4 x Float32 each, step i at elements (i * threads + tidx) * 4) scaled by
+    SPLIT_SCALE as f16 hi and lo parts to shared `hi` / `lo`."""
+    for i in range(len(vals)):
+        h01, h23, l01, l23 = split_f16x4([v * SPLIT_SCALE for v in vals[i]])
+        off = (i * threads + tidx) * 8
+        st_shared_v2b32(hi + off, h01, h23)
+        st_shared_v2b32(lo + off, l01, l23)
+
+
+def mma_block(w_row, pitch, vec_hi, vec_lo, col0, lane):
+    """One 16-row x 128-column block's dot products with the split vector: 8 mma k-steps, fp32.
+    Rows: shared bytes `w_row` + r * pitch (e4m3); lane (g, t) reads bytes 4t..4t+3 of each 16-column
+    step for rows g and g + 8 (k slots 2t, 2t+1, 2t+8, 2t+9 in the mma's order) and lanes g = 0 / 1
+    feed the vector's hi / lo parts as columns 0 / 1 of B. Returns the D fragment: at t = 0, d0 + d1
+    is row g's sum, d2 + d3 row g + 8's (times 1 / SPLIT_SCALE)."""
+    g = lane // 4
+    t = lane % 4
+    vec = cutlass.select_(g == 1, vec_lo, vec_hi)
+    d = [cutlass.Float32(0.0) for _ in range(4)]
+    for c in range(8):
+        col = col0 + c * 16 + 4 * t
+        a02 = ld_shared_e4m3x4_f16x2(w_row + g * pitch + col)
+        a13 = ld_shared_e4m3x4_f16x2(w_row + (g + 8) * pitch + col)
+        bv = ld_shared_v2b32(vec + col * 2)
+        b = [cutlass.select_(g < 2, bv[0], 0), cutlass.select_(g < 2, bv[1], 0)]
+        d = mma_f16([a02[0], a13[0], a02[1], a13[1]], b, d)
+    return d
+
+
+def _mma_storage(weight_bytes: int, vec: int, scales: int, slots: int, partials: int):
+    """The tensor-core kernels' shared memory: mbarrier, padded weight rows, the vector's f16 hi and lo
+    parts, block scales, per-slot expert and weight (down), the warps' partial sums."""
+    @cute.struct
+    class MmaStorage:
+        bar: cute.struct.MemRange[cutlass.Int64, 1]
+        w: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, weight_bytes], 128]
+        hi: cute.struct.Align[cute.struct.MemRange[cutlass.Uint16, vec], 128]
+        lo: cute.struct.Align[cute.struct.MemRange[cutlass.Uint16, vec], 128]
+        sc: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, scales], 16]
+        ew: cute.struct.MemRange[cutlass.Int32, slots]
+        tw: cute.struct.MemRange[cutlass.Float32, slots]
+        red: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, partials], 16]
+
+    return MmaStorage
+
+
+MMA_WARPS = 8
+
+
+class GateUpMma:
+    """gate/up with tensor-core dot products (experiment): CTA (slot, 16 rows of I) as GateUpOneToken,
+    rows copied one by one into a padded pitch (H + 16: conflict-free fragment loads); the 2 x 16
+    128-column blocks (gate, up) over 8 warps, their sums through shared memory."""
+
+    def __init__(self, hidden: int):
+        self.hidden = hidden
+        self.pitch = hidden + 16
+        self.threads = 32 * MMA_WARPS
+        nkb = hidden // 128
+        if hidden % 128 or hidden % (4 * self.threads) or 2 * nkb % MMA_WARPS:
+            raise ValueError(f"H={hidden}")
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor,
+                 expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32, k: cutlass.Int32,
+                 pdl: cutlass.Int32, stream):
+        self.storage = _mma_storage(2 * GU_ROWS * self.pitch, self.hidden, 2 * (self.hidden // 128), 1,
+                                    MMA_WARPS * 2 * GU_ROWS)
+        self.kernel(x, ids, w13, s13, act, expert_offset, num_local, inter).launch(
+            grid=[k, inter // GU_ROWS, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=pdl)
+
+    @cute.kernel
+    def kernel(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor,
+               expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        p, j, _ = cute.arch.block_idx()
+        smem = cutlass.utils.SmemAllocator()
+        st = smem.allocate(self.storage)
+        bar = st.bar.data_ptr()
+        w_s = st.w.data_ptr().toint()
+        hi_s = st.hi.data_ptr().toint()
+        lo_s = st.lo.data_ptr().toint()
+        sc = st.sc.get_tensor(cute.make_layout(2 * (self.hidden // 128)))
+        red = st.red.get_tensor(cute.make_layout(MMA_WARPS * 2 * GU_ROWS))
+        hidden, threads, pitch = self.hidden, self.threads, self.pitch
+        nkb = hidden // 128
+        n0 = j * GU_ROWS
+        if tidx == 0:
+            cute.arch.mbarrier_init(bar, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        x_base = x.iterator.toint()
+        xv = [ld_global_bf16x4(x_base + cutlass.Int64((i * threads + tidx) * 4) * 2)
+              for i in range(hidden // (4 * threads))]
+        e = cutlass.Int32(ids[p]) - expert_offset
+        if e >= 0 and e < num_local:
+            g_row = cutlass.Int64(e) * 2 * inter + n0
+            scale = cutlass.Float32(0.0)
+            if tidx < 2 * nkb:
+                half = tidx // nkb
+                scale = s13[((cutlass.Int64(e) * 2 * inter + half * inter + n0) // 128) * nkb + tidx % nkb]
+            if tidx == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, 2 * GU_ROWS * hidden)
+                w_base = w13.iterator.toint()
+                for r in cutlass.range_constexpr(GU_ROWS):
+                    bulk_g2s(w_s + r * pitch, w_base + (g_row + r) * hidden, hidden, bar.toint())
+                    bulk_g2s(w_s + (GU_ROWS + r) * pitch, w_base + (g_row + inter + r) * hidden, hidden, bar.toint())
+            if tidx < 2 * nkb:
+                sc[tidx] = scale
+        stage_split(hi_s, lo_s, xv, tidx, threads)
+        cute.arch.sync_threads()
+        if e >= 0 and e < num_local:
+            cute.arch.mbarrier_wait(bar, 0)
+            warp = tidx // 32
+            lane = tidx % 32
+            per_tile = nkb // MMA_WARPS  # blocks of a tile per warp
+            for tile in cutlass.range_constexpr(2):  # gate, up
+                acc = [cutlass.Float32(0.0) for _ in range(4)]
+                for i in cutlass.range_constexpr(per_tile):
+                    q = i * MMA_WARPS + warp
+                    d = mma_block(w_s + tile * GU_ROWS * pitch, pitch, hi_s, lo_s, q * 128, lane)
+                    f = sc[tile * nkb + q]
+                    for m in cutlass.range_constexpr(4):
+                        acc[m] += d[m] * f
+                if lane % 4 == 0:
+                    red[warp * 2 * GU_ROWS + tile * GU_ROWS + lane // 4] = acc[0] + acc[1]
+                    red[warp * 2 * GU_ROWS + tile * GU_ROWS + lane // 4 + 8] = acc[2] + acc[3]
+            cute.arch.sync_threads()
+            if tidx < GU_ROWS:
+                gs = cutlass.Float32(0.0)
+                us = cutlass.Float32(0.0)
+                for w in cutlass.range_constexpr(MMA_WARPS):
+                    gs += red[w * 2 * GU_ROWS + tidx]
+                    us += red[w * 2 * GU_ROWS + GU_ROWS + tidx]
+                gs = gs * (1.0 / SPLIT_SCALE)
+                us = us * (1.0 / SPLIT_SCALE)
+                act[cutlass.Int64(p) * inter + n0 + tidx] = gs / (1.0 + cute.math.exp(-gs)) * us
+
+
+class DownMma:
+    """down with tensor-core dot products (experiment): CTA of ROWS output rows as DownOneToken, each
+    slot's rows copied one by one into a padded pitch (I + 16); the k x I/128 column blocks over 8 warps
+    (a block's slot read from shared memory), the warps' sums through shared memory."""
+
+    def __init__(self, k: int, inter: int):
+        self.k, self.inter = k, inter
+        self.pitch = inter + 16
+        self.threads = 32 * MMA_WARPS
+        if inter % 128 or k * inter % (4 * self.threads) or k * (inter // 128) % MMA_WARPS:
+            raise ValueError(f"I={inter}, k={k}")
+
+    @cute.jit
+    def __call__(self, act: cute.Tensor, ids: cute.Tensor, tw: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor,
+                 out: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, hidden: cutlass.Int32,
+                 pdl: cutlass.Int32, stream):
+        self.storage = _mma_storage(self.k * ROWS * self.pitch, self.k * self.inter, self.k * (self.inter // 128),
+                                    self.k, MMA_WARPS * ROWS)
+        self.kernel(act, ids, tw, w2, s2, out, expert_offset, num_local, hidden).launch(
+            grid=[hidden // ROWS, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=pdl)
+
+    @cute.kernel
+    def kernel(self, act: cute.Tensor, ids: cute.Tensor, tw: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor,
+               out: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, hidden: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        smem = cutlass.utils.SmemAllocator()
+        st = smem.allocate(self.storage)
+        bar = st.bar.data_ptr()
+        w_s = st.w.data_ptr().toint()
+        hi_s = st.hi.data_ptr().toint()
+        lo_s = st.lo.data_ptr().toint()
+        nkb = self.inter // 128
+        sc = st.sc.get_tensor(cute.make_layout(self.k * nkb))
+        ew = st.ew.get_tensor(cute.make_layout(self.k))
+        tws = st.tw.get_tensor(cute.make_layout(self.k))
+        red = st.red.get_tensor(cute.make_layout(MMA_WARPS * ROWS))
+        inter, pitch = self.inter, self.pitch
+        n0 = bidx * ROWS
+        if tidx == 0:
+            cute.arch.mbarrier_init(bar, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        es = [cutlass.Int32(ids[s]) - expert_offset for s in range(self.k)]
+        if tidx == 0:
+            total = cutlass.Int32(0)
+            for s in cutlass.range_constexpr(self.k):
+                if es[s] >= 0 and es[s] < num_local:
+                    total += ROWS * inter
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, total)
+            w_base = w2.iterator.toint()
+            for s in cutlass.range_constexpr(self.k):
+                e = es[s]
+                if e >= 0 and e < num_local:
+                    src = w_base + (cutlass.Int64(e) * hidden + n0) * inter
+                    for r in cutlass.range_constexpr(ROWS):
+                        bulk_g2s(w_s + (s * ROWS + r) * pitch, src + r * inter, inter, bar.toint())
+        if tidx < self.k * nkb:
+            s = tidx // nkb
+            e = cutlass.Int32(ids[s]) - expert_offset
+            if e >= 0 and e < num_local:
+                sc[tidx] = s2[(e * (hidden // 128) + n0 // 128) * nkb + tidx % nkb]
+        if tidx < self.k:
+            ew[tidx] = cutlass.Int32(ids[tidx]) - expert_offset
+            tws[tidx] = cutlass.Float32(tw[tidx])
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        a_base = act.iterator.toint()
+        steps = self.k * inter // (4 * self.threads)
+        vals = [ld_global_v4f(a_base + cutlass.Int64((i * self.threads + tidx) * 4) * 4) for i in range(steps)]
+        stage_split(hi_s, lo_s, vals, tidx, self.threads)
+        cute.arch.sync_threads()
+        cute.arch.mbarrier_wait(bar, 0)
+        warp = tidx // 32
+        lane = tidx % 32
+        acc = [cutlass.Float32(0.0) for _ in range(4)]
+        for i in cutlass.range_constexpr(self.k * nkb // MMA_WARPS):
+            u = i * MMA_WARPS + warp
+            s = u // nkb
+            q = u - s * nkb
+            e = ew[s]
+            if e >= 0 and e < num_local:
+                d = mma_block(w_s + s * ROWS * pitch, pitch, hi_s + s * inter * 2, lo_s + s * inter * 2, q * 128, lane)
+                f = sc[u] * tws[s]
+                for m in cutlass.range_constexpr(4):
+                    acc[m] += d[m] * f
+        if lane % 4 == 0:
+            red[warp * ROWS + lane // 4] = acc[0] + acc[1]
+            red[warp * ROWS + lane // 4 + 8] = acc[2] + acc[3]
+        cute.arch.sync_threads()
+        if tidx < ROWS:
+            y = cutlass.Float32(0.0)
+            for w in cutlass.range_constexpr(MMA_WARPS):
+                y += red[w * ROWS + tidx]
+            out[n0 + tidx] = (y * (1.0 / SPLIT_SCALE)).to(cutlass.BFloat16)
+
+
+
 def _fake_args(tensors, scalars: int):
     """Compile-time stand-ins of an export's arguments: a flat tensor of symbolic length per (dtype,
     assumed alignment) of `tensors`, then `scalars` Int32s and the caller's stream."""
@@ -345,4 +641,6 @@ def compile_for_export(arch: str = "sm_90a") -> dict:
            for name, kw in DOWN_VARIANTS.items()}
     out.update({name: cute.compile(GateUpOneToken(**kw), *_fake_args(*_GATE_UP_ARGS), options=opts)
                 for name, kw in GATE_UP_VARIANTS.items()})
+    out["gate_up_h2048_mma"] = cute.compile(GateUpMma(2048), *_fake_args(*_GATE_UP_ARGS), options=opts)
+    out["down_k8_i768_mma"] = cute.compile(DownMma(8, 768), *_fake_args(*_DOWN_ARGS), options=opts)
     return out
