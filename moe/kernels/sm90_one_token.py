@@ -440,8 +440,7 @@ class GateUpMma:
     def __call__(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor,
                  expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32, k: cutlass.Int32,
                  pdl: cutlass.Int32, stream):
-        self.storage = _mma_storage(2 * GU_ROWS * self.pitch, self.hidden, 2 * (self.hidden // 128), 1,
-                                    MMA_WARPS * 2 * GU_ROWS)
+        self.storage = _mma_storage(2 * GU_ROWS * self.pitch, self.hidden, 2 * (self.hidden // 128), 1, 4)
         self.kernel(x, ids, w13, s13, act, expert_offset, num_local, inter).launch(
             grid=[k, inter // GU_ROWS, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=pdl)
 
@@ -457,7 +456,9 @@ class GateUpMma:
         hi_s = st.hi.data_ptr().toint()
         lo_s = st.lo.data_ptr().toint()
         sc = st.sc.get_tensor(cute.make_layout(2 * (self.hidden // 128)))
-        red = st.red.get_tensor(cute.make_layout(MMA_WARPS * 2 * GU_ROWS))
+        # the warps' partial sums reuse x's f16 parts (after a barrier): 3 CTAs an SM must still fit
+        red = cute.make_tensor(cute.recast_ptr(st.hi.data_ptr(), dtype=cutlass.Float32),
+                               cute.make_layout(MMA_WARPS * 2 * GU_ROWS))
         hidden, threads, pitch = self.hidden, self.threads, self.pitch
         nkb = hidden // 128
         n0 = j * GU_ROWS
@@ -492,6 +493,7 @@ class GateUpMma:
             warp = tidx // 32
             lane = tidx % 32
             per_tile = nkb // MMA_WARPS  # blocks of a tile per warp
+            accs = []
             for tile in cutlass.range_constexpr(2):  # gate, up
                 acc = [cutlass.Float32(0.0) for _ in range(4)]
                 for i in cutlass.range_constexpr(per_tile):
@@ -500,9 +502,12 @@ class GateUpMma:
                     f = sc[tile * nkb + q]
                     for m in cutlass.range_constexpr(4):
                         acc[m] += d[m] * f
-                if lane % 4 == 0:
-                    red[warp * 2 * GU_ROWS + tile * GU_ROWS + lane // 4] = acc[0] + acc[1]
-                    red[warp * 2 * GU_ROWS + tile * GU_ROWS + lane // 4 + 8] = acc[2] + acc[3]
+                accs.append(acc)
+            cute.arch.sync_threads()  # every warp is done with x
+            if lane % 4 == 0:
+                for tile in cutlass.range_constexpr(2):
+                    red[warp * 2 * GU_ROWS + tile * GU_ROWS + lane // 4] = accs[tile][0] + accs[tile][1]
+                    red[warp * 2 * GU_ROWS + tile * GU_ROWS + lane // 4 + 8] = accs[tile][2] + accs[tile][3]
             cute.arch.sync_threads()
             if tidx < GU_ROWS:
                 gs = cutlass.Float32(0.0)
