@@ -12,7 +12,9 @@ this down, 2.141-2.156 with this gate/up too, 2.130-2.134 with down's act staged
 2.013-2.020 in gate/up too. Measured slower (perf/RESULTS.md): one kernel for both (a grid barrier between
 gate/up and down, w2 bulk-copied during gate/up), 2.257-2.263; the rows arriving in parts on their own
 mbarriers (gate/up in four, down a slot each), no faster; the kernels ranking the router logits
-themselves instead of a top-k kernel, 2.037-2.047 (the ranking lands on both kernels' critical paths).
+themselves instead of a top-k kernel, 2.037-2.047 (the ranking lands on both kernels' critical paths);
+tensor-core dot products (mma.sync m16n8k16 on f16 rows and the vector split into f16 hi + lo, rows copied
+one by one into a padded pitch: b0bb3f3), 2.059-2.081 for either kernel against 2.005-2.012.
 
 `GateUpOneToken` (exports gate_up_h{H}, GATE_UP_VARIANTS): CTA (slot p, block of GU_ROWS rows of I).
 After the PDL wait (the routing is the previous kernel) every thread asks for its part of x beside
