@@ -150,9 +150,10 @@ class GateUpOneToken:
 
     def __init__(self, hidden: int, rows_per_warp: int = GU_ROWS_PER_WARP):
         self.threads = 32 * GU_ROWS // rows_per_warp
-        if hidden % 128 or hidden % (4 * self.threads) or GU_ROWS % rows_per_warp:
+        if hidden % 128 or hidden % (4 * self.threads) or GU_ROWS % rows_per_warp or hidden // 64 > self.threads:
             raise ValueError(f"H={hidden}, rows_per_warp={rows_per_warp}: H must be a multiple of 128 and of "
-                             f"{4 * self.threads}, rows_per_warp divide {GU_ROWS}")
+                             f"{4 * self.threads}, H / 64 (the block scales, a thread each) at most "
+                             f"{self.threads}, rows_per_warp divide {GU_ROWS}")
         self.hidden, self.rpw = hidden, rows_per_warp
         self.rows_bytes = GU_ROWS * hidden  # one block's gate (or up) rows: contiguous
 
@@ -234,9 +235,11 @@ class DownOneToken:
 
     def __init__(self, k: int, inter: int, rows_per_warp: int = DOWN_ROWS_PER_WARP):
         self.threads = 32 * ROWS // rows_per_warp
-        if inter % 128 or k * inter % (4 * self.threads) or ROWS % rows_per_warp:
+        if (inter % 128 or k * inter % (4 * self.threads) or ROWS % rows_per_warp
+                or k * (inter // 128) > self.threads):
             raise ValueError(f"I={inter}, k={k}, rows_per_warp={rows_per_warp}: I must be a multiple of 128, k x I "
-                             f"of {4 * self.threads} (act is staged 16 bytes a thread), rows_per_warp divide {ROWS}")
+                             f"of {4 * self.threads} (act is staged 16 bytes a thread), k x I / 128 (the block "
+                             f"scales, a thread each) at most {self.threads}, rows_per_warp divide {ROWS}")
         self.k, self.inter, self.rpw = k, inter, rows_per_warp
         self.slot_bytes = ROWS * inter  # one slot's rows of w2: contiguous
 
