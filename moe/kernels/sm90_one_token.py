@@ -148,15 +148,14 @@ class GateUpOneToken:
     expert count and k are runtime (the grid is k x I / GU_ROWS; I a multiple of 128). See the module
     docstring."""
 
-    def __init__(self, hidden: int, rows_per_warp: int = GU_ROWS_PER_WARP, rows: int = GU_ROWS):
-        self.rows = rows
-        self.threads = 32 * rows // rows_per_warp
-        if hidden % 128 or hidden % (4 * self.threads) or rows % rows_per_warp or hidden // 64 > self.threads:
+    def __init__(self, hidden: int, rows_per_warp: int = GU_ROWS_PER_WARP):
+        self.threads = 32 * GU_ROWS // rows_per_warp
+        if hidden % 128 or hidden % (4 * self.threads) or GU_ROWS % rows_per_warp or hidden // 64 > self.threads:
             raise ValueError(f"H={hidden}, rows_per_warp={rows_per_warp}: H must be a multiple of 128 and of "
                              f"{4 * self.threads}, H / 64 (the block scales, a thread each) at most "
-                             f"{self.threads}, rows_per_warp divide {rows}")
+                             f"{self.threads}, rows_per_warp divide {GU_ROWS}")
         self.hidden, self.rpw = hidden, rows_per_warp
-        self.rows_bytes = rows * hidden  # one block's gate (or up) rows: contiguous
+        self.rows_bytes = GU_ROWS * hidden  # one block's gate (or up) rows: contiguous
 
     @cute.jit
     def __call__(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor,
@@ -164,7 +163,7 @@ class GateUpOneToken:
                  pdl: cutlass.Int32, stream):
         self.shared_storage = _shared_storage(2 * self.rows_bytes, self.hidden, 2 * (self.hidden // 128))
         self.kernel(x, ids, w13, s13, act, expert_offset, num_local, inter).launch(
-            grid=[k, inter // self.rows, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=pdl)
+            grid=[k, inter // GU_ROWS, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=pdl)
 
     @cute.kernel
     def kernel(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor,
@@ -179,7 +178,7 @@ class GateUpOneToken:
         sc = storage.sc.get_tensor(cute.make_layout(2 * (self.hidden // 128)))
         hidden, threads, rpw = self.hidden, self.threads, self.rpw
         nkb = hidden // 128
-        n0 = j * self.rows
+        n0 = j * GU_ROWS
         if tidx == 0:
             cute.arch.mbarrier_init(bar, 1)
             cute.arch.mbarrier_init_fence()
@@ -234,16 +233,15 @@ class DownOneToken:
     """One compiled variant: k slots, I columns (both fixed: they size the shared memory) and the rows a
     warp takes."""
 
-    def __init__(self, k: int, inter: int, rows_per_warp: int = DOWN_ROWS_PER_WARP, rows: int = ROWS):
-        self.rows = rows
-        self.threads = 32 * rows // rows_per_warp
-        if (inter % 128 or k * inter % (4 * self.threads) or rows % rows_per_warp
+    def __init__(self, k: int, inter: int, rows_per_warp: int = DOWN_ROWS_PER_WARP):
+        self.threads = 32 * ROWS // rows_per_warp
+        if (inter % 128 or k * inter % (4 * self.threads) or ROWS % rows_per_warp
                 or k * (inter // 128) > self.threads):
             raise ValueError(f"I={inter}, k={k}, rows_per_warp={rows_per_warp}: I must be a multiple of 128, k x I "
                              f"of {4 * self.threads} (act is staged 16 bytes a thread), k x I / 128 (the block "
-                             f"scales, a thread each) at most {self.threads}, rows_per_warp divide {rows}")
+                             f"scales, a thread each) at most {self.threads}, rows_per_warp divide {ROWS}")
         self.k, self.inter, self.rpw = k, inter, rows_per_warp
-        self.slot_bytes = rows * inter  # one slot's rows of w2: contiguous
+        self.slot_bytes = ROWS * inter  # one slot's rows of w2: contiguous
 
     @cute.jit
     def __call__(self, act: cute.Tensor, ids: cute.Tensor, tw: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor,
@@ -252,7 +250,7 @@ class DownOneToken:
         self.shared_storage = _shared_storage(self.k * self.slot_bytes, self.k * self.inter,
                                               self.k * (self.inter // 128))
         self.kernel(act, ids, tw, w2, s2, out, expert_offset, num_local, hidden).launch(
-            grid=[hidden // self.rows, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=pdl)
+            grid=[hidden // ROWS, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=pdl)
 
     @cute.kernel
     def kernel(self, act: cute.Tensor, ids: cute.Tensor, tw: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor,
@@ -266,7 +264,7 @@ class DownOneToken:
         a_s = storage.v.data_ptr().toint()
         sc = storage.sc.get_tensor(cute.make_layout(self.k * (self.inter // 128)))
         inter = self.inter
-        n0 = bidx * self.rows
+        n0 = bidx * ROWS
         if tidx == 0:
             cute.arch.mbarrier_init(bar, 1)
             cute.arch.mbarrier_init_fence()
@@ -352,6 +350,4 @@ def compile_for_export(arch: str = "sm_90a") -> dict:
            for name, kw in DOWN_VARIANTS.items()}
     out.update({name: cute.compile(GateUpOneToken(**kw), *_fake_args(*_GATE_UP_ARGS), options=opts)
                 for name, kw in GATE_UP_VARIANTS.items()})
-    out["gate_up_h2048_g8"] = cute.compile(GateUpOneToken(2048, rows=8), *_fake_args(*_GATE_UP_ARGS), options=opts)
-    out["down_k8_i768_d8"] = cute.compile(DownOneToken(8, 768, rows=8), *_fake_args(*_DOWN_ARGS), options=opts)
     return out
