@@ -58,7 +58,7 @@ ROWS = 16  # down: output rows per CTA (the grid is H / ROWS)
 # gate/up a row a warp 2.023-2.030, two 2.013-2.020, four 2.068-2.075
 DOWN_ROWS_PER_WARP = 2
 DOWN_VARIANTS = {"down_k8_i768": dict(k=8, inter=768)}  # Qwen3-30B-A3B
-GU_ROWS = 16  # gate/up: rows of gate (and of up) per CTA (8: the same step time, H200)
+GU_ROWS = 16  # gate/up: rows of gate (and of up) per CTA (8 at two rows a warp: faster, not yet GPU-tested; RESULTS)
 GU_ROWS_PER_WARP = 2
 GATE_UP_VARIANTS = {"gate_up_h2048": dict(hidden=2048)}  # Qwen3-30B-A3B, Qwen3-Next-80B-A3B
 
