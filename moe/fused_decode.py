@@ -74,7 +74,7 @@ class FusedDecode:
         x = x.contiguous()
         if x.data_ptr() % 8:  # the export reads x 8 bytes a thread
             x = x.clone()
-        getattr(self.module, name + os.environ.get("XGU", ""))(x.view(-1), topk_ids.contiguous().view(-1), w13.view(torch.uint8).view(-1),
+        getattr(self.module, name)(x.view(-1), topk_ids.contiguous().view(-1), w13.view(torch.uint8).view(-1),
                                    w13_scale.contiguous().view(-1), act.view(-1), expert_offset, num_local,
                                    inter, k, int(pdl_enabled(x.device)))
         return act
@@ -88,7 +88,7 @@ class FusedDecode:
                                     shared_gate, shared_ready, out, act=act)
         num_local, h, _ = w2.shape
         out = tfd.out_buffer(out, (1, h), x.dtype, x.device, "out")
-        getattr(self.module, dn + os.environ.get("XDN", ""))(act.view(-1), topk_ids.contiguous().view(-1),
+        getattr(self.module, dn)(act.view(-1), topk_ids.contiguous().view(-1),
                                  topk_weights.float().contiguous().view(-1), w2.view(torch.uint8).view(-1),
                                  w2_scale.contiguous().view(-1), out.view(-1), expert_offset, num_local, h,
                                  int(pdl_enabled(x.device)))
