@@ -143,6 +143,28 @@ def _shared_storage(weight_bytes: int, vec: int, scales: int):
     return SharedStorage
 
 
+@cute.jit
+def _shared_views(storage_type, scales: cutlass.Constexpr, tidx):
+    """Both kernels' shared memory allocated (a `_shared_storage` type): (the mbarrier, initialised for
+    one arrival and visible to the CTA; the weight rows' and the vector's shared addresses; the block
+    scales as a tensor of `scales`)."""
+    storage = cutlass.utils.SmemAllocator().allocate(storage_type)
+    bar = storage.bar.data_ptr()
+    if tidx == 0:
+        cute.arch.mbarrier_init(bar, 1)
+        cute.arch.mbarrier_init_fence()
+    cute.arch.sync_threads()
+    return bar, storage.w.data_ptr().toint(), storage.v.data_ptr().toint(), storage.sc.get_tensor(
+        cute.make_layout(scales))
+
+
+def warp_sum(v):
+    """`v` summed over the warp's 32 lanes (butterfly shuffles: every lane gets the sum)."""
+    for off in range(5):
+        v += cute.arch.shuffle_sync_bfly(v, offset=16 >> off)
+    return v
+
+
 class GateUpOneToken:
     """One compiled gate/up variant: H (sizes the shared memory) and the rows a warp takes; I, the
     expert count and k are runtime (the grid is k x I / GU_ROWS; I a multiple of 128). See the module
@@ -170,19 +192,10 @@ class GateUpOneToken:
                expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         p, j, _ = cute.arch.block_idx()
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        bar = storage.bar.data_ptr()
-        w_s = storage.w.data_ptr().toint()
-        x_s = storage.v.data_ptr().toint()
-        sc = storage.sc.get_tensor(cute.make_layout(2 * (self.hidden // 128)))
+        bar, w_s, x_s, sc = _shared_views(self.shared_storage, 2 * (self.hidden // 128), tidx)
         hidden, threads, rpw = self.hidden, self.threads, self.rpw
         nkb = hidden // 128
         n0 = j * GU_ROWS
-        if tidx == 0:
-            cute.arch.mbarrier_init(bar, 1)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
         cute.arch.griddepcontrol_wait()  # the routing (the previous kernel) is complete and visible
         cute.arch.griddepcontrol_launch_dependents()
         # x is asked for beside the routing (not after it); its stores to shared memory come last
@@ -221,10 +234,7 @@ class GateUpOneToken:
                     acc_g[i] += (gv[0] * xq[0] + gv[1] * xq[1] + gv[2] * xq[2] + gv[3] * xq[3]) * sc[q]
                     acc_u[i] += (uv[0] * xq[0] + uv[1] * xq[1] + uv[2] * xq[2] + uv[3] * xq[3]) * sc[nkb + q]
             for i in cutlass.range_constexpr(rpw):
-                g, u = acc_g[i], acc_u[i]
-                for off in cutlass.range_constexpr(5):
-                    g += cute.arch.shuffle_sync_bfly(g, offset=16 >> off)
-                    u += cute.arch.shuffle_sync_bfly(u, offset=16 >> off)
+                g, u = warp_sum(acc_g[i]), warp_sum(acc_u[i])
                 if lane == 0:
                     act[cutlass.Int64(p) * inter + n0 + r0 + i] = g / (1.0 + cute.math.exp(-g)) * u
 
@@ -257,18 +267,9 @@ class DownOneToken:
                out: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, hidden: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        bar = storage.bar.data_ptr()
-        w_s = storage.w.data_ptr().toint()
-        a_s = storage.v.data_ptr().toint()
-        sc = storage.sc.get_tensor(cute.make_layout(self.k * (self.inter // 128)))
+        bar, w_s, a_s, sc = _shared_views(self.shared_storage, self.k * (self.inter // 128), tidx)
         inter = self.inter
         n0 = bidx * ROWS
-        if tidx == 0:
-            cute.arch.mbarrier_init(bar, 1)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
         # the routing is final (two kernels back): each slot's expert and weight, read once, and
         # every local slot's rows asked for now
         es = [cutlass.Int32(ids[s]) - expert_offset for s in range(self.k)]
@@ -315,9 +316,7 @@ class DownOneToken:
                 for i in cutlass.range_constexpr(rpw):
                     acc[i] += part[i] * tws[s]
         for i in cutlass.range_constexpr(rpw):
-            y = acc[i]
-            for off in cutlass.range_constexpr(5):
-                y += cute.arch.shuffle_sync_bfly(y, offset=16 >> off)
+            y = warp_sum(acc[i])
             if lane == 0:
                 out[n0 + r0 + i] = y.to(cutlass.BFloat16)
 
