@@ -74,7 +74,7 @@ class FusedDecode:
         x = x.contiguous()
         if x.data_ptr() % 8:  # the export reads x 8 bytes a thread
             x = x.clone()
-        getattr(self.module, name + os.environ.get("XGU", ""))(x.view(-1), topk_ids.contiguous().view(-1), w13.view(torch.uint8).view(-1),
+        getattr(self.module, name)(x.view(-1), topk_ids.contiguous().view(-1), w13.view(torch.uint8).view(-1),
                                    w13_scale.contiguous().view(-1), act.view(-1), expert_offset, num_local,
                                    inter, k, int(pdl_enabled(x.device)))
         return act

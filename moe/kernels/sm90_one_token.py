@@ -119,30 +119,6 @@ def ld_global_bf16x4(addr, *, loc=None, ip=None):
                 "=f,=f,=f,=f,l,~{memory}", loc, ip)
 
 
-@dsl_user_op
-def ld_global_v2b32(addr, *, loc=None, ip=None):
-    """8-byte global load past L1 -> 2 x Int32 (raw bits)."""
-    r = asm(ir.Type.parse("!llvm.struct<(i32,i32)>"), [i64(addr, loc, ip)], "ld.global.cg.v2.b32 {$0, $1}, [$2];",
-            "=r,=r,l,~{memory}", loc, ip)
-    return [cutlass.Int32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(2)]
-
-
-@dsl_user_op
-def st_shared_v2b32(addr, v, *, loc=None, ip=None):
-    """8-byte shared store of 2 x Int32 at shared address `addr`."""
-    asm(None, [i32(addr, loc, ip)] + [i32(x, loc, ip) for x in v], "st.shared.v2.b32 [$0], {$1, $2};",
-        "r,r,r,~{memory}", loc, ip)
-
-
-@dsl_user_op
-def ld_shared_bf16x4(addr, *, loc=None, ip=None):
-    """Four bf16 (8 bytes, shared) -> 4 x Float32 (exact)."""
-    return _v4f(i32(addr, loc, ip),
-                "{\n .reg .b32 a, b;\n ld.shared.v2.b32 {a, b}, [$4];\n shl.b32 $0, a, 16;\n"
-                " and.b32 $1, a, 0xFFFF0000;\n shl.b32 $2, b, 16;\n and.b32 $3, b, 0xFFFF0000;\n}",
-                "=f,=f,=f,=f,r,~{memory}", loc, ip)
-
-
 def stage_f32(dst, src, count, tidx, threads):
     """Copy `count` fp32 (a multiple of 4 x `threads`) from global `src` (past L1) to shared `dst`, 16
     bytes a thread a step: all loads issued before the first store (the inline asm's memory clobbers
@@ -194,25 +170,22 @@ class GateUpOneToken:
     expert count and k are runtime (the grid is k x I / GU_ROWS; I a multiple of 128). See the module
     docstring."""
 
-    def __init__(self, hidden: int, rows_per_warp: int = GU_ROWS_PER_WARP, rows: int = GU_ROWS,
-                 x_bf16: bool = False):
-        self.rows, self.x_bf16 = rows, x_bf16  # x_bf16: x kept in bf16 in shared memory (half the bytes)
-        self.threads = 32 * rows // rows_per_warp
-        if hidden % 128 or hidden % (4 * self.threads) or rows % rows_per_warp or hidden // 64 > self.threads:
+    def __init__(self, hidden: int, rows_per_warp: int = GU_ROWS_PER_WARP):
+        self.threads = 32 * GU_ROWS // rows_per_warp
+        if hidden % 128 or hidden % (4 * self.threads) or GU_ROWS % rows_per_warp or hidden // 64 > self.threads:
             raise ValueError(f"H={hidden}, rows_per_warp={rows_per_warp}: H must be a multiple of 128 and of "
                              f"{4 * self.threads}, H / 64 (the block scales, a thread each) at most "
-                             f"{self.threads}, rows_per_warp divide {rows}")
+                             f"{self.threads}, rows_per_warp divide {GU_ROWS}")
         self.hidden, self.rpw = hidden, rows_per_warp
-        self.rows_bytes = rows * hidden  # one block's gate (or up) rows: contiguous
+        self.rows_bytes = GU_ROWS * hidden  # one block's gate (or up) rows: contiguous
 
     @cute.jit
     def __call__(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor,
                  expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32, k: cutlass.Int32,
                  pdl: cutlass.Int32, stream):
-        self.shared_storage = _shared_storage(2 * self.rows_bytes, self.hidden // (2 if self.x_bf16 else 1),
-                                              2 * (self.hidden // 128))
+        self.shared_storage = _shared_storage(2 * self.rows_bytes, self.hidden, 2 * (self.hidden // 128))
         self.kernel(x, ids, w13, s13, act, expert_offset, num_local, inter).launch(
-            grid=[k, inter // self.rows, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=pdl)
+            grid=[k, inter // GU_ROWS, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=pdl)
 
     @cute.kernel
     def kernel(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor,
@@ -222,17 +195,13 @@ class GateUpOneToken:
         bar, w_s, x_s, sc = _shared_views(self.shared_storage, 2 * (self.hidden // 128), tidx)
         hidden, threads, rpw = self.hidden, self.threads, self.rpw
         nkb = hidden // 128
-        n0 = j * self.rows
+        n0 = j * GU_ROWS
         cute.arch.griddepcontrol_wait()  # the routing (the previous kernel) is complete and visible
         cute.arch.griddepcontrol_launch_dependents()
         # x is asked for beside the routing (not after it); its stores to shared memory come last
         x_base = x.iterator.toint()
-        if cutlass.const_expr(self.x_bf16):
-            xv = [ld_global_v2b32(x_base + cutlass.Int64((i * threads + tidx) * 4) * 2)
-                  for i in range(hidden // (4 * threads))]
-        else:
-            xv = [ld_global_bf16x4(x_base + cutlass.Int64((i * threads + tidx) * 4) * 2)
-                  for i in range(hidden // (4 * threads))]
+        xv = [ld_global_bf16x4(x_base + cutlass.Int64((i * threads + tidx) * 4) * 2)
+              for i in range(hidden // (4 * threads))]
         e = cutlass.Int32(ids[p]) - expert_offset
         if e >= 0 and e < num_local:
             g_row = cutlass.Int64(e) * 2 * inter + n0  # first gate row; its up rows start I rows later
@@ -248,10 +217,7 @@ class GateUpOneToken:
             if tidx < 2 * nkb:
                 sc[tidx] = scale
         for i in cutlass.range_constexpr(hidden // (4 * threads)):  # (in every CTA: a store only where
-            if cutlass.const_expr(self.x_bf16):  # x is used lets ptxas sink its load)
-                st_shared_v2b32(x_s + (i * threads + tidx) * 8, xv[i])
-            else:
-                st_shared_v4f(x_s + (i * threads + tidx) * 16, xv[i])
+            st_shared_v4f(x_s + (i * threads + tidx) * 16, xv[i])  # x is used lets ptxas sink its load)
         cute.arch.sync_threads()
         if e >= 0 and e < num_local:
             cute.arch.mbarrier_wait(bar, 0)
@@ -261,10 +227,7 @@ class GateUpOneToken:
             acc_u = [cutlass.Float32(0.0) for _ in range(rpw)]
             for q in cutlass.range_constexpr(nkb):
                 col = q * 128 + lane * 4
-                if cutlass.const_expr(self.x_bf16):
-                    xq = ld_shared_bf16x4(x_s + col * 2)
-                else:
-                    xq = ld_shared_v4f(x_s + col * 4)
+                xq = ld_shared_v4f(x_s + col * 4)
                 for i in cutlass.range_constexpr(rpw):
                     gv = ld_shared_e4m3x4(w_s + (r0 + i) * hidden + col)
                     uv = ld_shared_e4m3x4(w_s + self.rows_bytes + (r0 + i) * hidden + col)
@@ -386,8 +349,4 @@ def compile_for_export(arch: str = "sm_90a") -> dict:
            for name, kw in DOWN_VARIANTS.items()}
     out.update({name: cute.compile(GateUpOneToken(**kw), *_fake_args(*_GATE_UP_ARGS), options=opts)
                 for name, kw in GATE_UP_VARIANTS.items()})
-    out["gate_up_h2048_g8"] = cute.compile(GateUpOneToken(2048, rows=8), *_fake_args(*_GATE_UP_ARGS), options=opts)
-    out["gate_up_h2048_g8b"] = cute.compile(GateUpOneToken(2048, rows=8, x_bf16=True), *_fake_args(*_GATE_UP_ARGS),
-                                            options=opts)
-    out["gate_up_h2048_b"] = cute.compile(GateUpOneToken(2048, x_bf16=True), *_fake_args(*_GATE_UP_ARGS), options=opts)
     return out
