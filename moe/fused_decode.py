@@ -23,7 +23,7 @@ ENV = "NVL72_MOE_SM90_ONE_TOKEN"
 MODULE = "moe.kernels.sm90_one_token"
 # the module's rows per CTA (not imported from it: it needs CuTeDSL, which GPU hosts lack)
 ROWS = 16  # down: output rows
-GU_ROWS = 16  # gate/up: rows of I
+GU_ROWS = 8  # gate/up: rows of I
 
 
 class FusedDecode:
