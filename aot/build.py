@@ -31,7 +31,7 @@ from aot import MANIFEST, BundleError
 log = logging.getLogger(__name__)
 
 ARCHS = ("sm_90a", "sm_100a")
-EXPORT_LISTS = ("comms.kernels", "moe.kernels")
+EXPORT_LISTS = ("comms.kernels", "moe.kernels", "nvl72.kernels")
 TVM_FFI_VERSION = "0.1.15.post2"
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "nvl72", "aot")
 

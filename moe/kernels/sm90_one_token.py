@@ -121,6 +121,15 @@ def ld_global_bf16x4(addr, *, loc=None, ip=None):
                 "=f,=f,=f,=f,l,~{memory}", loc, ip)
 
 
+@dsl_user_op
+def ld_shared_bf16x4(addr, *, loc=None, ip=None):
+    """Four bf16 (8 bytes, shared) -> 4 x Float32 (exact)."""
+    return _v4f(i32(addr, loc, ip),
+                "{\n .reg .b32 a, b;\n ld.shared.v2.b32 {a, b}, [$4];\n shl.b32 $0, a, 16;\n"
+                " and.b32 $1, a, 0xFFFF0000;\n shl.b32 $2, b, 16;\n and.b32 $3, b, 0xFFFF0000;\n}",
+                "=f,=f,=f,=f,r,~{memory}", loc, ip)
+
+
 def stage_f32(dst, src, count, tidx, threads):
     """Copy `count` fp32 (a multiple of 4 x `threads`) from global `src` (past L1) to shared `dst`, 16
     bytes a thread a step: all loads issued before the first store (the inline asm's memory clobbers

@@ -172,6 +172,15 @@ def gemv_blocks(n: int, k: int) -> tuple[int, int]:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for one row: x [1, K], weight [N, K] (row-contiguous), bias [N] -> [1, N] in x.dtype,
     accumulated in fp32."""
+    import os
+    r = os.environ.get("XGEMV")
+    if r and bias is None and x.is_cuda and weight.shape[1] == 4096 and x.dtype == torch.bfloat16:
+        import aot
+        from aot.launch import pdl_enabled
+        out = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
+        aot.function("nvl72.kernels.sm90_gemv", f"gemv_k4096_r{r}", "sm_90a", jit=False)(
+            x.contiguous().view(-1), weight.view(-1), out.view(-1), weight.shape[0], int(pdl_enabled(x.device)))
+        return out
     return _gemv(x, weight, bias)
 
 
