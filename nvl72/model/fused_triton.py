@@ -178,8 +178,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         import aot
         from aot.launch import pdl_enabled
         out = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
+        xf = x.contiguous().view(-1)
         aot.function("nvl72.kernels.sm90_gemv", f"gemv_k4096_r{r}", "sm_90a", jit=False)(
-            x.contiguous().view(-1), weight.view(-1), out.view(-1), weight.shape[0], int(pdl_enabled(x.device)))
+            xf, xf, xf, xf, weight.view(-1), out.view(-1), weight.shape[0], 0.0, int(pdl_enabled(x.device)))
         return out
     return _gemv(x, weight, bias)
 
@@ -194,6 +195,17 @@ def norm_gemv(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Te
     if norm_weight.shape != (x.shape[-1],) or not norm_weight.is_contiguous():
         raise ValueError(f"norm_gemv: norm weight {tuple(norm_weight.shape)} must be a contiguous [{x.shape[-1]}]")
     s = x if delta is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    import os
+    r = os.environ.get("XQKV")
+    if r and bias is None and x.is_cuda and x.shape[1] == 2048 and not zero_centered and x.dtype == torch.bfloat16:
+        import aot
+        from aot.launch import pdl_enabled
+        out = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
+        xf = x.contiguous().view(-1)
+        aot.function("nvl72.kernels.sm90_gemv", f"norm_gemv_k2048_r{r}" + ("" if delta is None else "_d"), "sm_90a",
+                     jit=False)(xf, xf if delta is None else delta.view(-1), norm_weight.view(-1), s.view(-1),
+                                weight.view(-1), out.view(-1), weight.shape[0], eps, int(pdl_enabled(x.device)))
+        return s, out
     return s, _gemv(x, weight, bias, (delta, norm_weight, s, eps, zero_centered))
 
 
