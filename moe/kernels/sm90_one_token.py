@@ -140,9 +140,10 @@ def stage_f32(dst, src, count, tidx, threads):
         st_shared_v4f(dst + (i * threads + tidx) * 16, vals[i])
 
 
-def _shared_storage(weight_bytes: int, vec: int, scales: int):
+def shared_storage_type(weight_bytes: int, vec: int, scales: int):
     """Both kernels' shared memory: the mbarrier of the bulk copies, the CTA's weight rows, the
-    staged fp32 vector (gate/up's x, down's act) and the rows' block scales. (The struct needs its
+    staged fp32 vector (gate/up's x, down's act) and the rows' block scales (also the layout of
+    nvl72.kernels.sm90_gemv, whose `scales` hold its warps' partial sums). (The struct needs its
     annotations evaluated: this module has no `from __future__ import annotations`.)"""
     @cute.struct
     class SharedStorage:
@@ -155,8 +156,8 @@ def _shared_storage(weight_bytes: int, vec: int, scales: int):
 
 
 @cute.jit
-def _shared_views(storage_type, scales: cutlass.Constexpr, tidx):
-    """Both kernels' shared memory allocated (a `_shared_storage` type): (the mbarrier, initialised for
+def shared_views(storage_type, scales: cutlass.Constexpr, tidx):
+    """A `shared_storage_type` allocated: (the mbarrier, initialised for
     one arrival and visible to the CTA; the weight rows' and the vector's shared addresses; the block
     scales as a tensor of `scales`)."""
     storage = cutlass.utils.SmemAllocator().allocate(storage_type)
@@ -194,7 +195,7 @@ class GateUpOneToken:
     def __call__(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor,
                  expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32, k: cutlass.Int32,
                  pdl: cutlass.Int32, stream):
-        self.shared_storage = _shared_storage(2 * self.rows_bytes, self.hidden, 2 * (self.hidden // 128))
+        self.shared_storage = shared_storage_type(2 * self.rows_bytes, self.hidden, 2 * (self.hidden // 128))
         self.kernel(x, ids, w13, s13, act, expert_offset, num_local, inter).launch(
             grid=[k, inter // GU_ROWS, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=pdl)
 
@@ -203,7 +204,7 @@ class GateUpOneToken:
                expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         p, j, _ = cute.arch.block_idx()
-        bar, w_s, x_s, sc = _shared_views(self.shared_storage, 2 * (self.hidden // 128), tidx)
+        bar, w_s, x_s, sc = shared_views(self.shared_storage, 2 * (self.hidden // 128), tidx)
         hidden, threads, rpw = self.hidden, self.threads, self.rpw
         nkb = hidden // 128
         n0 = j * GU_ROWS
@@ -268,7 +269,7 @@ class DownOneToken:
     def __call__(self, act: cute.Tensor, ids: cute.Tensor, tw: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor,
                  out: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, hidden: cutlass.Int32,
                  pdl: cutlass.Int32, stream):
-        self.shared_storage = _shared_storage(self.k * self.slot_bytes, self.k * self.inter,
+        self.shared_storage = shared_storage_type(self.k * self.slot_bytes, self.k * self.inter,
                                               self.k * (self.inter // 128))
         self.kernel(act, ids, tw, w2, s2, out, expert_offset, num_local, hidden).launch(
             grid=[hidden // ROWS, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=pdl)
@@ -278,7 +279,7 @@ class DownOneToken:
                out: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, hidden: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        bar, w_s, a_s, sc = _shared_views(self.shared_storage, self.k * (self.inter // 128), tidx)
+        bar, w_s, a_s, sc = shared_views(self.shared_storage, self.k * (self.inter // 128), tidx)
         inter = self.inter
         n0 = bidx * ROWS
         # the routing is final (two kernels back): each slot's expert and weight, read once, and
@@ -332,7 +333,7 @@ class DownOneToken:
                 out[n0 + r0 + i] = y.to(cutlass.BFloat16)
 
 
-def _fake_args(tensors, scalars: int):
+def fake_args(tensors, scalars: int):
     """Compile-time stand-ins of an export's arguments: a flat tensor of symbolic length per (dtype,
     assumed alignment) of `tensors`, then `scalars` Int32s and the caller's stream."""
     from cutlass.cute.runtime import make_fake_compact_tensor
@@ -356,8 +357,8 @@ def compile_for_export(arch: str = "sm_90a") -> dict:
     if not arch.startswith("sm_90"):
         raise ValueError(f"arch={arch!r}: the decode kernels are built for sm_90a")
     opts = f"--gpu-arch {arch} --enable-tvm-ffi"
-    out = {name: cute.compile(DownOneToken(**kw), *_fake_args(*_DOWN_ARGS), options=opts)
+    out = {name: cute.compile(DownOneToken(**kw), *fake_args(*_DOWN_ARGS), options=opts)
            for name, kw in DOWN_VARIANTS.items()}
-    out.update({name: cute.compile(GateUpOneToken(**kw), *_fake_args(*_GATE_UP_ARGS), options=opts)
+    out.update({name: cute.compile(GateUpOneToken(**kw), *fake_args(*_GATE_UP_ARGS), options=opts)
                 for name, kw in GATE_UP_VARIANTS.items()})
     return out

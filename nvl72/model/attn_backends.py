@@ -174,6 +174,11 @@ class TritonBackend(AttentionBackend):
         # dependent launch fewer a layer (H100, 48 layers, batch 1: 2.748 -> 2.679-2.686 ms a step,
         # perf/RESULTS.md); $NVL72_NORM_GEMV=0: add_rms_norm, then the GEMV.
         self.norm_gemv = self.gemv and _flag(NORM_GEMV_ENV)
+        # Where the kernel bundle has the shape, those GEMVs run nvl72.kernels.sm90_gemv (each CTA's weight
+        # slice in shared memory, asked for before its PDL wait; $NVL72_SMEM_GEMV=0: Triton's everywhere)
+        from nvl72.model import smem_gemv
+
+        self.smem_gemv = smem_gemv.load() if self.gemv else None
         log.info("one-token steps: the input norm %s the q/k/v GEMV ($%s)", "inside" if self.norm_gemv else "before",
                  NORM_GEMV_ENV)
         # One-token steps of the layers nvl72.model.decode_layer serves in one persistent kernel
@@ -189,12 +194,15 @@ class TritonBackend(AttentionBackend):
 
     def linear(self, x, weight, bias=None):
         if self.gemv and x.shape[0] == 1:
-            return self.kernels.gemv(x, weight, bias)
+            out = self.smem_gemv.gemv(x, weight, bias) if self.smem_gemv else None
+            return self.kernels.gemv(x, weight, bias) if out is None else out
         return torch.nn.functional.linear(x, weight, bias)
 
     def norm_linear(self, x, delta, norm_weight, eps, zero_centered, weight, bias=None):
         if self.norm_gemv and x.shape[0] == 1:
-            return self.kernels.norm_gemv(x, delta, norm_weight, eps, zero_centered, weight, bias)
+            got = (self.smem_gemv.norm_gemv(x, delta, norm_weight, eps, zero_centered, weight, bias)
+                   if self.smem_gemv else None)
+            return self.kernels.norm_gemv(x, delta, norm_weight, eps, zero_centered, weight, bias) if got is None else got
         return super().norm_linear(x, delta, norm_weight, eps, zero_centered, weight, bias)
 
     def plan(self, batch: ForwardBatch, page_size: int) -> PagedMeta:

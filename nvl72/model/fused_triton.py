@@ -172,16 +172,6 @@ def gemv_blocks(n: int, k: int) -> tuple[int, int]:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for one row: x [1, K], weight [N, K] (row-contiguous), bias [N] -> [1, N] in x.dtype,
     accumulated in fp32."""
-    import os
-    r = os.environ.get("XGEMV")
-    if r and bias is None and x.is_cuda and weight.shape[1] == 4096 and x.dtype == torch.bfloat16:
-        import aot
-        from aot.launch import pdl_enabled
-        out = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
-        xf = x.contiguous().view(-1)
-        aot.function("nvl72.kernels.sm90_gemv", f"gemv_k4096_r{r}", "sm_90a", jit=False)(
-            xf, xf, xf, xf, weight.view(-1), out.view(-1), weight.shape[0], 0.0, int(pdl_enabled(x.device)))
-        return out
     return _gemv(x, weight, bias)
 
 
@@ -190,31 +180,30 @@ def norm_gemv(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Te
     """(s, gemv(RMSNorm(s), weight, bias)) for one row, s = x + delta (x itself when delta is None),
     in one kernel: `add_rms_norm` then `gemv` without the norm's launch (at batch 1 one more
     dependent kernel per layer); rounded as the two kernels round."""
+    check_norm(x, delta, norm_weight)
+    s = x if delta is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    return s, _gemv(x, weight, bias, (delta, norm_weight, s, eps, zero_centered))
+
+
+def check_row(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """`gemv`'s argument contract (shared with nvl72.model.smem_gemv)."""
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != weight.shape[1] or weight.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError(f"gemv: x {tuple(x.shape)} must be one row-contiguous row of weight's K "
+                         f"(weight {tuple(weight.shape)})")
+
+
+def check_norm(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor) -> None:
+    """`norm_gemv`'s contract for the norm's inputs (shared with nvl72.model.smem_gemv)."""
     if delta is not None and (delta.shape != x.shape or delta.stride(-1) != 1):
         raise ValueError(f"norm_gemv: delta {tuple(delta.shape)} must be a row-contiguous {tuple(x.shape)}")
     if norm_weight.shape != (x.shape[-1],) or not norm_weight.is_contiguous():
         raise ValueError(f"norm_gemv: norm weight {tuple(norm_weight.shape)} must be a contiguous [{x.shape[-1]}]")
-    s = x if delta is None else torch.empty_like(x, memory_format=torch.contiguous_format)
-    import os
-    r = os.environ.get("XQKV")
-    if r and bias is None and x.is_cuda and x.shape[1] == 2048 and not zero_centered and x.dtype == torch.bfloat16:
-        import aot
-        from aot.launch import pdl_enabled
-        out = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
-        xf = x.contiguous().view(-1)
-        aot.function("nvl72.kernels.sm90_gemv", f"norm_gemv_k2048_r{r}" + ("" if delta is None else "_d"), "sm_90a",
-                     jit=False)(xf, xf if delta is None else delta.view(-1), norm_weight.view(-1), s.view(-1),
-                                weight.view(-1), out.view(-1), weight.shape[0], eps, int(pdl_enabled(x.device)))
-        return s, out
-    return s, _gemv(x, weight, bias, (delta, norm_weight, s, eps, zero_centered))
 
 
 def _gemv(x, weight, bias, norm=None):
     """gemv, of the normed row when `norm` = (delta or None, norm weight, sum out, eps, zero_centered)."""
-    (t, k), (n, kw) = x.shape, weight.shape
-    if t != 1 or k != kw or weight.stride(1) != 1 or x.stride(1) != 1:
-        raise ValueError(f"gemv: x {tuple(x.shape)} must be one row-contiguous row of weight's K "
-                         f"(weight {tuple(weight.shape)})")
+    check_row(x, weight)
+    k, n = x.shape[1], weight.shape[0]
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_n, block_k = gemv_blocks(n, k)
     delta, norm_w, sum_out, eps, zc = norm if norm is not None else (None, x, x, 0.0, False)
