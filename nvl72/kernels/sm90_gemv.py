@@ -35,25 +35,30 @@ VARIANTS = {"gemv_k4096": dict(k=4096)}
 for _zc in ("", "_zc"):
     for _d in ("", "_d"):
         VARIANTS[f"norm_gemv_k2048{_zc}{_d}"] = dict(k=2048, norm="delta" if _d else "plain", zero_centered=bool(_zc))
+VARIANTS["gemv_k4096_w8"] = dict(k=4096, warps=8)
+VARIANTS["norm_gemv_k2048_d_w8"] = dict(k=2048, norm="delta", warps=8)
+VARIANTS["norm_gemv_k2048_w8"] = dict(k=2048, norm="plain", warps=8)
 
 
 class GemvSmem:
     """One compiled variant: K (sizes the shared memory), the rows a CTA holds, the input norm (None,
     "plain", "delta": with the residual add) and whether its weight is zero-centred."""
 
-    def __init__(self, k: int, rows: int = ROWS, norm: str | None = None, zero_centered: bool = False):
-        self.threads = 32 * WARPS
-        if k % (4 * self.threads) or rows % WARPS or norm not in (None, "plain", "delta"):
+    def __init__(self, k: int, rows: int = ROWS, norm: str | None = None, zero_centered: bool = False,
+                 warps: int = WARPS):
+        self.warps = warps
+        self.threads = 32 * warps
+        if k % (4 * self.threads) or rows % warps or norm not in (None, "plain", "delta"):
             raise ValueError(f"K={k}, rows={rows}, norm={norm!r}: K must be a multiple of {4 * self.threads}, rows "
                              f"of {WARPS}, norm None, 'plain' or 'delta'")
-        self.k, self.rows, self.rpw = k, rows, rows // WARPS
+        self.k, self.rows, self.rpw = k, rows, rows // warps
         self.norm, self.zc = norm, zero_centered
 
     @cute.jit
     def __call__(self, x: cute.Tensor, delta: cute.Tensor, norm_w: cute.Tensor, sum_out: cute.Tensor,
                  w: cute.Tensor, out: cute.Tensor, n: cutlass.Int32, eps: cutlass.Float32, pdl: cutlass.Int32,
                  stream):
-        self.shared_storage = shared_storage_type(self.rows * self.k * 2, self.k, WARPS)
+        self.shared_storage = shared_storage_type(self.rows * self.k * 2, self.k, self.warps)
         self.kernel(x, delta, norm_w, sum_out, w, out, eps).launch(
             grid=[n // self.rows, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=pdl)
 
@@ -62,7 +67,7 @@ class GemvSmem:
                out: cute.Tensor, eps: cutlass.Float32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        bar, w_s, x_s, red = shared_views(self.shared_storage, WARPS, tidx)
+        bar, w_s, x_s, red = shared_views(self.shared_storage, self.warps, tidx)
         k, threads, rpw = self.k, self.threads, self.rpw
         steps = k // (4 * threads)
         n0 = bidx * self.rows
@@ -122,7 +127,7 @@ class GemvSmem:
             red[tidx // 32] = ss
         cute.arch.sync_threads()
         total = red[0]
-        for i in cutlass.range_constexpr(1, WARPS):
+        for i in cutlass.range_constexpr(1, self.warps):
             total += red[i]
         rstd = cute.math.rsqrt(total / self.k + eps)
         if cutlass.const_expr(self.zc):
