@@ -28,16 +28,16 @@ from moe.kernels.sm90_one_token import (bulk_g2s, fake_args, ld_global_bf16x4, l
                                         shared_storage_type, shared_views, st_shared_v4f, warp_sum)
 
 ARCHS = ("sm_90a",)
-WARPS = 4
+WARPS = 8
 ROWS = 16  # weight rows a CTA holds (8 measured slower for both projections, above)
 # Qwen3-30B-A3B / Qwen3-Next-80B-A3B: o_proj K = 4096, q/k/v (Next: zero-centred norm) K = 2048
 VARIANTS = {"gemv_k4096": dict(k=4096)}
 for _zc in ("", "_zc"):
     for _d in ("", "_d"):
         VARIANTS[f"norm_gemv_k2048{_zc}{_d}"] = dict(k=2048, norm="delta" if _d else "plain", zero_centered=bool(_zc))
-VARIANTS["gemv_k4096_w8"] = dict(k=4096, warps=8)
-VARIANTS["norm_gemv_k2048_d_w8"] = dict(k=2048, norm="delta", warps=8)
-VARIANTS["norm_gemv_k2048_w8"] = dict(k=2048, norm="plain", warps=8)
+VARIANTS["gemv_k4096_w16"] = dict(k=4096, warps=16)
+VARIANTS["norm_gemv_k2048_d_w16"] = dict(k=2048, norm="delta", warps=16)
+VARIANTS["norm_gemv_k2048_w16"] = dict(k=2048, norm="plain", warps=16)
 
 
 class GemvSmem:
