@@ -7,9 +7,10 @@ CTA of ROWS rows asks for all of its ROWS x K weight bytes by bulk copies into s
 so the stream runs under the previous kernel (attention for o_proj, the MoE down for q/k/v) on the
 SMs that kernel leaves free; after the wait only x is staged and the dot products read shared
 memory. H200, 48-layer Qwen3-30B-A3B batch-1 step (perf/RESULTS.md): 1.989 ms with Triton's GEMVs,
-1.930-1.944 with o_proj here, 1.842-1.843 with q/k/v here too (8-row CTAs: 1.950 / 1.867-1.872).
+1.930-1.944 with o_proj here, 1.842-1.843 with q/k/v here too (8-row CTAs: 1.950 / 1.867-1.872), all
+at 4 warps; 8 warps 1.807-1.812 against 1.849-1.856 for 4, 16 warps 1.883-1.888.
 
-CTA: ROWS rows (N / ROWS CTAs, 4 warps, ROWS / 4 rows a warp). Thread 0 asks for the CTA's rows
+CTA: ROWS rows (N / ROWS CTAs, WARPS warps, ROWS / WARPS rows a warp). Thread 0 asks for the CTA's rows
 (one bulk copy of 2K bytes a row, one mbarrier). After the wait every thread loads its part of x
 (bf16; with `norm`, x + delta rounded to bf16, stored by CTA 0 as the residual sum, then RMSNorm'd
 rounded as fused_triton's norm_gemv rounds: its norm-weight part was loaded before the wait), stores
@@ -28,16 +29,13 @@ from moe.kernels.sm90_one_token import (bulk_g2s, fake_args, ld_global_bf16x4, l
                                         shared_storage_type, shared_views, st_shared_v4f, warp_sum)
 
 ARCHS = ("sm_90a",)
-WARPS = 8
+WARPS = 8  # (4 and 16 measured slower, above)
 ROWS = 16  # weight rows a CTA holds (8 measured slower for both projections, above)
 # Qwen3-30B-A3B / Qwen3-Next-80B-A3B: o_proj K = 4096, q/k/v (Next: zero-centred norm) K = 2048
 VARIANTS = {"gemv_k4096": dict(k=4096)}
 for _zc in ("", "_zc"):
     for _d in ("", "_d"):
         VARIANTS[f"norm_gemv_k2048{_zc}{_d}"] = dict(k=2048, norm="delta" if _d else "plain", zero_centered=bool(_zc))
-VARIANTS["gemv_k4096_w16"] = dict(k=4096, warps=16)
-VARIANTS["norm_gemv_k2048_d_w16"] = dict(k=2048, norm="delta", warps=16)
-VARIANTS["norm_gemv_k2048_w16"] = dict(k=2048, norm="plain", warps=16)
 
 
 class GemvSmem:
@@ -50,7 +48,7 @@ class GemvSmem:
         self.threads = 32 * warps
         if k % (4 * self.threads) or rows % warps or norm not in (None, "plain", "delta"):
             raise ValueError(f"K={k}, rows={rows}, norm={norm!r}: K must be a multiple of {4 * self.threads}, rows "
-                             f"of {WARPS}, norm None, 'plain' or 'delta'")
+                             f"of {warps}, norm None, 'plain' or 'delta'")
         self.k, self.rows, self.rpw = k, rows, rows // warps
         self.norm, self.zc = norm, zero_centered
 

@@ -6,7 +6,8 @@
   weight tile of the next K step loaded one step ahead (the triton backend's default for
   single-token projections, $NVL72_TRITON_GEMV=0 for cuBLAS: with PDL its first weight tile streams
   in before x is written); `norm_gemv` the same of add_rms_norm's output, the add and norm done by
-  every program itself (the decoder's input norm and q/k/v projection in one launch);
+  every program itself (the decoder's input norm and q/k/v projection in one launch). On Hopper the
+  attention backend runs both through nvl72.model.smem_gemv where the kernel bundle has the shape;
 - `add_rms_norm`: the decoder's residual add and RMSNorm in one pass (x + delta rounded to the
   activation dtype, then normed as `ops.rms_norm` rounds); without delta a plain RMSNorm; with
   the MoE gate's weight also the router logits (the router GEMV folded into the same launch);

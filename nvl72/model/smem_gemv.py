@@ -62,7 +62,7 @@ class SmemGemv:
         if key not in self._logged:
             self._logged.add(key)
             log.info("one-token projection [%d, %d]: %s", n, k, f"Triton's GEMV ({why})" if why else name)
-        return None if why else getattr(self.module, name + os.environ.get("XW", ""))
+        return None if why else getattr(self.module, name)
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
         """x [1, K] @ weight.T -> [1, N], or None (no export for it)."""
