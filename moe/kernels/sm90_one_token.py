@@ -112,22 +112,23 @@ def ld_shared_e4m3x4(addr, *, loc=None, ip=None):
                 "=f,=f,=f,=f,r,~{memory}", loc, ip)
 
 
+def _bf16x4(addr, load: str, cons: str, loc, ip):
+    """Four bf16 (8 bytes) by the 2 x b32 load `load` at $4 -> 4 x Float32 (exact: the bf16 bits in the high half)."""
+    return _v4f(addr, "{\n .reg .b32 a, b;\n " + load + " {a, b}, [$4];\n shl.b32 $0, a, 16;\n"
+                " and.b32 $1, a, 0xFFFF0000;\n shl.b32 $2, b, 16;\n and.b32 $3, b, 0xFFFF0000;\n}",
+                "=f,=f,=f,=f," + cons + ",~{memory}", loc, ip)
+
+
 @dsl_user_op
 def ld_global_bf16x4(addr, *, loc=None, ip=None):
-    """Four bf16 (8 bytes, global, past L1) -> 4 x Float32 (exact: the bf16 bits in the high half)."""
-    return _v4f(i64(addr, loc, ip),
-                "{\n .reg .b32 a, b;\n ld.global.cg.v2.b32 {a, b}, [$4];\n shl.b32 $0, a, 16;\n"
-                " and.b32 $1, a, 0xFFFF0000;\n shl.b32 $2, b, 16;\n and.b32 $3, b, 0xFFFF0000;\n}",
-                "=f,=f,=f,=f,l,~{memory}", loc, ip)
+    """Four bf16 (8 bytes, global, past L1) -> 4 x Float32."""
+    return _bf16x4(i64(addr, loc, ip), "ld.global.cg.v2.b32", "l", loc, ip)
 
 
 @dsl_user_op
 def ld_shared_bf16x4(addr, *, loc=None, ip=None):
-    """Four bf16 (8 bytes, shared) -> 4 x Float32 (exact)."""
-    return _v4f(i32(addr, loc, ip),
-                "{\n .reg .b32 a, b;\n ld.shared.v2.b32 {a, b}, [$4];\n shl.b32 $0, a, 16;\n"
-                " and.b32 $1, a, 0xFFFF0000;\n shl.b32 $2, b, 16;\n and.b32 $3, b, 0xFFFF0000;\n}",
-                "=f,=f,=f,=f,r,~{memory}", loc, ip)
+    """Four bf16 (8 bytes, shared) -> 4 x Float32."""
+    return _bf16x4(i32(addr, loc, ip), "ld.shared.v2.b32", "r", loc, ip)
 
 
 def stage_f32(dst, src, count, tidx, threads):
