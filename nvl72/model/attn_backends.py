@@ -202,7 +202,9 @@ class TritonBackend(AttentionBackend):
         if self.norm_gemv and x.shape[0] == 1:
             got = (self.smem_gemv.norm_gemv(x, delta, norm_weight, eps, zero_centered, weight, bias)
                    if self.smem_gemv else None)
-            return self.kernels.norm_gemv(x, delta, norm_weight, eps, zero_centered, weight, bias) if got is None else got
+            if got is None:
+                got = self.kernels.norm_gemv(x, delta, norm_weight, eps, zero_centered, weight, bias)
+            return got
         return super().norm_linear(x, delta, norm_weight, eps, zero_centered, weight, bias)
 
     def plan(self, batch: ForwardBatch, page_size: int) -> PagedMeta:

@@ -54,9 +54,10 @@ class SmemGemv:
     def _export(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias):
         check_row(x, weight)
         n, k = weight.shape
-        why = ("a bias" if bias is not None else f"{x.dtype}" if x.dtype != torch.bfloat16 or weight.dtype != x.dtype
+        why = ("a bias" if bias is not None
+               else f"{x.dtype}, not bf16" if x.dtype != torch.bfloat16 or weight.dtype != x.dtype
                else f"N={n}: not a multiple of {ROWS}" if n % ROWS
-               else "a weight not contiguous and 16-byte aligned" if not weight.is_contiguous() or weight.data_ptr() % 16
+               else "a weight not contiguous, 16-byte aligned" if not weight.is_contiguous() or weight.data_ptr() % 16
                else f"no variant {name}" if not hasattr(self.module, name) else None)
         key = (name, n, why)
         if key not in self._logged:

@@ -45,8 +45,8 @@ def _op(calls, names=("gemv_k256", "norm_gemv_k128", "norm_gemv_k128_d", "norm_g
 
 def test_gemv_takes_the_exports_where_they_apply(caplog):
     """The shapes with an export run it (N passed, out [1, N] as fused_triton.gemv); a bias, fp32, N not a
-    multiple of ROWS, a missing K variant or a non-contiguous weight return None (Triton then runs),
-    each logged once; a bad x raises as Triton's GEMV does."""
+    multiple of ROWS, a missing K variant or a weight with padded rows return None (Triton then runs),
+    each logged once; two rows or a column-major weight raise as Triton's GEMV does."""
     torch.manual_seed(0)
     calls = []
     op = _op(calls)
@@ -61,17 +61,14 @@ def test_gemv_takes_the_exports_where_they_apply(caplog):
                       ("torch.float32", (x.float(), w.float())),
                       ("N=72: not a multiple of 16", (x, torch.randn(72, 256, dtype=torch.bfloat16))),
                       ("no variant gemv_k128", (x[:, :128], w[:, :128].contiguous())),
-                      ("not contiguous", (x, torch.randn(256, 64, dtype=torch.bfloat16).T.contiguous().T))):
+                      ("a weight not contiguous", (x[:, :128], w[:, :128]))):
         with caplog.at_level(logging.INFO, logger="nvl72.model.smem_gemv"):
-            if why == "not contiguous":
-                with pytest.raises(ValueError, match="row-contiguous"):  # (a column-major weight: Triton's check)
-                    op.gemv(*args)
-                continue
             assert op.gemv(*args) is None, why
         assert why in caplog.text
     assert len(calls) == 2
-    with pytest.raises(ValueError, match="row of weight's K"):
-        op.gemv(torch.randn(2, 256, dtype=torch.bfloat16), w)
+    for bad_x, bad_w in ((torch.randn(2, 256, dtype=torch.bfloat16), w), (x, w.T.contiguous().T)):
+        with pytest.raises(ValueError, match="row of weight's K"):  # two rows; a column-major weight
+            op.gemv(bad_x, bad_w)
 
 
 @pytest.mark.parametrize("zero_centered", [False, True])
