@@ -180,7 +180,9 @@ class MoE(nn.Module):
         g.record_stream(main)
         return s, g, ready
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The MoE of x [T, H]; `routing` (topk_weights, topk_ids) as `route` gives it, when the caller
+        has it (the service computes it beside its norm kernel), else `route(x)`."""
         s, g, ready = self._shared_parts(x)
-        topk_weights, topk_ids = self.route(x, router_logits)
+        topk_weights, topk_ids = self.route(x) if routing is None else routing
         return self.run_experts(x, topk_weights, topk_ids, s, g, ready)

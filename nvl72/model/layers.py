@@ -52,18 +52,24 @@ class RMSNorm(nn.Module):
 
 
 def add_norm(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None, ctx: ForwardContext,
-             router: torch.Tensor | None = None):
-    """(x + delta, norm(x + delta)); delta None: (x, norm(x)); with `router` (a MoE gate's weight
-    [E, H]) also the router logits F.linear(norm(...), router) as a third element. One kernel
-    where the attention backend fuses them (`fused_ops`: a decode layer's torch add, casts,
-    square, mean, rsqrt and products were a dozen small kernels, the router a GEMV), else the
-    reference add, `ops.rms_norm` and F.linear."""
+             moe: MoE | None = None):
+    """(x + delta, norm(x + delta)); delta None: (x, norm(x)); with `moe` also its routing of the
+    normed rows, (topk_weights, topk_ids), as a third element. One kernel where the attention backend
+    fuses them (`fused_ops`: a decode layer's torch add, casts, square, mean, rsqrt and products were
+    a dozen small kernels, the router a GEMV; the routing there too where `fused_route`), else the
+    reference add, `ops.rms_norm`, F.linear and the MoE's own routing."""
     b = ctx.backend
     if b is not None and b.fused_ops and x.dim() == 2:
-        return b.add_rms_norm(x, delta, norm.weight, norm.eps, norm.zero_centered, router)
+        if moe is None:
+            return b.add_rms_norm(x, delta, norm.weight, norm.eps, norm.zero_centered)
+        if b.fused_route:
+            return b.add_rms_norm(x, delta, norm.weight, norm.eps, norm.zero_centered, moe.gate.weight,
+                                  (moe.top_k, moe.norm_topk_prob))
+        s, h, logits = b.add_rms_norm(x, delta, norm.weight, norm.eps, norm.zero_centered, moe.gate.weight)
+        return s, h, moe.route(h, logits)
     s = x if delta is None else x + delta
     h = norm(s)
-    return (s, h) if router is None else (s, h, torch.nn.functional.linear(h, router))
+    return (s, h) if moe is None else (s, h, moe.route(h))
 
 
 # At or below this many tokens the MoE router's GEMV runs inside the post-attention norm kernel
@@ -308,7 +314,7 @@ class DecoderLayer(nn.Module):
             x, h = add_norm(norm, x, delta, ctx)
             return x, dp_ep.moe_forward(moe, h, self.parallel.dispatch)
         if moe is not None and x.shape[0] <= FUSED_ROUTER_TOKENS:
-            x, h, logits = add_norm(norm, x, delta, ctx, moe.gate.weight)
-            return x, self.parallel.reduce(moe(h, router_logits=logits))  # all-reduce of the experts
+            x, h, routing = add_norm(norm, x, delta, ctx, moe)
+            return x, self.parallel.reduce(moe(h, routing=routing))  # all-reduce of the experts
         x, h = add_norm(norm, x, delta, ctx)
         return x, self.parallel.reduce(self.mlp(h))  # all-reduce of the MLP / experts
