@@ -307,13 +307,16 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     k = 0 if route is None or router is None else route[0]
     if route is not None and (router is None or not 0 < k <= e):
         raise ValueError(f"route={route}: needs the router weight and 0 < top_k <= {e} experts")
-    topk_w = torch.empty(t, k, dtype=torch.float32, device=x.device)
-    topk_ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
+    topk_w = topk_ids = counters = out  # (unread without routing)
+    if k:
+        topk_w = torch.empty(t, k, dtype=torch.float32, device=x.device)
+        topk_ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
+        counters = _route_counters(x.device, t)
     if t:
         d = x if delta is None else delta
         _add_rms_norm_kernel[(t, triton.cdiv(e, ROUTER_BLOCK_E) if e else 1)](
-            x, d, weight, s, out, out if router is None else router, logits, topk_w, topk_ids,
-            _route_counters(x.device, t) if k else topk_ids, eps, x.stride(0), d.stride(0), e, H=h,
+            x, d, weight, s, out, out if router is None else router, logits, topk_w, topk_ids, counters, eps,
+            x.stride(0), d.stride(0), e, H=h,
             BLOCK=triton.next_power_of_2(h), HAS_DELTA=delta is not None, ZC=zero_centered,
             BLOCK_E=ROUTER_BLOCK_E if e else 0, K=k, KP=triton.next_power_of_2(max(k, 1)),
             BLOCK_ALL_E=triton.next_power_of_2(max(e, 1)), RENORM=bool(route and route[1]),
