@@ -1,4 +1,4 @@
-"""Inline PTX for the CuTeDSL kernels of `comms` and `moe` (both may import `aot`): the asm builder
+"""Inline PTX for the CuTeDSL kernels of `comms`, `moe` and `nvl72` (all may import `aot`): the asm builder
 and value converters their raw-address helpers share. Imports CuTeDSL, so only kernel modules
 (compiled where CuTeDSL is installed, never imported on a GPU host) import it."""
 import cutlass

@@ -158,9 +158,8 @@ def shared_storage_type(weight_bytes: int, vec: int, scales: int):
 
 @cute.jit
 def shared_views(storage_type, scales: cutlass.Constexpr, tidx):
-    """A `shared_storage_type` allocated: (the mbarrier, initialised for
-    one arrival and visible to the CTA; the weight rows' and the vector's shared addresses; the block
-    scales as a tensor of `scales`)."""
+    """A `shared_storage_type` allocated: (the mbarrier, initialised for one arrival and visible to the
+    CTA; the weight rows' and the vector's shared addresses; the block scales as a tensor of `scales`)."""
     storage = cutlass.utils.SmemAllocator().allocate(storage_type)
     bar = storage.bar.data_ptr()
     if tidx == 0:
@@ -271,7 +270,7 @@ class DownOneToken:
                  out: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, hidden: cutlass.Int32,
                  pdl: cutlass.Int32, stream):
         self.shared_storage = shared_storage_type(self.k * self.slot_bytes, self.k * self.inter,
-                                              self.k * (self.inter // 128))
+                                                  self.k * (self.inter // 128))
         self.kernel(act, ids, tw, w2, s2, out, expert_offset, num_local, hidden).launch(
             grid=[hidden // ROWS, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=pdl)
 

@@ -311,7 +311,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     if k:
         topk_w = torch.empty(t, k, dtype=torch.float32, device=x.device)
         topk_ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
-        counters = _route_counters(x.device, t)
+        counters = _arrival_counters("route", x.device, t)
     if t:
         d = x if delta is None else delta
         _add_rms_norm_kernel[(t, triton.cdiv(e, ROUTER_BLOCK_E) if e else 1)](
@@ -324,18 +324,6 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     if router is None:
         return s, out
     return (s, out, logits) if route is None else (s, out, (topk_w, topk_ids))
-
-
-_ROUTE_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _route_counters(device: torch.device, n: int) -> torch.Tensor:
-    """[>= n] int32 zeros kept per device: add_rms_norm's per-token arrival counters of the router
-    programs, reset by the program that routes (as `_split_counters` for attention's splits)."""
-    c = _ROUTE_COUNTERS.get(device)
-    if c is None or c.numel() < n:
-        c = _ROUTE_COUNTERS[device] = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
-    return c
 
 
 @triton.jit
@@ -636,16 +624,18 @@ def _combine4(acc_rows, ml_rows, j0, active, row_ok, o, den, mx, D: tl.constexpr
 
 
 _SM_COUNT: dict[int, int] = {}
-_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """[>= n] int32 zeros kept per device: the arrival counters of the split programs, reset by
-    the program that combines (so one zeroing at allocation serves every later launch; launches
-    on one device must not overlap, as the decoder's layers on one stream do not)."""
-    c = _SPLIT_COUNTERS.get(device)
+def _arrival_counters(kind: str, device: torch.device, n: int) -> torch.Tensor:
+    """[>= n] int32 zeros kept per (kind, device): the arrival counters of a kernel whose last program
+    to finish does the rest ("split": paged_attention's splits, the last combining; "route":
+    add_rms_norm's router programs per token, the last routing), reset by that program (so one
+    zeroing at allocation serves every later launch; launches of one kind on one device must not
+    overlap, as the decoder's layers on one stream do not)."""
+    c = _COUNTERS.get((kind, device))
     if c is None or c.numel() < n:
-        c = _SPLIT_COUNTERS[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+        c = _COUNTERS[kind, device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
     return c
 
 
@@ -706,7 +696,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         if splits > 1:
             part_acc = torch.empty(t, hq, splits, d, dtype=torch.float32, device=q.device)
             part_ml = torch.empty(t, hq, splits, 2, dtype=torch.float32, device=q.device)
-            counters = _split_counters(q.device, b * hkv)
+            counters = _arrival_counters("split", q.device, b * hkv)
         grid = (b, hkv, triton.cdiv(max_query_len, block_m) * splits)
         pdl = launch_args(q.device)
         _paged_attention_kernel[grid](

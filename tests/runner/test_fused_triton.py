@@ -68,7 +68,7 @@ def test_decode_split_keys_match_reference(device, dtype, splits):
         out = ft.paged_attention(q, kv, batch.query_start_loc, batch.seq_lens, batch.page_table, 1, d**-0.5,
                                  splits=splits)
         assert rel_err(out, ref) < TOL[dtype]
-        assert not ft._SPLIT_COUNTERS[q.device].any()
+        assert not ft._COUNTERS["split", q.device].any()
 
 
 def test_decode_splits_choice():
@@ -184,6 +184,7 @@ def test_add_rms_norm_matches_reference(device, dtype, zero_centered, with_delta
         assert torch.equal(s3, s) and torch.equal(out3, out)
         assert ids.dtype == torch.int64 and torch.equal(ids.cpu(), want_ids)
         assert tw.dtype == torch.float32 and rel_err(tw.cpu(), want_w) < 1e-6
+        assert not ft._COUNTERS["route", x.to(device).device].any()
     with pytest.raises(ValueError, match="route="):
         ft.add_rms_norm(*dev, route=(3, renorm))
 
