@@ -59,7 +59,7 @@ ROWS = 16  # down: output rows per CTA (the grid is H / ROWS)
 DOWN_ROWS_PER_WARP = 2
 DOWN_VARIANTS = {"down_k8_i768": dict(k=8, inter=768)}  # Qwen3-30B-A3B
 # gate/up: rows of gate (and of up) per CTA. 16 rows (8 warps) 2.007 ms a step, 8 rows (4 warps, twice the CTAs)
-# 1.991-1.992; 8 rows with x kept in bf16 in shared memory (6 CTAs an SM: one wave) 2.021-2.025 (H200, RESULTS)
+# 1.991-1.992; 8 rows with x kept in bf16 in shared memory (6 CTAs an SM: one wave) 2.023-2.025 (H200, RESULTS)
 GU_ROWS = 8
 GU_ROWS_PER_WARP = 2
 GATE_UP_VARIANTS = {"gate_up_h2048": dict(hidden=2048)}  # Qwen3-30B-A3B, Qwen3-Next-80B-A3B

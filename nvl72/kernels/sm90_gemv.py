@@ -6,9 +6,9 @@ Why: at batch 1 a projection's weight does not depend on the kernel before it, b
 CTA of ROWS rows asks for all of its ROWS x K weight bytes by bulk copies into shared memory first,
 so the stream runs under the previous kernel (attention for o_proj, the MoE down for q/k/v) on the
 SMs that kernel leaves free; after the wait only x is staged and the dot products read shared
-memory. H200, 48-layer Qwen3-30B-A3B batch-1 step (perf/RESULTS.md): 1.989 ms with Triton's GEMVs,
-1.930-1.944 with o_proj here, 1.842-1.843 with q/k/v here too (8-row CTAs: 1.950 / 1.867-1.872), all
-at 4 warps; 8 warps 1.807-1.812 against 1.849-1.856 for 4, 16 warps 1.883-1.888.
+memory. H200, 48-layer Qwen3-30B-A3B batch-1 step, medians of 5 (perf/RESULTS.md): 1.989 ms with
+Triton's GEMVs, 1.930-1.944 with o_proj here, 1.842-1.843 with q/k/v here too (8-row CTAs: 1.950-1.951
+/ 1.867-1.869), all at 4 warps; 8 warps 1.807-1.812 against 1.851-1.856 for 4, 16 warps 1.884-1.885.
 
 CTA: ROWS rows (N / ROWS CTAs, WARPS warps, ROWS / WARPS rows a warp). Thread 0 asks for the CTA's rows
 (one bulk copy of 2K bytes a row, one mbarrier). After the wait every thread loads its part of x
