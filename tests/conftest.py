@@ -23,3 +23,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "multigpu" in item.keywords and ngpu < 2:
             item.add_marker(skip_multi)
+
+
+@pytest.fixture(autouse=True)
+def _default_stream_restored():
+    """A GPU test must leave torch's current CUDA stream the default one: kernels decide PDL by the
+    stream they launch on (aot.launch), so a leaked side stream changes the next tests' launches."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        leaked = torch.cuda.current_stream() != torch.cuda.default_stream()
+        torch.cuda.set_stream(torch.cuda.default_stream())
+        assert not leaked, "the test left a non-default CUDA stream current"

@@ -174,10 +174,14 @@ class DecodeGraphs:
                     self._step(batch)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.current_stream()
             try:
                 with torch.cuda.graph(graph, pool=pool):
                     self.outputs[bs] = self._step(batch)
             except RuntimeError as e:
+                # torch.cuda.graph's exit raised before restoring the stream: its capture stream is still
+                # current, and every later launch would go there (PDL included: aot.launch)
+                torch.cuda.set_stream(stream)
                 end_failed_capture()
                 raise GraphUnavailable(f"capturing batch size {bs} failed: {str(e).splitlines()[0]}") from e
             pool = graph.pool()
