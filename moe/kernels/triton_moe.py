@@ -217,20 +217,12 @@ def _topk_softmax_kernel(logit_ptr, w_ptr, id_ptr, E, K: tl.constexpr, KP: tl.co
 
 @triton.jit
 def topk_softmax(row, E, K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
-    """`topk_softmax_of` one token's E logits at `row`. Shared with nvl72.model.decode_layer."""
+    """(weights [KP] fp32, expert ids [KP] int64; entries past K are 0) of one token's E logits at
+    `row`: softmax in fp32, top k, optional renormalisation. Each top-k step is one int64 max over
+    keys (bits of p << 32 | the reversed index: p >= 0, so its bits order as p does, and the lowest
+    index wins ties, as torch.topk). Shared with nvl72.model.decode_layer."""
     offs = tl.arange(0, BLOCK_E)
-    return topk_softmax_of(tl.load(row + offs, mask=offs < E, other=-float("inf")), E, K, KP, BLOCK_E, RENORM)
-
-
-@triton.jit
-def topk_softmax_of(x, E, K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
-    """(weights [KP] fp32, expert ids [KP] int64; entries past K are 0) of one token's logits x
-    [BLOCK_E] (-inf past E): softmax in fp32, top k, optional renormalisation. Each top-k step is one
-    int64 max over keys (bits of p << 32 | the reversed index: p >= 0, so its bits order as p does,
-    and the lowest index wins ties, as torch.topk). Shared with nvl72.model.fused_triton (the norm
-    kernel's last router program)."""
-    offs = tl.arange(0, BLOCK_E)
-    x = x.to(tl.float32)
+    x = tl.load(row + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
     key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - offs).to(tl.int64)

@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 ENV = "NVL72_ATTN_BACKEND"
 GEMV_ENV = "NVL72_TRITON_GEMV"
 NORM_GEMV_ENV = "NVL72_NORM_GEMV"  # the input norm inside the q/k/v GEMV (one-token steps)
-FUSED_ROUTE_ENV = "NVL72_FUSED_ROUTE"  # the MoE routing inside the post-attention norm + router kernel
 DECODE_LAYER_ENV = "NVL72_DECODE_LAYER"
 DECODE_LAYER_DEFAULT = "0"
 
@@ -75,8 +74,6 @@ class AttentionBackend:
     # the decoder's residual add + RMSNorm and the RoPE table as Triton kernels (add_rms_norm(),
     # rope_cos_sin()) instead of the torch references
     fused_ops = False
-    # with fused_ops: the MoE routing (softmax top-k) inside the post-attention norm + router kernel
-    fused_route = False
     decode_layer = None  # "fused" / "phased": one-token layers in nvl72.model.decode_layer's kernel
 
     def qk_norm_rope(self, q_raw, k_raw, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, head_dim, eps,
@@ -90,12 +87,18 @@ class AttentionBackend:
                                          head_dim, eps, zero_centered, gated, v, kv_cache,
                                          None if meta is None else meta.slot_mapping)
 
-    def add_rms_norm(self, x, delta, weight, eps, zero_centered, router=None, route=None):
-        """`fused_triton.add_rms_norm`'s contract: (x + delta, its RMSNorm[, router logits, or with
-        `route` the routing]); delta None: (x, RMSNorm(x)[, ...])."""
+    def add_rms_norm(self, x, delta, weight, eps, zero_centered, router=None):
+        """`fused_triton.add_rms_norm`'s contract: (x + delta, its RMSNorm[, router logits]); delta
+        None: (x, RMSNorm(x)[, router logits])."""
         from nvl72.model import fused_triton
 
-        return fused_triton.add_rms_norm(x, delta, weight, eps, zero_centered, router, route)
+        return fused_triton.add_rms_norm(x, delta, weight, eps, zero_centered, router)
+
+    def norm_route(self, x, delta, weight, eps, zero_centered, router, top_k, renormalize):
+        """`smem_gemv.SmemGemv.norm_route`'s contract: (x + delta, its RMSNorm, the MoE routing of the
+        router logits) in one kernel, or None where the backend has none for the shape (the caller
+        then runs add_rms_norm and the MoE's route)."""
+        return None
 
     def linear(self, x, weight, bias=None):
         """F.linear; the triton backend may run single-token steps through its GEMV kernel."""
@@ -182,9 +185,6 @@ class TritonBackend(AttentionBackend):
         from nvl72.model import smem_gemv
 
         self.smem_gemv = smem_gemv.load() if self.gemv else None
-        # The MoE routing of few-token steps done by the last router program of the norm kernel instead
-        # of a top-k kernel after it ($NVL72_FUSED_ROUTE=1; not measured faster yet, perf/RESULTS.md)
-        self.fused_route = _flag(FUSED_ROUTE_ENV, "0")
         log.info("one-token steps: the input norm %s the q/k/v GEMV ($%s)", "inside" if self.norm_gemv else "before",
                  NORM_GEMV_ENV)
         # One-token steps of the layers nvl72.model.decode_layer serves in one persistent kernel
@@ -212,6 +212,11 @@ class TritonBackend(AttentionBackend):
                 got = self.kernels.norm_gemv(x, delta, norm_weight, eps, zero_centered, weight, bias)
             return got
         return super().norm_linear(x, delta, norm_weight, eps, zero_centered, weight, bias)
+
+    def norm_route(self, x, delta, weight, eps, zero_centered, router, top_k, renormalize):
+        if self.smem_gemv is None or x.shape[0] != 1 or os.environ.get("NVL72_AB_ROUTE", "1") == "0":
+            return None
+        return self.smem_gemv.norm_route(x, delta, weight, eps, zero_centered, router, top_k, renormalize)
 
     def plan(self, batch: ForwardBatch, page_size: int) -> PagedMeta:
         capturing = batch.input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -258,7 +263,6 @@ class FlashInferBackend(AttentionBackend):
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="HND")
         self.triton = TritonBackend() if importlib.util.find_spec("triton") is not None else None
         self.fused_qk_norm_rope = self.fused_ops = self.triton is not None
-        self.fused_route = self.fused_ops and self.triton.fused_route
         self.store = ops.write_kv if self.triton is None else self.triton.kernels.store_kv
 
     @staticmethod

@@ -46,7 +46,6 @@ import triton
 import triton.language as tl
 
 from aot.pdl import launch_args, wait_prior
-from moe.kernels.triton_moe import topk_softmax_of
 
 SLOT_BLOCK = 64  # sequence ends per step of the slot-mapping kernel's search
 # Warps of `paged_attention`'s split-key decode programs: with 4 their registers spilled (ptxas: 1376 B
@@ -220,16 +219,13 @@ def _gemv(x, weight, bias, norm=None):
 
 
 @triton.jit
-def _add_rms_norm_kernel(x, delta, w, sum_out, norm_out, router, logits, topk_w, topk_ids, counters, rms_eps,
-                         stride_x, stride_d, E, H: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr,
-                         ZC: tl.constexpr, BLOCK_E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                         BLOCK_ALL_E: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
+def _add_rms_norm_kernel(x, delta, w, sum_out, norm_out, router, logits, rms_eps, stride_x, stride_d, E,
+                         H: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, ZC: tl.constexpr,
+                         BLOCK_E: tl.constexpr, PDL: tl.constexpr):
     """Program (t, j): token t's sum and norm (stored by j == 0); with a router (BLOCK_E > 0) also
     logits rows [j * BLOCK_E, (j + 1) * BLOCK_E) of the normed row, so the norm is recomputed by
     every program (a 2-row read) instead of a second launch for the router's GEMV. The weights
-    (norm, router rows) are read before waiting for the previous kernel (PDL). K > 0: the last of
-    token t's programs to store its logits also routes the token (moe's topk_softmax_of over all E
-    logits, read back past L1), instead of a top-k kernel after this one."""
+    (norm, router rows) are read before waiting for the previous kernel (PDL)."""
     DT = norm_out.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
@@ -251,16 +247,6 @@ def _add_rms_norm_kernel(x, delta, w, sum_out, norm_out, router, logits, topk_w,
         tl.store(norm_out + t * H + c, y.to(DT), mask=ok)
     if BLOCK_E > 0:  # logits = normed @ router.T, rounded to the activation dtype as nn.Linear's output
         tl.store(logits + t * E + e, tl.sum(r.to(tl.float32) * y[None, :], 1).to(DT), mask=e_ok)
-    if K > 0:  # every thread's stores precede the barrier; the counter's acq_rel add publishes them
-        tl.debug_barrier()
-        if tl.atomic_add(counters + t, 1) == tl.num_programs(1) - 1:
-            ae = tl.arange(0, BLOCK_ALL_E)
-            row = tl.load(logits + t * E + ae, mask=ae < E, other=-float("inf"), cache_modifier=".cg")
-            tw, ti = topk_softmax_of(row, E, K, KP, BLOCK_ALL_E, RENORM)
-            kk = tl.arange(0, KP)
-            tl.store(topk_w + t * K + kk, tw, mask=kk < K)
-            tl.store(topk_ids + t * K + kk, ti, mask=kk < K)
-            tl.atomic_xchg(counters + t, 0)  # ready for the next launch (graph replays included)
 
 
 @triton.jit
@@ -288,12 +274,11 @@ ROUTER_BLOCK_E = 4  # router rows per program of the fused norm + router kernel
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 zero_centered: bool, router: torch.Tensor | None = None, route: tuple[int, bool] | None = None):
+                 zero_centered: bool, router: torch.Tensor | None = None):
     """(s, ops.rms_norm(s, weight, eps, zero_centered)) with s = x + delta (x itself when delta is
     None, returned as is); with `router` [E, H] (the MoE gate's weight) also the router logits
-    F.linear(normed, router) [T, E] as a third element, or with `route` = (top_k, renormalize) the
-    routing of those logits instead, (topk_weights [T, k] fp32, topk_ids [T, k] int64) as
-    moe.reference.route gives it. x, delta [T, H] row-contiguous; returns new tensors in x.dtype."""
+    F.linear(normed, router) [T, E] as a third element. x, delta [T, H] row-contiguous; returns
+    new tensors in x.dtype."""
     if x.dim() != 2 or x.stride(1) != 1 or (delta is not None and (delta.shape != x.shape or delta.stride(1) != 1)):
         raise ValueError(f"add_rms_norm needs row-contiguous [T, H] x (got {tuple(x.shape)}) and delta of its shape "
                          f"(got {None if delta is None else tuple(delta.shape)})")
@@ -304,26 +289,13 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     e = 0 if router is None else router.shape[0]
     logits = torch.empty(t, e, dtype=x.dtype, device=x.device) if router is not None else out
-    k = 0 if route is None or router is None else route[0]
-    if route is not None and (router is None or not 0 < k <= e):
-        raise ValueError(f"route={route}: needs the router weight and 0 < top_k <= {e} experts")
-    topk_w = topk_ids = counters = out  # (unread without routing)
-    if k:
-        topk_w = torch.empty(t, k, dtype=torch.float32, device=x.device)
-        topk_ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
-        counters = _arrival_counters("route", x.device, t)
     if t:
         d = x if delta is None else delta
         _add_rms_norm_kernel[(t, triton.cdiv(e, ROUTER_BLOCK_E) if e else 1)](
-            x, d, weight, s, out, out if router is None else router, logits, topk_w, topk_ids, counters, eps,
-            x.stride(0), d.stride(0), e, H=h,
+            x, d, weight, s, out, out if router is None else router, logits, eps, x.stride(0), d.stride(0), e, H=h,
             BLOCK=triton.next_power_of_2(h), HAS_DELTA=delta is not None, ZC=zero_centered,
-            BLOCK_E=ROUTER_BLOCK_E if e else 0, K=k, KP=triton.next_power_of_2(max(k, 1)),
-            BLOCK_ALL_E=triton.next_power_of_2(max(e, 1)), RENORM=bool(route and route[1]),
-            num_warps=4 if h <= 4096 else 8, **launch_args(x.device))
-    if router is None:
-        return s, out
-    return (s, out, logits) if route is None else (s, out, (topk_w, topk_ids))
+            BLOCK_E=ROUTER_BLOCK_E if e else 0, num_warps=4 if h <= 4096 else 8, **launch_args(x.device))
+    return (s, out) if router is None else (s, out, logits)
 
 
 @triton.jit
@@ -624,18 +596,16 @@ def _combine4(acc_rows, ml_rows, j0, active, row_ok, o, den, mx, D: tl.constexpr
 
 
 _SM_COUNT: dict[int, int] = {}
-_COUNTERS: dict[tuple[str, torch.device], torch.Tensor] = {}
+_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def _arrival_counters(kind: str, device: torch.device, n: int) -> torch.Tensor:
-    """[>= n] int32 zeros kept per (kind, device): the arrival counters of a kernel whose last program
-    to finish does the rest ("split": paged_attention's splits, the last combining; "route":
-    add_rms_norm's router programs per token, the last routing), reset by that program (so one
-    zeroing at allocation serves every later launch; launches of one kind on one device must not
-    overlap, as the decoder's layers on one stream do not)."""
-    c = _COUNTERS.get((kind, device))
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """[>= n] int32 zeros kept per device: the arrival counters of the split programs, reset by
+    the program that combines (so one zeroing at allocation serves every later launch; launches
+    on one device must not overlap, as the decoder's layers on one stream do not)."""
+    c = _SPLIT_COUNTERS.get(device)
     if c is None or c.numel() < n:
-        c = _COUNTERS[kind, device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+        c = _SPLIT_COUNTERS[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
     return c
 
 
@@ -696,7 +666,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         if splits > 1:
             part_acc = torch.empty(t, hq, splits, d, dtype=torch.float32, device=q.device)
             part_ml = torch.empty(t, hq, splits, 2, dtype=torch.float32, device=q.device)
-            counters = _arrival_counters("split", q.device, b * hkv)
+            counters = _split_counters(q.device, b * hkv)
         grid = (b, hkv, triton.cdiv(max_query_len, block_m) * splits)
         pdl = launch_args(q.device)
         _paged_attention_kernel[grid](
