@@ -24,9 +24,6 @@ a norm without delta ignores delta and sum_out.
 """
 import cutlass
 import cutlass.cute as cute
-from cutlass.cutlass_dsl import dsl_user_op
-
-from aot.ptx import asm, f32, i32
 
 from moe.kernels.sm90_one_token import (bulk_g2s, fake_args, ld_global_bf16x4, ld_shared_bf16x4, ld_shared_v4f,
                                         shared_storage_type, shared_views, st_shared_v4f, warp_sum)
@@ -39,8 +36,6 @@ VARIANTS = {"gemv_k4096": dict(k=4096)}
 for _zc in ("", "_zc"):
     for _d in ("", "_d"):
         VARIANTS[f"norm_gemv_k2048{_zc}{_d}"] = dict(k=2048, norm="delta" if _d else "plain", zero_centered=bool(_zc))
-# the post-attention norm + router + top-k of one token (NormRoute): Qwen3-30B-A3B
-ROUTE_VARIANTS = {"norm_route_k2048_e128_top8": dict(k=2048, experts=128, top_k=8)}
 
 
 class GemvSmem:
@@ -56,14 +51,12 @@ class GemvSmem:
                              f"of {warps}, norm None, 'plain' or 'delta'")
         self.k, self.rows, self.rpw = k, rows, rows // warps
         self.norm, self.zc = norm, zero_centered
-        self.store_norm = False  # (NormRoute: CTA 0 also stores the normed x)
-        self.scratch = warps  # fp32 shared scratch: the norm's warp partial sums
 
     @cute.jit
     def __call__(self, x: cute.Tensor, delta: cute.Tensor, norm_w: cute.Tensor, sum_out: cute.Tensor,
                  w: cute.Tensor, out: cute.Tensor, n: cutlass.Int32, eps: cutlass.Float32, pdl: cutlass.Int32,
                  stream):
-        self.shared_storage = shared_storage_type(self.rows * self.k * 2, self.k, self.scratch)
+        self.shared_storage = shared_storage_type(self.rows * self.k * 2, self.k, self.warps)
         self.kernel(x, delta, norm_w, sum_out, w, out, eps).launch(
             grid=[n // self.rows, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=pdl)
 
@@ -72,19 +65,7 @@ class GemvSmem:
                out: cute.Tensor, eps: cutlass.Float32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        acc, _ = self._row_sums(x, delta, norm_w, sum_out, sum_out, w, eps, bidx, tidx)
-        n0, r0, lane = bidx * self.rows, (tidx // 32) * self.rpw, tidx % 32
-        for i in cutlass.range_constexpr(self.rpw):
-            y = warp_sum(acc[i])
-            if lane == 0:
-                out[n0 + r0 + i] = y.to(cutlass.BFloat16)
-
-    @cute.jit
-    def _row_sums(self, x: cute.Tensor, delta: cute.Tensor, norm_w: cute.Tensor, sum_out: cute.Tensor,
-                  norm_out: cute.Tensor, w: cute.Tensor, eps: cutlass.Float32, bidx, tidx):
-        """The CTA's part of W @ x (module docstring): (its warp's rows' lane partial sums; the fp32
-        shared scratch). With `store_norm` CTA 0 also stores the normed x to `norm_out`."""
-        bar, w_s, x_s, red = shared_views(self.shared_storage, self.scratch, tidx)
+        bar, w_s, x_s, red = shared_views(self.shared_storage, self.warps, tidx)
         k, threads, rpw = self.k, self.threads, self.rpw
         steps = k // (4 * threads)
         n0 = bidx * self.rows
@@ -103,11 +84,6 @@ class GemvSmem:
         xv = [ld_global_bf16x4(x_base + cutlass.Int64((i * threads + tidx) * 4) * 2) for i in range(steps)]
         if cutlass.const_expr(self.norm is not None):
             xv = self._normed(xv, nw, delta, sum_out, red, eps, bidx, tidx)
-            if cutlass.const_expr(self.store_norm):
-                if bidx == 0:
-                    for i in cutlass.range_constexpr(steps):
-                        for j in cutlass.range_constexpr(4):
-                            norm_out[(i * threads + tidx) * 4 + j] = xv[i][j].to(cutlass.BFloat16)
         for i in cutlass.range_constexpr(steps):
             st_shared_v4f(x_s + (i * threads + tidx) * 16, xv[i])
         cute.arch.sync_threads()
@@ -121,7 +97,10 @@ class GemvSmem:
             for i in cutlass.range_constexpr(rpw):
                 wv = ld_shared_bf16x4(w_s + (r0 + i) * row_bytes + col * 2)
                 acc[i] += wv[0] * xq[0] + wv[1] * xq[1] + wv[2] * xq[2] + wv[3] * xq[3]
-        return acc, red
+        for i in cutlass.range_constexpr(rpw):
+            y = warp_sum(acc[i])
+            if lane == 0:
+                out[n0 + r0 + i] = y.to(cutlass.BFloat16)
 
     @cute.jit
     def _normed(self, xv, nw, delta, sum_out, red, eps: cutlass.Float32, bidx, tidx):
@@ -154,139 +133,14 @@ class GemvSmem:
         return [[_bf16(_bf16(xv[i][j] * rstd) * nw[i][j]) for j in range(4)] for i in range(steps)]
 
 
-class NormRoute(GemvSmem):
-    """One compiled routing variant: H (K here), E experts, top k (renormalised). A cluster of E / ROWS
-    CTAs, each a GemvSmem CTA over ROWS router rows (input norm with the residual add; CTA 0 stores the
-    sum and the normed x); the bf16-rounded logits go to CTA 0's shared memory (distributed shared
-    memory), one cluster barrier, then CTA 0 routes: softmax in fp32, each expert's rank among the E
-    probabilities counted by its own thread (ties: the lower index first, as moe's top-k kernel), the
-    top k renormalised over their sum in rank order."""
-
-    def __init__(self, k: int, experts: int, top_k: int):
-        super().__init__(k, norm="delta")
-        self.experts, self.top_k, self.cluster = experts, top_k, experts // ROWS
-        if experts % ROWS or not 1 <= self.cluster <= 8 or experts % 32 or experts > self.threads or \
-                not 0 < top_k <= experts:
-            raise ValueError(f"E={experts}, top_k={top_k}: E must be a multiple of {ROWS} and of 32, at most "
-                             f"{min(8 * ROWS, self.threads)} (a cluster of at most 8 CTAs), 0 < top_k <= E")
-        self.store_norm = True
-        # scratch: the norm's warp sums | logits [E] | probabilities [E] | the two reductions' warp
-        # partials [E / 32] each | the top k's probabilities and ids [top_k] each
-        self.off_logits = self.warps
-        self.off_p = self.off_logits + experts  # (16-byte aligned: read 4 at a time)
-        self.off_max = self.off_p + experts
-        self.off_sum = self.off_max + experts // 32
-        self.off_top = self.off_sum + experts // 32
-        self.scratch = self.off_top + 2 * top_k
-        if self.off_p % 4:
-            raise ValueError(f"warps={self.warps}, E={experts}: the probabilities must start 16-byte aligned")
-
-    @cute.jit
-    def __call__(self, x: cute.Tensor, delta: cute.Tensor, norm_w: cute.Tensor, sum_out: cute.Tensor,
-                 norm_out: cute.Tensor, w: cute.Tensor, topk_w: cute.Tensor, topk_ids: cute.Tensor,
-                 eps: cutlass.Float32, pdl: cutlass.Int32, stream):
-        self.shared_storage = shared_storage_type(self.rows * self.k * 2, self.k, self.scratch)
-        self.kernel(x, delta, norm_w, sum_out, norm_out, w, topk_w, topk_ids, eps).launch(
-            grid=[self.cluster, 1, 1], block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1], stream=stream,
-            use_pdl=pdl)
-
-    @cute.kernel
-    def kernel(self, x: cute.Tensor, delta: cute.Tensor, norm_w: cute.Tensor, sum_out: cute.Tensor,
-               norm_out: cute.Tensor, w: cute.Tensor, topk_w: cute.Tensor, topk_ids: cute.Tensor,
-               eps: cutlass.Float32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx = cute.arch.block_idx_in_cluster()  # (one cluster: the block index)
-        cute.arch.cluster_arrive_relaxed()  # paired below: every CTA runs before any remote store
-        acc, sc = self._row_sums(x, delta, norm_w, sum_out, norm_out, w, eps, bidx, tidx)
-        ys = [warp_sum(a) for a in acc]
-        cute.arch.cluster_wait()
-        if tidx % 32 == 0:
-            r0 = bidx * self.rows + (tidx // 32) * self.rpw
-            for i in cutlass.range_constexpr(self.rpw):
-                st_cluster_f32(sc.iterator.toint() + (self.off_logits + r0 + i) * 4, 0, _bf16(ys[i]))
-        cute.arch.cluster_arrive()  # release: the logits stores ...
-        cute.arch.cluster_wait()  # ... acquired by CTA 0
-        if bidx == 0:
-            self._route(sc, tidx, topk_w, topk_ids)
-
-    @cute.jit
-    def _route(self, sc: cute.Tensor, tidx, topk_w: cute.Tensor, topk_ids: cute.Tensor):
-        """CTA 0, after the cluster barrier: the routing of the E logits in `sc` (every thread calls:
-        the CTA syncs; thread e < E holds expert e)."""
-        E, K = self.experts, self.top_k
-        lane, warp = tidx % 32, tidx // 32
-        logit = cutlass.Float32(-float("inf"))
-        if tidx < E:
-            logit = sc[self.off_logits + tidx]
-        m = warp_max(logit)
-        if lane == 0 and warp < E // 32:
-            sc[self.off_max + warp] = m
-        cute.arch.sync_threads()
-        m = sc[self.off_max]
-        for i in cutlass.range_constexpr(1, E // 32):
-            m = cute.arch.fmax(m, sc[self.off_max + i])
-        p = cute.arch.exp(logit - m)  # (0 past E)
-        total = warp_sum(p)
-        if lane == 0 and warp < E // 32:
-            sc[self.off_sum + warp] = total
-        cute.arch.sync_threads()
-        total = sc[self.off_sum]
-        for i in cutlass.range_constexpr(1, E // 32):
-            total += sc[self.off_sum + i]
-        p = p / total
-        if tidx < E:
-            sc[self.off_p + tidx] = p
-        cute.arch.sync_threads()
-        if tidx < E:  # (unrolled, 16 bytes a load: the loads issue back to back, not one round trip each)
-            rank = cutlass.Int32(0)
-            p_addr = sc.iterator.toint() + self.off_p * 4
-            for j4 in cutlass.range_constexpr(E // 4):
-                q = ld_shared_v4f(p_addr + j4 * 16)
-                for c in cutlass.range_constexpr(4):
-                    if q[c] > p:
-                        rank += 1
-                    if q[c] == p:
-                        if 4 * j4 + c < tidx:
-                            rank += 1
-            if rank < K:
-                sc[self.off_top + rank] = p
-                sc[self.off_top + K + rank] = cutlass.Float32(tidx)
-        cute.arch.sync_threads()
-        if tidx < K:
-            top_sum = cutlass.Float32(0.0)  # in rank order, as moe's top-k kernel adds them
-            for j in cutlass.range_constexpr(K):
-                top_sum += sc[self.off_top + j]
-            topk_w[tidx] = sc[self.off_top + tidx] / top_sum
-            topk_ids[tidx] = cutlass.Int64(cutlass.Int32(sc[self.off_top + K + tidx]))
-
-
 def _bf16(v):
     """fp32 `v` rounded to bf16 and back (one torch op in bf16)."""
     return v.to(cutlass.BFloat16).to(cutlass.Float32)
 
 
-def warp_max(v):
-    """`v`'s maximum over the warp's 32 lanes (butterfly shuffles: every lane gets it)."""
-    for off in range(5):
-        v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=16 >> off))
-    return v
-
-
-@dsl_user_op
-def st_cluster_f32(addr, rank, v, *, loc=None, ip=None):
-    """Store fp32 `v` at shared address `addr` (Int32, this CTA's layout) of cluster CTA `rank`."""
-    asm(None, [i32(addr, loc, ip), i32(rank, loc, ip), f32(v, loc, ip)],
-        "{\n .reg .b32 ra;\n mapa.shared::cluster.u32 ra, $0, $1;\n st.shared::cluster.f32 [ra], $2;\n}",
-        "r,r,f,~{memory}", loc, ip)
-
-
 # (x, delta, norm_w, sum_out: 8-byte loads / 2-byte stores; w: bulk copies; out), then N, eps, pdl
 _TENSORS = [(cutlass.BFloat16, 8), (cutlass.BFloat16, 8), (cutlass.BFloat16, 8), (cutlass.BFloat16, 2),
             (cutlass.BFloat16, 16), (cutlass.BFloat16, 2)]
-
-# NormRoute: (x, delta, norm_w, sum_out, norm_out, w (the router), topk_w fp32, topk_ids int64), then eps, pdl
-_ROUTE_TENSORS = [*_TENSORS[:4], (cutlass.BFloat16, 2), (cutlass.BFloat16, 16), (cutlass.Float32, 4),
-                  (cutlass.Int64, 8)]
 
 
 def compile_for_export(arch: str = "sm_90a") -> dict:
@@ -296,8 +150,4 @@ def compile_for_export(arch: str = "sm_90a") -> dict:
     opts = f"--gpu-arch {arch} --enable-tvm-ffi"
     *tensors_n, stream = fake_args(_TENSORS, 1)  # the tensors, N, the stream
     args = (*tensors_n, cutlass.Float32(0.0), cutlass.Int32(0), stream)
-    out = {name: cute.compile(GemvSmem(**kw), *args, options=opts) for name, kw in VARIANTS.items()}
-    *tensors, stream = fake_args(_ROUTE_TENSORS, 0)
-    args = (*tensors, cutlass.Float32(0.0), cutlass.Int32(0), stream)
-    out.update({name: cute.compile(NormRoute(**kw), *args, options=opts) for name, kw in ROUTE_VARIANTS.items()})
-    return out
+    return {name: cute.compile(GemvSmem(**kw), *args, options=opts) for name, kw in VARIANTS.items()}

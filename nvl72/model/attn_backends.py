@@ -94,12 +94,6 @@ class AttentionBackend:
 
         return fused_triton.add_rms_norm(x, delta, weight, eps, zero_centered, router)
 
-    def norm_route(self, x, delta, weight, eps, zero_centered, router, top_k, renormalize):
-        """`smem_gemv.SmemGemv.norm_route`'s contract: (x + delta, its RMSNorm, the MoE routing of the
-        router logits) in one kernel, or None where the backend has none for the shape (the caller
-        then runs add_rms_norm and the MoE's route)."""
-        return None
-
     def linear(self, x, weight, bias=None):
         """F.linear; the triton backend may run single-token steps through its GEMV kernel."""
         return torch.nn.functional.linear(x, weight, bias)
@@ -212,11 +206,6 @@ class TritonBackend(AttentionBackend):
                 got = self.kernels.norm_gemv(x, delta, norm_weight, eps, zero_centered, weight, bias)
             return got
         return super().norm_linear(x, delta, norm_weight, eps, zero_centered, weight, bias)
-
-    def norm_route(self, x, delta, weight, eps, zero_centered, router, top_k, renormalize):
-        if self.smem_gemv is None or x.shape[0] != 1 or os.environ.get("NVL72_AB_ROUTE", "1") == "0":
-            return None
-        return self.smem_gemv.norm_route(x, delta, weight, eps, zero_centered, router, top_k, renormalize)
 
     def plan(self, batch: ForwardBatch, page_size: int) -> PagedMeta:
         capturing = batch.input_ids.is_cuda and torch.cuda.is_current_stream_capturing()

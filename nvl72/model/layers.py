@@ -56,16 +56,12 @@ def add_norm(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None, ctx: Fo
     """(x + delta, norm(x + delta)); delta None: (x, norm(x)); with `moe` also its routing of the
     normed rows, (topk_weights, topk_ids), as a third element. One kernel where the attention backend
     fuses them (`fused_ops`: a decode layer's torch add, casts, square, mean, rsqrt and products were
-    a dozen small kernels, the router a GEMV; the routing too where `norm_route` has the shape), else
-    the reference add, `ops.rms_norm`, F.linear and the MoE's own routing."""
+    a dozen small kernels, the router a GEMV), else the reference add, `ops.rms_norm` and F.linear;
+    then the MoE's own routing of the logits."""
     b = ctx.backend
     if b is not None and b.fused_ops and x.dim() == 2:
         if moe is None:
             return b.add_rms_norm(x, delta, norm.weight, norm.eps, norm.zero_centered)
-        got = b.norm_route(x, delta, norm.weight, norm.eps, norm.zero_centered, moe.gate.weight, moe.top_k,
-                           moe.norm_topk_prob)
-        if got is not None:
-            return got
         s, h, logits = b.add_rms_norm(x, delta, norm.weight, norm.eps, norm.zero_centered, moe.gate.weight)
         return s, h, moe.route(h, logits)
     s = x if delta is None else x + delta

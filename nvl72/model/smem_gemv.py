@@ -44,18 +44,17 @@ def load() -> SmemGemv | None:
 
 
 class SmemGemv:
-    """`gemv` and `norm_gemv` of fused_triton's contracts (one row, bf16), and `norm_route`, through
-    `module`'s exports; each returns None where no export applies (the caller then runs Triton's)."""
+    """`gemv` and `norm_gemv` of fused_triton's contracts (one row, bf16) through `module`'s exports;
+    each returns None where no export applies (the caller then runs Triton's)."""
 
     def __init__(self, module):
         self.module = module
         self._logged: set[tuple] = set()
 
-    def _export(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias, kind: str = "projection",
-                fallback: str = "Triton's GEMV", why: str | None = None):
+    def _export(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias):
         check_row(x, weight)
         n, k = weight.shape
-        why = why or ("a bias" if bias is not None
+        why = ("a bias" if bias is not None
                else f"{x.dtype}, not bf16" if x.dtype != torch.bfloat16 or weight.dtype != x.dtype
                else f"N={n}: not a multiple of {ROWS}" if n % ROWS
                else "a weight not contiguous, 16-byte aligned" if not weight.is_contiguous() or weight.data_ptr() % 16
@@ -63,7 +62,7 @@ class SmemGemv:
         key = (name, n, why)
         if key not in self._logged:
             self._logged.add(key)
-            log.info("one-token %s [%d, %d]: %s", kind, n, k, f"{fallback} ({why})" if why else name)
+            log.info("one-token projection [%d, %d]: %s", n, k, f"Triton's GEMV ({why})" if why else name)
         return None if why else getattr(self.module, name)
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -91,27 +90,6 @@ class SmemGemv:
         fn(xf, d, _aligned(norm_weight), s.view(-1), weight.view(-1), out.view(-1), weight.shape[0], float(eps),
            int(pdl_enabled(x.device)))
         return s, out
-
-    def norm_route(self, x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                   zero_centered: bool, router: torch.Tensor, top_k: int, renormalize: bool):
-        """fused_triton.add_rms_norm's (s, normed) of one token with the MoE routing of its router logits,
-        (topk_weights [1, k] fp32, topk_ids [1, k] int64) as moe.reference.route gives it, as a third
-        element, in one kernel; or None (no export for it: add_rms_norm, then the MoE's route)."""
-        check_norm(x, delta, norm_weight)
-        e, h = router.shape
-        why = ("no residual add" if delta is None else "a zero-centred norm" if zero_centered
-               else "routing weights not renormalised" if not renormalize else None)
-        fn = self._export(f"norm_route_k{h}_e{e}_top{top_k}", x, router, None, "routing",
-                          "Triton's norm + router, then top-k", why)
-        if fn is None:
-            return None
-        s = torch.empty_like(x, memory_format=torch.contiguous_format)
-        normed = torch.empty_like(x, memory_format=torch.contiguous_format)
-        topk_w = torch.empty(1, top_k, dtype=torch.float32, device=x.device)
-        topk_ids = torch.empty(1, top_k, dtype=torch.int64, device=x.device)
-        fn(_aligned(x), _aligned(delta), _aligned(norm_weight), s.view(-1), normed.view(-1), router.view(-1),
-           topk_w.view(-1), topk_ids.view(-1), float(eps), int(pdl_enabled(x.device)))
-        return s, normed, (topk_w, topk_ids)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moe import reference as moe_reference
-from nvl72.model import ops, smem_gemv
+from nvl72.model import smem_gemv
 
 ft = pytest.importorskip("nvl72.model.fused_triton", exc_type=ImportError)
 
@@ -40,27 +39,8 @@ def _stand_in(name, calls):
     return run
 
 
-def _route_stand_in(name, calls):
-    """A torch NormRoute export (signature and rounding of sm90_gemv.NormRoute)."""
-    top_k = int(name.rsplit("_top", 1)[1])
-
-    def run(x, delta, norm_w, sum_out, norm_out, w, topk_w, topk_ids, eps, pdl):
-        calls.append((name, pdl))
-        v = _bf16(x.float() + delta.float())
-        sum_out.copy_(v.to(sum_out.dtype))
-        normed = _bf16(_bf16(v * torch.rsqrt(v.pow(2).mean() + eps)) * norm_w.float())
-        norm_out.copy_(normed.to(norm_out.dtype))
-        logits = (w.view(-1, x.numel()).float() @ normed).to(x.dtype)
-        tw, ids = moe_reference.route(logits[None], top_k, True)
-        topk_w.copy_(tw.view(-1))
-        topk_ids.copy_(ids.view(-1))
-    return run
-
-
-def _op(calls, names=("gemv_k256", "norm_gemv_k128", "norm_gemv_k128_d", "norm_gemv_k128_zc_d",
-                      "norm_route_k128_e32_top4")):
-    return smem_gemv.SmemGemv(SimpleNamespace(**{n: (_route_stand_in if "route" in n else _stand_in)(n, calls)
-                                                 for n in names}))
+def _op(calls, names=("gemv_k256", "norm_gemv_k128", "norm_gemv_k128_d", "norm_gemv_k128_zc_d")):
+    return smem_gemv.SmemGemv(SimpleNamespace(**{n: _stand_in(n, calls) for n in names}))
 
 
 def test_gemv_takes_the_exports_where_they_apply(caplog):
@@ -97,6 +77,8 @@ def test_norm_gemv_contract(with_delta, zero_centered):
     """norm_gemv's (s, out) through the export named for (zero-centred, delta), equal to the residual add,
     ops.rms_norm and the GEMV; s is x itself without delta; a variant not compiled (plain zero-centred
     here) returns None; a bad delta raises before any launch."""
+    from nvl72.model import ops
+
     torch.manual_seed(1)
     calls = []
     op = _op(calls)
@@ -117,33 +99,6 @@ def test_norm_gemv_contract(with_delta, zero_centered):
     assert _rel(out, h.float() @ w.float().T) < 1e-2
     with pytest.raises(ValueError, match="norm weight"):
         op.norm_gemv(x, delta, nw[:-1], 1e-6, zero_centered, w)
-    assert len(calls) == 1
-
-
-def test_norm_route_contract(caplog):
-    """norm_route's (s, normed, (topk_weights, topk_ids)) through the export named for (H, E, top k),
-    equal to the residual add, ops.rms_norm and moe.reference.route of the router logits; no residual
-    add, a zero-centred norm, routing without renormalisation or a top k not compiled return None
-    (add_rms_norm and the MoE's route then run), each logged."""
-    torch.manual_seed(3)
-    calls = []
-    op = _op(calls)
-    x, delta = torch.randn(1, 128, dtype=torch.bfloat16), torch.randn(1, 128, dtype=torch.bfloat16)
-    nw = (1 + 0.1 * torch.randn(128)).to(torch.bfloat16)
-    router = torch.randn(32, 128, dtype=torch.bfloat16)
-    s, h, (tw, ids) = op.norm_route(x, delta, nw, 1e-6, False, router, 4, True)
-    assert calls == [("norm_route_k128_e32_top4", 0)]
-    assert torch.equal(s, x + delta) and torch.equal(h, ops.rms_norm(x + delta, nw, 1e-6, False))
-    want_w, want_ids = moe_reference.route(torch.nn.functional.linear(h, router), 4, True)
-    assert tw.dtype == torch.float32 and ids.dtype == torch.int64 and tw.shape == ids.shape == (1, 4)
-    assert torch.equal(ids, want_ids) and torch.allclose(tw, want_w)
-    for why, args in (("no residual add", (x, None, nw, 1e-6, False, router, 4, True)),
-                      ("a zero-centred norm", (x, delta, nw, 1e-6, True, router, 4, True)),
-                      ("not renormalised", (x, delta, nw, 1e-6, False, router, 4, False)),
-                      ("no variant norm_route_k128_e32_top2", (x, delta, nw, 1e-6, False, router, 2, True))):
-        with caplog.at_level(logging.INFO, logger="nvl72.model.smem_gemv"):
-            assert op.norm_route(*args) is None, why
-        assert why in caplog.text and "one-token routing [32, 128]" in caplog.text
     assert len(calls) == 1
 
 
@@ -172,11 +127,7 @@ def test_kernels_compile_for_sm90a(tmp_path):
     for bad in (dict(k=1000), dict(k=2048, rows=6), dict(k=2048, norm="layer")):
         with pytest.raises(ValueError, match="K="):
             mod.GemvSmem(**bad)
-    for bad in (dict(experts=136, top_k=8), dict(experts=256, top_k=8), dict(experts=128, top_k=0)):
-        with pytest.raises(ValueError, match="E="):
-            mod.NormRoute(2048, **bad)
-    assert build.compile_module("nvl72.kernels.sm90_gemv", "sm_90a", str(tmp_path)) == [*mod.VARIANTS,
-                                                                                      *mod.ROUTE_VARIANTS]
+    assert build.compile_module("nvl72.kernels.sm90_gemv", "sm_90a", str(tmp_path)) == list(mod.VARIANTS)
 
 
 @pytest.mark.gpu
@@ -224,63 +175,3 @@ def test_gpu_kernels_match_reference_in_a_graph(zero_centered):
             s_t, out_t = ft.norm_gemv(h, delta, nw, 1e-6, zero_centered, wq)
             assert _rel(o_proj, ft.gemv(x, w)) < 2e-3 and _rel(out_g, out_t) < 2e-3
             assert torch.equal(s_g, s_t)
-
-
-def _route_inputs(router, nw, margin=0.06, tries=100):
-    """Fresh (x, delta) whose routing is clear: Triton's bf16 router logits have their k-th and (k+1)-th
-    largest at least `margin` apart (two bf16 ulps below 4), so a one-ulp difference in a logit's
-    summation order cannot change the chosen experts. Returns (x, delta, Triton's s, normed, logits)."""
-    for _ in range(tries):
-        x = torch.randn(1, router.shape[1], device=router.device, dtype=torch.bfloat16)
-        delta = torch.randn_like(x)
-        s, h, logits = ft.add_rms_norm(x, delta, nw, 1e-6, False, router)
-        top = logits.float()[0].topk(9).values
-        if top[7] - top[8] >= margin:
-            return x, delta, s, h, logits
-    raise AssertionError(f"no input with a top-8 margin of {margin} in {tries} tries")
-
-
-def _check_route(got, want, k=8):
-    s, h, (tw, ids) = got
-    s_t, h_t, logits = want
-    assert torch.equal(s, s_t) and torch.equal(h, h_t)
-    want_w, want_ids = moe_reference.route(logits.float(), k, True)
-    order, want_order = ids[0].argsort(), want_ids[0].argsort()
-    assert torch.equal(ids[0][order], want_ids[0][want_order])
-    assert _rel(tw[0][order], want_w[0][want_order]) < 1e-2
-    assert abs(tw.sum().item() - 1) < 1e-5 and bool((tw[0, :-1] >= tw[0, 1:]).all())  # renormalised, sorted
-
-
-@pytest.mark.gpu
-def test_gpu_norm_route_matches_reference_in_a_graph():
-    """The bundle's NormRoute at the Qwen3-30B-A3B shape (H 2048, 128 experts, top 8): the sum and the
-    normed x bit-equal to Triton's add_rms_norm, the experts those moe.reference.route picks from
-    Triton's router logits, weights within 1% (a logit may round one bf16 ulp apart); then in a CUDA
-    graph, outputs poisoned before each replay on fresh inputs."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("sm_90")
-    op = smem_gemv.load()
-    assert op is not None, "no nvl72.kernels.sm90_gemv in the kernel bundle ($NVL72_KERNEL_BUNDLE)"
-    torch.manual_seed(4)
-    nw = (1 + 0.1 * torch.randn(2048, device="cuda")).to(torch.bfloat16)
-    router = (torch.randn(128, 2048, device="cuda") * 0.02).to(torch.bfloat16)
-    x, delta, *want = _route_inputs(router, nw)
-    _check_route(op.norm_route(x, delta, nw, 1e-6, False, router, 8, True), want)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            got = op.norm_route(x, delta, nw, 1e-6, False, router, 8, True)
-    torch.cuda.current_stream().wait_stream(side)
-    for _ in range(3):
-        x2, d2, *want = _route_inputs(router, nw)
-        x.copy_(x2)
-        delta.copy_(d2)
-        s, h, (tw, ids) = got
-        for t in (s, h, tw):
-            t.fill_(float("nan"))
-        ids.fill_(-1)
-        graph.replay()
-        torch.cuda.synchronize()
-        _check_route(got, want)
