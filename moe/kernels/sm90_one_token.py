@@ -57,7 +57,7 @@ ROWS = 16  # down: output rows per CTA (the grid is H / ROWS)
 # down a row a warp (its lanes then 4-way bank-conflicted) 2.134 ms, two 2.027, four 2.097-2.105;
 # gate/up a row a warp 2.023-2.030, two 2.013-2.020, four 2.068-2.075
 DOWN_ROWS_PER_WARP = 2
-DOWN_VARIANTS = {"down_k8_i768": dict(k=8, inter=768), "down_k8_i768_r8": dict(k=8, inter=768, rows=8)}  # Qwen3-30B-A3B
+DOWN_VARIANTS = {"down_k8_i768": dict(k=8, inter=768)}  # Qwen3-30B-A3B
 # gate/up: rows of gate (and of up) per CTA. 16 rows (8 warps) 2.007 ms a step, 8 rows (4 warps, twice the CTAs)
 # 1.991-1.992; 8 rows with x kept in bf16 in shared memory (6 CTAs an SM: one wave) 2.023-2.025 (H200, RESULTS)
 GU_ROWS = 8
@@ -255,16 +255,15 @@ class DownOneToken:
     """One compiled variant: k slots, I columns (both fixed: they size the shared memory) and the rows a
     warp takes."""
 
-    def __init__(self, k: int, inter: int, rows_per_warp: int = DOWN_ROWS_PER_WARP, rows: int = ROWS):
-        self.rows = rows
-        self.threads = 32 * rows // rows_per_warp
-        if (inter % 128 or k * inter % (4 * self.threads) or rows % rows_per_warp
+    def __init__(self, k: int, inter: int, rows_per_warp: int = DOWN_ROWS_PER_WARP):
+        self.threads = 32 * ROWS // rows_per_warp
+        if (inter % 128 or k * inter % (4 * self.threads) or ROWS % rows_per_warp
                 or k * (inter // 128) > self.threads):
             raise ValueError(f"I={inter}, k={k}, rows_per_warp={rows_per_warp}: I must be a multiple of 128, k x I "
                              f"of {4 * self.threads} (act is staged 16 bytes a thread), k x I / 128 (the block "
-                             f"scales, a thread each) at most {self.threads}, rows_per_warp divide {rows}")
+                             f"scales, a thread each) at most {self.threads}, rows_per_warp divide {ROWS}")
         self.k, self.inter, self.rpw = k, inter, rows_per_warp
-        self.slot_bytes = rows * inter  # one slot's rows of w2: contiguous
+        self.slot_bytes = ROWS * inter  # one slot's rows of w2: contiguous
 
     @cute.jit
     def __call__(self, act: cute.Tensor, ids: cute.Tensor, tw: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor,
@@ -273,7 +272,7 @@ class DownOneToken:
         self.shared_storage = shared_storage_type(self.k * self.slot_bytes, self.k * self.inter,
                                                   self.k * (self.inter // 128))
         self.kernel(act, ids, tw, w2, s2, out, expert_offset, num_local, hidden).launch(
-            grid=[hidden // self.rows, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=pdl)
+            grid=[hidden // ROWS, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=pdl)
 
     @cute.kernel
     def kernel(self, act: cute.Tensor, ids: cute.Tensor, tw: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor,
@@ -282,7 +281,7 @@ class DownOneToken:
         bidx, _, _ = cute.arch.block_idx()
         bar, w_s, a_s, sc = shared_views(self.shared_storage, self.k * (self.inter // 128), tidx)
         inter = self.inter
-        n0 = bidx * self.rows
+        n0 = bidx * ROWS
         # the routing is final (two kernels back): each slot's expert and weight, read once, and
         # every local slot's rows asked for now
         es = [cutlass.Int32(ids[s]) - expert_offset for s in range(self.k)]
