@@ -51,6 +51,18 @@ def listed_modules() -> list[str]:
     return mods
 
 
+def fake_args(tensors, scalars: int):
+    """Compile-time stand-ins of an export's arguments: a flat tensor of symbolic length per (dtype,
+    assumed alignment) of `tensors`, then `scalars` Int32s and the caller's stream."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+    from cutlass.runtime import make_fake_stream
+
+    return (*(make_fake_compact_tensor(dt, (cute.sym_int(),), assumed_align=align) for dt, align in tensors),
+            *(cutlass.Int32(0) for _ in range(scalars)), make_fake_stream(use_tvm_ffi_env_stream=True))
+
+
 def compile_module(module: str, arch: str, out_dir: str) -> list[str]:
     """Compile `module` for `arch` and link `<out_dir>/<module>.so`; returns its export names
     ([] when the module's `ARCHS` tuple, if it has one, leaves `arch` out)."""

@@ -1,8 +1,12 @@
 """Inline PTX for the CuTeDSL kernels of `comms`, `moe` and `nvl72` (all may import `aot`): the asm builder
-and value converters their raw-address helpers share. Imports CuTeDSL, so only kernel modules
-(compiled where CuTeDSL is installed, never imported on a GPU host) import it."""
+and value converters their raw-address helpers share, and the bulk copy and 16- / 8-byte loads and
+stores of the one-token row kernels (moe.kernels.sm90_one_token, nvl72.kernels.sm90_gemv). Imports
+CuTeDSL, so only kernel modules (compiled where CuTeDSL is installed, never imported on a GPU host)
+import it."""
 import cutlass
+from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 
 def asm(ret, args, text, cons, loc, ip):
@@ -21,3 +25,58 @@ def i64(x, loc, ip):
 
 def f32(x, loc, ip):
     return cutlass.Float32(x).ir_value(loc=loc, ip=ip)
+
+
+def v4f(addr, text, cons, loc, ip):
+    """Inline asm returning four f32 ($0-$3) from one address operand ($4)."""
+    r = asm(ir.Type.parse("!llvm.struct<(f32,f32,f32,f32)>"), [addr], text, cons, loc, ip)
+    return [cutlass.Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
+
+
+@dsl_user_op
+def bulk_g2s(dst, src, nbytes, mbar, *, loc=None, ip=None):
+    """cp.async.bulk of `nbytes` (a multiple of 16) from global address `src` (Int64) to shared address
+    `dst` (Int32), completing on the mbarrier at shared address `mbar` (Int32)."""
+    asm(None, [i32(dst, loc, ip), i64(src, loc, ip), i32(nbytes, loc, ip), i32(mbar, loc, ip)],
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+        "r,l,r,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def ld_global_v4f(addr, *, loc=None, ip=None):
+    """16-byte global load past L1 (data the previous kernel wrote) -> 4 x Float32."""
+    return v4f(i64(addr, loc, ip), "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];",
+               "=f,=f,=f,=f,l,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def st_shared_v4f(addr, v, *, loc=None, ip=None):
+    """16-byte shared store of 4 x Float32 at shared address `addr` (Int32)."""
+    asm(None, [i32(addr, loc, ip)] + [f32(x, loc, ip) for x in v],
+        "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def ld_shared_v4f(addr, *, loc=None, ip=None):
+    """16-byte shared load -> 4 x Float32."""
+    return v4f(i32(addr, loc, ip), "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
+               "=f,=f,=f,=f,r,~{memory}", loc, ip)
+
+
+def _bf16x4(addr, load: str, cons: str, loc, ip):
+    """Four bf16 (8 bytes) by the 2 x b32 load `load` at $4 -> 4 x Float32 (exact: the bf16 bits in the high half)."""
+    return v4f(addr, "{\n .reg .b32 a, b;\n " + load + " {a, b}, [$4];\n shl.b32 $0, a, 16;\n"
+               " and.b32 $1, a, 0xFFFF0000;\n shl.b32 $2, b, 16;\n and.b32 $3, b, 0xFFFF0000;\n}",
+               "=f,=f,=f,=f," + cons + ",~{memory}", loc, ip)
+
+
+@dsl_user_op
+def ld_global_bf16x4(addr, *, loc=None, ip=None):
+    """Four bf16 (8 bytes, global, past L1) -> 4 x Float32."""
+    return _bf16x4(i64(addr, loc, ip), "ld.global.cg.v2.b32", "l", loc, ip)
+
+
+@dsl_user_op
+def ld_shared_bf16x4(addr, *, loc=None, ip=None):
+    """Four bf16 (8 bytes, shared) -> 4 x Float32."""
+    return _bf16x4(i32(addr, loc, ip), "ld.shared.v2.b32", "r", loc, ip)

@@ -45,11 +45,11 @@ differs). Shared memory is sized at compile time: one variant per H (gate/up) an
 """
 import cutlass
 import cutlass.cute as cute
-from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 
-from aot.ptx import asm, f32, i32, i64
+from aot.build import fake_args
+from aot.ptx import bulk_g2s, i32, ld_global_bf16x4, ld_global_v4f, ld_shared_v4f, st_shared_v4f, v4f
+from aot.rows import shared_storage_type, shared_views, warp_sum
 
 ARCHS = ("sm_90a",)
 ROWS = 16  # down: output rows per CTA (the grid is H / ROWS)
@@ -66,69 +66,14 @@ GATE_UP_VARIANTS = {"gate_up_h2048": dict(hidden=2048)}  # Qwen3-30B-A3B, Qwen3-
 
 
 @dsl_user_op
-def bulk_g2s(dst, src, nbytes, mbar, *, loc=None, ip=None):
-    """cp.async.bulk of `nbytes` (a multiple of 16) from global address `src` (Int64) to shared address
-    `dst` (Int32), completing on the mbarrier at shared address `mbar` (Int32)."""
-    asm(None, [i32(dst, loc, ip), i64(src, loc, ip), i32(nbytes, loc, ip), i32(mbar, loc, ip)],
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
-        "r,l,r,r,~{memory}", loc, ip)
-
-
-def _v4f(addr, text, cons, loc, ip):
-    """Inline asm returning four f32 ($0-$3) from one address operand ($4)."""
-    r = asm(ir.Type.parse("!llvm.struct<(f32,f32,f32,f32)>"), [addr], text, cons, loc, ip)
-    return [cutlass.Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
-
-
-@dsl_user_op
-def ld_global_v4f(addr, *, loc=None, ip=None):
-    """16-byte global load past L1 (act: written by the previous kernel) -> 4 x Float32."""
-    return _v4f(i64(addr, loc, ip), "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];",
-                "=f,=f,=f,=f,l,~{memory}", loc, ip)
-
-
-@dsl_user_op
-def st_shared_v4f(addr, v, *, loc=None, ip=None):
-    """16-byte shared store of 4 x Float32 at shared address `addr` (Int32)."""
-    asm(None, [i32(addr, loc, ip)] + [f32(x, loc, ip) for x in v],
-        "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f,~{memory}", loc, ip)
-
-
-@dsl_user_op
-def ld_shared_v4f(addr, *, loc=None, ip=None):
-    """16-byte shared load -> 4 x Float32."""
-    return _v4f(i32(addr, loc, ip), "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
-                "=f,=f,=f,=f,r,~{memory}", loc, ip)
-
-
-@dsl_user_op
 def ld_shared_e4m3x4(addr, *, loc=None, ip=None):
     """Four e4m3 bytes at shared address `addr` (Int32) -> 4 x Float32 (exact: e4m3 -> f16 -> f32)."""
-    return _v4f(i32(addr, loc, ip),
-                "{\n .reg .b32 w, a, b;\n .reg .b16 lo, hi, h0, h1, h2, h3;\n ld.shared.b32 w, [$4];\n"
-                " mov.b32 {lo, hi}, w;\n cvt.rn.f16x2.e4m3x2 a, lo;\n cvt.rn.f16x2.e4m3x2 b, hi;\n"
-                " mov.b32 {h0, h1}, a;\n mov.b32 {h2, h3}, b;\n cvt.f32.f16 $0, h0;\n cvt.f32.f16 $1, h1;\n"
-                " cvt.f32.f16 $2, h2;\n cvt.f32.f16 $3, h3;\n}",
-                "=f,=f,=f,=f,r,~{memory}", loc, ip)
-
-
-def _bf16x4(addr, load: str, cons: str, loc, ip):
-    """Four bf16 (8 bytes) by the 2 x b32 load `load` at $4 -> 4 x Float32 (exact: the bf16 bits in the high half)."""
-    return _v4f(addr, "{\n .reg .b32 a, b;\n " + load + " {a, b}, [$4];\n shl.b32 $0, a, 16;\n"
-                " and.b32 $1, a, 0xFFFF0000;\n shl.b32 $2, b, 16;\n and.b32 $3, b, 0xFFFF0000;\n}",
-                "=f,=f,=f,=f," + cons + ",~{memory}", loc, ip)
-
-
-@dsl_user_op
-def ld_global_bf16x4(addr, *, loc=None, ip=None):
-    """Four bf16 (8 bytes, global, past L1) -> 4 x Float32."""
-    return _bf16x4(i64(addr, loc, ip), "ld.global.cg.v2.b32", "l", loc, ip)
-
-
-@dsl_user_op
-def ld_shared_bf16x4(addr, *, loc=None, ip=None):
-    """Four bf16 (8 bytes, shared) -> 4 x Float32."""
-    return _bf16x4(i32(addr, loc, ip), "ld.shared.v2.b32", "r", loc, ip)
+    return v4f(i32(addr, loc, ip),
+               "{\n .reg .b32 w, a, b;\n .reg .b16 lo, hi, h0, h1, h2, h3;\n ld.shared.b32 w, [$4];\n"
+               " mov.b32 {lo, hi}, w;\n cvt.rn.f16x2.e4m3x2 a, lo;\n cvt.rn.f16x2.e4m3x2 b, hi;\n"
+               " mov.b32 {h0, h1}, a;\n mov.b32 {h2, h3}, b;\n cvt.f32.f16 $0, h0;\n cvt.f32.f16 $1, h1;\n"
+               " cvt.f32.f16 $2, h2;\n cvt.f32.f16 $3, h3;\n}",
+               "=f,=f,=f,=f,r,~{memory}", loc, ip)
 
 
 def stage_f32(dst, src, count, tidx, threads):
@@ -139,42 +84,6 @@ def stage_f32(dst, src, count, tidx, threads):
     vals = [ld_global_v4f(src + cutlass.Int64((i * threads + tidx) * 4) * 4) for i in range(steps)]
     for i in range(steps):
         st_shared_v4f(dst + (i * threads + tidx) * 16, vals[i])
-
-
-def shared_storage_type(weight_bytes: int, vec: int, scales: int):
-    """Both kernels' shared memory: the mbarrier of the bulk copies, the CTA's weight rows, the
-    staged fp32 vector (gate/up's x, down's act) and the rows' block scales (also the layout of
-    nvl72.kernels.sm90_gemv, whose `scales` hold its warps' partial sums). (The struct needs its
-    annotations evaluated: this module has no `from __future__ import annotations`.)"""
-    @cute.struct
-    class SharedStorage:
-        bar: cute.struct.MemRange[cutlass.Int64, 1]
-        w: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, weight_bytes], 128]
-        v: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, vec], 128]
-        sc: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, scales], 16]
-
-    return SharedStorage
-
-
-@cute.jit
-def shared_views(storage_type, scales: cutlass.Constexpr, tidx):
-    """A `shared_storage_type` allocated: (the mbarrier, initialised for one arrival and visible to the
-    CTA; the weight rows' and the vector's shared addresses; the block scales as a tensor of `scales`)."""
-    storage = cutlass.utils.SmemAllocator().allocate(storage_type)
-    bar = storage.bar.data_ptr()
-    if tidx == 0:
-        cute.arch.mbarrier_init(bar, 1)
-        cute.arch.mbarrier_init_fence()
-    cute.arch.sync_threads()
-    return bar, storage.w.data_ptr().toint(), storage.v.data_ptr().toint(), storage.sc.get_tensor(
-        cute.make_layout(scales))
-
-
-def warp_sum(v):
-    """`v` summed over the warp's 32 lanes (butterfly shuffles: every lane gets the sum)."""
-    for off in range(5):
-        v += cute.arch.shuffle_sync_bfly(v, offset=16 >> off)
-    return v
 
 
 class GateUpOneToken:
@@ -331,16 +240,6 @@ class DownOneToken:
             y = warp_sum(acc[i])
             if lane == 0:
                 out[n0 + r0 + i] = y.to(cutlass.BFloat16)
-
-
-def fake_args(tensors, scalars: int):
-    """Compile-time stand-ins of an export's arguments: a flat tensor of symbolic length per (dtype,
-    assumed alignment) of `tensors`, then `scalars` Int32s and the caller's stream."""
-    from cutlass.cute.runtime import make_fake_compact_tensor
-    from cutlass.runtime import make_fake_stream
-
-    return (*(make_fake_compact_tensor(dt, (cute.sym_int(),), assumed_align=align) for dt, align in tensors),
-            *(cutlass.Int32(0) for _ in range(scalars)), make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
 # (act, ids, tw, w2, s2, out), then expert_offset, num_local, H, pdl

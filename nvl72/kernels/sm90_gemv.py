@@ -25,8 +25,9 @@ a norm without delta ignores delta and sum_out.
 import cutlass
 import cutlass.cute as cute
 
-from moe.kernels.sm90_one_token import (bulk_g2s, fake_args, ld_global_bf16x4, ld_shared_bf16x4, ld_shared_v4f,
-                                        shared_storage_type, shared_views, st_shared_v4f, warp_sum)
+from aot.build import fake_args
+from aot.ptx import bulk_g2s, ld_global_bf16x4, ld_shared_bf16x4, ld_shared_v4f, st_shared_v4f
+from aot.rows import shared_storage_type, shared_views, warp_sum
 
 ARCHS = ("sm_90a",)
 WARPS = 8  # (4 and 16 measured slower, above)
