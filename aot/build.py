@@ -167,6 +167,7 @@ def build(out_root: str, archs=("sm_90a",), modules: list[str] | None = None, *,
             man["files"][f] = os.path.getsize(os.path.join(out, f))
         with open(os.path.join(out, MANIFEST), "w") as f:
             json.dump(man, f, indent=1)
-        log.info("aot: bundle %s: %d modules, %.1f MiB", out, len(modules), sum(man["files"].values()) / 2**20)
+        log.info("aot: bundle %s: %d modules (%d listed), %.1f MiB", out, len(man["modules"]), len(modules),
+                 sum(man["files"].values()) / 2**20)
         manifests.append(man)
     return manifests
