@@ -229,7 +229,12 @@ class LLMEngine:
                              # steps whose forward ran outside the CUDA graphs (prefill chunks, mixed
                              # steps, batches beyond the captured sizes) and their host time
                              num_eager_steps=0, eager_step_seconds=0.0,
+                             # a step's start to the next's while requests stay in flight: the caller's
+                             # loop period (a served batch-1 TPOT); its excess over step_seconds is the
+                             # loop's own work (the serving loop's messages), if the device waits on it
+                             num_step_periods=0, step_period_seconds=0.0,
                              triton_compiles=0)  # after the warm-up (jit_watch)
+        self._last_busy_step: float | None = None  # start of the last step that left requests in flight
         self._eager = False  # the current step's forward ran outside the CUDA graphs
         log.info("engine: %d KV pages of %d tokens (%.1f MiB), %d GDN slots, spec k=%d, prefix cache %s, "
                  "async scheduling %s, device %s",
@@ -400,10 +405,14 @@ class LLMEngine:
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self._last_busy_step is not None:
+            self.counters["num_step_periods"] += 1
+            self.counters["step_period_seconds"] += t0 - self._last_busy_step
         self._eager = False
         try:
             return self._step_async() if self.overlap else self._step_sync()
         finally:
+            self._last_busy_step = t0 if self.has_unfinished() else None
             dt = time.perf_counter() - t0
             self.counters["step_seconds"] += dt
             if self._eager:
@@ -601,6 +610,8 @@ class LLMEngine:
             "step_seconds": float(c["step_seconds"]),
             "num_eager_steps": float(c["num_eager_steps"]),
             "eager_step_seconds": float(c["eager_step_seconds"]),
+            "num_step_periods": float(c["num_step_periods"]),
+            "step_period_seconds": float(c["step_period_seconds"]),
             "triton_compiles": float(c["triton_compiles"]),
             "spec_decode_acceptance_rate": c["spec_decode_num_accepted_tokens"] / max(c["spec_decode_num_draft_tokens"], 1),
             "spec_decode_tokens_per_step": (c["spec_decode_num_accepted_tokens"] + drafts) / max(drafts, 1),

@@ -39,6 +39,8 @@ nvl72:num_steps_total{model_name="m"} 50.0
 nvl72:step_seconds_total{model_name="m"} 0.2
 nvl72:num_eager_steps_total{model_name="m"} 20.0
 nvl72:eager_step_seconds_total{model_name="m"} 0.15
+nvl72:num_step_periods_total{model_name="m"} 45.0
+nvl72:step_period_seconds_total{model_name="m"} 0.3
 nvl72:triton_compiles_total{model_name="m"} 3.0
 """
 
@@ -47,18 +49,19 @@ def test_metric_parsing_and_rates():
     m = B.parse_metrics(METRICS_TEXT)
     assert m == {"prefix_queries": 400.0, "prefix_hits": 96.0, "spec_drafted": 30.0, "spec_accepted": 12.0,
                  "engine_steps": 50.0, "engine_step_seconds": 0.2, "engine_eager_steps": 20.0,
-                 "engine_eager_step_seconds": 0.15, "engine_triton_compiles": 3.0}
+                 "engine_eager_step_seconds": 0.15, "engine_periods": 45.0, "engine_period_seconds": 0.3,
+                 "engine_triton_compiles": 3.0}
     before = dict(prefix_queries=100.0, prefix_hits=16.0, spec_drafted=10.0, spec_accepted=2.0, engine_steps=10.0,
                   engine_step_seconds=0.1, engine_eager_steps=10.0, engine_eager_step_seconds=0.1,
-                  engine_triton_compiles=1.0)
+                  engine_periods=5.0, engine_period_seconds=0.18, engine_triton_compiles=1.0)
     r = B.metric_rates(before, m)
     assert r["prefix_cache_hit_rate"] == pytest.approx(80 / 300) and r["mtp_acceptance"] == pytest.approx(0.5)
     assert r["engine_steps"] == 40 and r["engine_step_ms"] == pytest.approx(2.5)
     assert r["engine_eager_steps"] == 10 and r["engine_eager_step_ms"] == pytest.approx(5.0)
-    assert r["engine_triton_compiles"] == 2
+    assert r["engine_period_ms"] == pytest.approx(3.0) and r["engine_triton_compiles"] == 2
     assert B.metric_rates(m, m) == {"prefix_cache_hit_rate": None, "mtp_acceptance": None, "engine_steps": None,
                                     "engine_step_ms": None, "engine_eager_steps": None, "engine_eager_step_ms": None,
-                                    "engine_triton_compiles": None}
+                                    "engine_period_ms": None, "engine_triton_compiles": None}
 
 
 def test_summary_arithmetic_counts_tokens_not_chunks():
@@ -123,7 +126,7 @@ def test_cli_against_real_server(server, tmp_path, capsys):
     assert ag["usage_cached_fraction"] == pytest.approx(ag["prefix_cache_hit_rate"], abs=1e-9)
     assert all(r["ttft_ms"]["median"] > 0 and r["tpot_ms"]["median"] > 0 for r in runs)
     # the engine's own steps over each run: at least one per output token of the longest request
-    assert all(r["engine_steps"] >= 4 - 1 and r["engine_step_ms"] > 0 for r in fixed)
+    assert all(r["engine_steps"] >= 4 - 1 and r["engine_step_ms"] > 0 and r["engine_period_ms"] > 0 for r in fixed)
     # no CUDA graphs on a CPU server: every step ran eagerly
     assert all(r["engine_eager_steps"] == r["engine_steps"] and r["engine_eager_step_ms"] > 0 for r in fixed)
     turns = ag["per_turn"]

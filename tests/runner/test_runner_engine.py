@@ -129,6 +129,9 @@ def test_padded_replay_rows_match_eager_cpu(name, attention, overlap):
     assert replay.replays > 0 and out == ref
     c = engine.counters  # the steps that did not replay ran eagerly (the prefills at least)
     assert 0 < c["num_eager_steps"] == c["num_steps"] - replay.replays and c["eager_step_seconds"] > 0
+    # every step() call but the first follows one that left requests in flight: a period each (async
+    # scheduling ends with one more call, which only resolves the last step: not counted in num_steps)
+    assert c["num_step_periods"] == c["num_steps"] - (0 if overlap else 1) and c["step_period_seconds"] > 0
 
 
 @INTERPRETED
