@@ -87,13 +87,16 @@ def decode_rate(engine: LLMEngine, batch: int, prompt_len: int, out_len: int, se
         if "t0" not in mark and len(started) == batch:
             torch.cuda.synchronize()
             mark["t0"], mark["steps0"] = time.perf_counter(), engine.counters["num_steps"]
+            mark["wait0"] = engine.counters["device_wait_seconds"]
 
     _drain(engine, on_token)
     torch.cuda.synchronize()
     dt = time.perf_counter() - mark["t0"]
     steps = engine.counters["num_steps"] - mark["steps0"]
     tokens = batch * (out_len - 1)
-    return {"tok_s": tokens / dt, "step_ms": dt / max(steps, 1) * 1e3, "steps": steps}
+    wait = engine.counters["device_wait_seconds"] - mark["wait0"]
+    return {"tok_s": tokens / dt, "step_ms": dt / max(steps, 1) * 1e3, "steps": steps,
+            "wait_ms": wait / max(steps, 1) * 1e3}
 
 
 def fixed_rate(engine: LLMEngine, concurrency: int, num_requests: int, prompt_len: int, out_len: int,
@@ -281,7 +284,7 @@ def main(argv=None) -> int:
                                       model.dtype.itemsize)
             floor_step = bound["total"] / bw
             res["rows"].append({"what": f"decode b={b}", "mode": mode, "tok_s": r["tok_s"], "step_ms": r["step_ms"],
-                                "step_ms_runs": [x["step_ms"] for x in runs],
+                                "step_ms_runs": [x["step_ms"] for x in runs], "wait_ms": r["wait_ms"],
                                 "bound_step_ms": floor_step * 1e3, "bound_tok_s": b / floor_step,
                                 "experts_touched": bound["experts_touched"]})
     engine.model.attn_backend, engine.runner.graphs = triton, graphs
@@ -310,6 +313,7 @@ def main(argv=None) -> int:
         if "bound_step_ms" in r:
             runs = r.get("step_ms_runs", [])
             spread = f"  (median of {len(runs)}: {runs[0]:.3f}-{runs[-1]:.3f} ms)" if len(runs) > 1 else ""
+            spread += f"  host waits on the device {r['wait_ms']:.3f} ms a step" if "wait_ms" in r else ""
             print(f"{r['what']:<14} {r['mode']:<14} {r['tok_s']:>9.1f} {r['step_ms']:>8.3f} {r['bound_step_ms']:>9.3f} "
                   f"{100 * r['bound_step_ms'] / r['step_ms']:>9.1f}% {'':>8}{spread}")
         elif "tok_s" in r:  # the fixed workload: prefills mixed in, no bound

@@ -133,6 +133,7 @@ METRIC_KEYS = {
     "engine_eager_step_seconds": "nvl72:eager_step_seconds",
     "engine_periods": "nvl72:num_step_periods",
     "engine_period_seconds": "nvl72:step_period_seconds",
+    "engine_wait_seconds": "nvl72:device_wait_seconds",
     "engine_triton_compiles": "nvl72:triton_compiles",
 }
 
@@ -160,6 +161,7 @@ def metric_rates(before: dict[str, float], after: dict[str, float]) -> dict[str,
         "engine_eager_step_ms": (d["engine_eager_step_seconds"] / d["engine_eager_steps"] * 1e3
                                  if d["engine_eager_steps"] > 0 else None),
         "engine_period_ms": d["engine_period_seconds"] / d["engine_periods"] * 1e3 if d["engine_periods"] > 0 else None,
+        "engine_wait_ms": d["engine_wait_seconds"] / d["engine_steps"] * 1e3 if d["engine_steps"] > 0 else None,
         "engine_triton_compiles": d["engine_triton_compiles"] if d["engine_steps"] > 0 else None,
     }
 
@@ -197,6 +199,7 @@ class RunSummary:
     # the engine loop's mean period between steps with requests in flight (above engine_step_ms by the
     # serving loop's own work: at concurrency 1 the TPOT when the loop, not the device, paces the steps)
     engine_period_ms: float | None = None
+    engine_wait_ms: float | None = None  # of engine_step_ms, the host blocked on the device's tokens
     engine_triton_compiles: float | None = None  # Triton kernels compiled during the run (warm-up gaps)
 
 
@@ -213,7 +216,8 @@ def summarize(workload: str, concurrency: int, results: list[RequestResult], dur
         rates.get("prefix_cache_hit_rate"), rates.get("mtp_acceptance"),
         engine_steps=rates.get("engine_steps"), engine_step_ms=rates.get("engine_step_ms"),
         engine_eager_steps=rates.get("engine_eager_steps"), engine_eager_step_ms=rates.get("engine_eager_step_ms"),
-        engine_period_ms=rates.get("engine_period_ms"), engine_triton_compiles=rates.get("engine_triton_compiles"))
+        engine_period_ms=rates.get("engine_period_ms"), engine_wait_ms=rates.get("engine_wait_ms"),
+        engine_triton_compiles=rates.get("engine_triton_compiles"))
 
 
 def per_turn(per_conv: list[list[RequestResult]]) -> list[dict]:
@@ -318,7 +322,7 @@ def _f(x, fmt="{:.1f}") -> str:
 def table(runs: list[RunSummary]) -> str:
     head = (f"{'workload':>8} {'conc':>5} {'reqs':>5} {'in tok':>8} {'out tok':>8} {'out tok/s':>10} "
             f"{'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'TPOT p50 ms':>11} {'TPOT p99 ms':>11} {'prefix hit':>10} "
-            f"{'MTP acc':>8} {'steps':>6} {'step ms':>7} {'period ms':>9} {'eager':>6} {'eager ms':>8} {'jit':>4}")
+            f"{'MTP acc':>8} {'steps':>6} {'step ms':>7} {'period ms':>9} {'wait ms':>7} {'eager':>6} {'eager ms':>8} {'jit':>4}")
     rows = [head]
     for r in runs:
         rows.append(f"{r.workload:>8} {r.concurrency:>5} {r.num_requests:>5} {r.input_tokens:>8} {r.output_tokens:>8} "
@@ -326,7 +330,7 @@ def table(runs: list[RunSummary]) -> str:
                     f"{_f(r.tpot_ms['median'], '{:.2f}'):>11} {_f(r.tpot_ms['p99'], '{:.2f}'):>11} "
                     f"{_f(r.prefix_cache_hit_rate, '{:.3f}'):>10} {_f(r.mtp_acceptance, '{:.3f}'):>8} "
                     f"{_f(r.engine_steps, '{:.0f}'):>6} {_f(r.engine_step_ms, '{:.2f}'):>7} "
-                    f"{_f(r.engine_period_ms, '{:.2f}'):>9} "
+                    f"{_f(r.engine_period_ms, '{:.2f}'):>9} {_f(r.engine_wait_ms, '{:.2f}'):>7} "
                     f"{_f(r.engine_eager_steps, '{:.0f}'):>6} {_f(r.engine_eager_step_ms, '{:.2f}'):>8} "
                     f"{_f(r.engine_triton_compiles, '{:.0f}'):>4}")
     return "\n".join(rows)

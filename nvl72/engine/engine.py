@@ -233,6 +233,9 @@ class LLMEngine:
                              # loop period (a served batch-1 TPOT); its excess over step_seconds is the
                              # loop's own work (the serving loop's messages), if the device waits on it
                              num_step_periods=0, step_period_seconds=0.0,
+                             # host time blocked on a launched step's sampled tokens (async scheduling):
+                             # near 0 a step means the host, not the device, paces the steps
+                             device_wait_seconds=0.0,
                              triton_compiles=0)  # after the warm-up (jit_watch)
         self._last_busy_step: float | None = None  # start of the last step that left requests in flight
         self._eager = False  # the current step's forward ran outside the CUDA graphs
@@ -482,7 +485,9 @@ class LLMEngine:
 
     def _resolve(self, flight: InFlight) -> list[RequestOutput]:
         """Read back a launched step's tokens (waits for that step only) and postprocess them."""
+        t0 = time.perf_counter()
         sampled = flight.sample.result()
+        self.counters["device_wait_seconds"] += time.perf_counter() - t0
         outputs = []
         for seq, row in flight.rows.items():
             if seq.status == Status.FINISHED:  # aborted meanwhile: its token is dropped
@@ -612,6 +617,7 @@ class LLMEngine:
             "eager_step_seconds": float(c["eager_step_seconds"]),
             "num_step_periods": float(c["num_step_periods"]),
             "step_period_seconds": float(c["step_period_seconds"]),
+            "device_wait_seconds": float(c["device_wait_seconds"]),
             "triton_compiles": float(c["triton_compiles"]),
             "spec_decode_acceptance_rate": c["spec_decode_num_accepted_tokens"] / max(c["spec_decode_num_draft_tokens"], 1),
             "spec_decode_tokens_per_step": (c["spec_decode_num_accepted_tokens"] + drafts) / max(drafts, 1),

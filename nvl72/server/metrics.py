@@ -28,7 +28,7 @@ ENGINE_GAUGES = {
 # Cumulative engine totals exported as counters.
 ENGINE_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
                    "num_preemptions", "num_steps", "step_seconds", "num_eager_steps", "eager_step_seconds",
-                   "num_step_periods", "step_period_seconds", "triton_compiles")
+                   "num_step_periods", "step_period_seconds", "device_wait_seconds", "triton_compiles")
 # Engine ratios exported as gauges when present.
 ENGINE_RATIOS = ("spec_decode_acceptance_rate", "spec_decode_tokens_per_step")
 

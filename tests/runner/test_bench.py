@@ -41,6 +41,7 @@ nvl72:num_eager_steps_total{model_name="m"} 20.0
 nvl72:eager_step_seconds_total{model_name="m"} 0.15
 nvl72:num_step_periods_total{model_name="m"} 45.0
 nvl72:step_period_seconds_total{model_name="m"} 0.3
+nvl72:device_wait_seconds_total{model_name="m"} 0.06
 nvl72:triton_compiles_total{model_name="m"} 3.0
 """
 
@@ -50,18 +51,20 @@ def test_metric_parsing_and_rates():
     assert m == {"prefix_queries": 400.0, "prefix_hits": 96.0, "spec_drafted": 30.0, "spec_accepted": 12.0,
                  "engine_steps": 50.0, "engine_step_seconds": 0.2, "engine_eager_steps": 20.0,
                  "engine_eager_step_seconds": 0.15, "engine_periods": 45.0, "engine_period_seconds": 0.3,
+                 "engine_wait_seconds": 0.06,
                  "engine_triton_compiles": 3.0}
     before = dict(prefix_queries=100.0, prefix_hits=16.0, spec_drafted=10.0, spec_accepted=2.0, engine_steps=10.0,
                   engine_step_seconds=0.1, engine_eager_steps=10.0, engine_eager_step_seconds=0.1,
-                  engine_periods=5.0, engine_period_seconds=0.18, engine_triton_compiles=1.0)
+                  engine_periods=5.0, engine_period_seconds=0.18, engine_wait_seconds=0.02, engine_triton_compiles=1.0)
     r = B.metric_rates(before, m)
     assert r["prefix_cache_hit_rate"] == pytest.approx(80 / 300) and r["mtp_acceptance"] == pytest.approx(0.5)
     assert r["engine_steps"] == 40 and r["engine_step_ms"] == pytest.approx(2.5)
     assert r["engine_eager_steps"] == 10 and r["engine_eager_step_ms"] == pytest.approx(5.0)
-    assert r["engine_period_ms"] == pytest.approx(3.0) and r["engine_triton_compiles"] == 2
+    assert r["engine_period_ms"] == pytest.approx(3.0) and r["engine_wait_ms"] == pytest.approx(1.0)
+    assert r["engine_triton_compiles"] == 2
     assert B.metric_rates(m, m) == {"prefix_cache_hit_rate": None, "mtp_acceptance": None, "engine_steps": None,
                                     "engine_step_ms": None, "engine_eager_steps": None, "engine_eager_step_ms": None,
-                                    "engine_period_ms": None, "engine_triton_compiles": None}
+                                    "engine_period_ms": None, "engine_wait_ms": None, "engine_triton_compiles": None}
 
 
 def test_summary_arithmetic_counts_tokens_not_chunks():
