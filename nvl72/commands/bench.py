@@ -196,8 +196,8 @@ class RunSummary:
     engine_step_ms: float | None = None
     engine_eager_steps: float | None = None  # of engine_steps, those outside the CUDA graphs
     engine_eager_step_ms: float | None = None
-    # the engine loop's mean period between steps with requests in flight (above engine_step_ms by the
-    # serving loop's own work: at concurrency 1 the TPOT when the loop, not the device, paces the steps)
+    # the engine loop's mean period between steps with requests in flight (at concurrency 1 the TPOT's
+    # engine side; above engine_step_ms by the time the serving loop spends outside the step)
     engine_period_ms: float | None = None
     engine_wait_ms: float | None = None  # of engine_step_ms, the host blocked on the device's tokens
     engine_triton_compiles: float | None = None  # Triton kernels compiled during the run (warm-up gaps)

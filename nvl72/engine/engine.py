@@ -231,7 +231,7 @@ class LLMEngine:
                              num_eager_steps=0, eager_step_seconds=0.0,
                              # a step's start to the next's while requests stay in flight: the caller's
                              # loop period (a served batch-1 TPOT); its excess over step_seconds is the
-                             # loop's own work (the serving loop's messages), if the device waits on it
+                             # time the loop spends outside step() (the serving loop's messages)
                              num_step_periods=0, step_period_seconds=0.0,
                              # host time blocked on a launched step's sampled tokens (async scheduling):
                              # near 0 a step means the host, not the device, paces the steps
