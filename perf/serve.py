@@ -313,7 +313,7 @@ def main(argv=None) -> int:
         if "bound_step_ms" in r:
             runs = r.get("step_ms_runs", [])
             spread = f"  (median of {len(runs)}: {runs[0]:.3f}-{runs[-1]:.3f} ms)" if len(runs) > 1 else ""
-            spread += f"  host waits on the device {r['wait_ms']:.3f} ms a step" if "wait_ms" in r else ""
+            spread += f"  host waits on the device {r['wait_ms']:.3f} ms a step"
             print(f"{r['what']:<14} {r['mode']:<14} {r['tok_s']:>9.1f} {r['step_ms']:>8.3f} {r['bound_step_ms']:>9.3f} "
                   f"{100 * r['bound_step_ms'] / r['step_ms']:>9.1f}% {'':>8}{spread}")
         elif "tok_s" in r:  # the fixed workload: prefills mixed in, no bound
