@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -151,6 +152,29 @@ def exposed_by_name(spans: list[tuple[str, float, float]]) -> dict[str, tuple[fl
     return out
 
 
+def exposed_by_position(spans: list[tuple[str, float, float]], first: str) -> list[dict]:
+    """One repeating unit of GPU ops (a decoder layer), position by position: the ops from each one
+    whose name contains `first` up to the next; units of the commonest length only (the step's other
+    ops, lm_head and sampling, fall in units of other lengths). Per position the medians over units
+    of: exposed time (as `exposed_by_name`), the op's own span, and its lead (how long before the
+    previous op's end it started: under PDL its early loads and its wait). Tells apart ops of one
+    kernel (the q/k/v and o_proj GEMVs) that `exposed_by_name` sums together."""
+    ops, prev_end = [], float("-inf")
+    for name, start, end in sorted(spans, key=lambda s: s[1]):
+        ops.append((name, end - max(prev_end, start) if end > prev_end else 0.0, end - start,
+                    max(prev_end - start, 0.0)))
+        prev_end = max(prev_end, end)
+    cuts = [i for i, op in enumerate(ops) if first in op[0]]
+    units = [ops[a:b] for a, b in zip(cuts, cuts[1:])]
+    if not units:
+        return []
+    n = statistics.mode(len(u) for u in units)
+    units = [u for u in units if len(u) == n]
+    return [{"name": units[0][j][0], "exposed": statistics.median(u[j][1] for u in units),
+             "span": statistics.median(u[j][2] for u in units), "lead": statistics.median(u[j][3] for u in units),
+             "units": len(units)} for j in range(n)]
+
+
 def profile_decode(engine: LLMEngine, batch: int, out_dir: str, steps: int = 24) -> None:
     """Where a decode step's time goes: GPU kernel time by kernel beside the step's wall time.
 
@@ -188,6 +212,13 @@ def profile_decode(engine: LLMEngine, batch: int, out_dir: str, steps: int = 24)
           f"{sum(t for _, (t, _n) in exposed) / steps:.1f} us in all)")
     for name, (t, n) in exposed[:20]:
         print(f"{t / steps:>9.1f} {n / steps:>6.1f}x  {name[:90]}")
+    layer = exposed_by_position(spans, "_qk_norm_rope_kernel")
+    if layer:
+        print(f"\nLAYER decode b={batch} (one decoder layer's ops from the q/k norm on, medians over {layer[0]['units']} "
+              f"layers; us: exposed, own span, lead = started before the previous op's end)")
+        for op in layer:
+            print(f"{op['exposed']:>9.2f} {op['span']:>7.2f} {op['lead']:>7.2f}  {op['name'][:80]}")
+        print(f"{sum(op['exposed'] for op in layer):>9.2f}  a layer")
 
 
 def profile_prefill(engine: LLMEngine, prompt_len: int, out_dir: str) -> None:
