@@ -63,7 +63,6 @@ DOWN_VARIANTS = {"down_k8_i768": dict(k=8, inter=768)}  # Qwen3-30B-A3B
 GU_ROWS = 8
 GU_ROWS_PER_WARP = 2
 GATE_UP_VARIANTS = {"gate_up_h2048": dict(hidden=2048)}  # Qwen3-30B-A3B, Qwen3-Next-80B-A3B
-GATE_UP_RING_VARIANTS = {"gate_up_ring2_h2048": dict(hidden=2048, stages=2), "gate_up_ring3_h2048": dict(hidden=2048, stages=3)}
 
 
 @dsl_user_op
@@ -159,135 +158,6 @@ class GateUpOneToken:
                 g, u = warp_sum(acc_g[i]), warp_sum(acc_u[i])
                 if lane == 0:
                     act[cutlass.Int64(p) * inter + n0 + r0 + i] = g / (1.0 + cute.math.exp(-g)) * u
-
-
-def ring_storage_type(stages: int, stage_bytes: int, hidden: int, stage_scales: int):
-    """GateUpRing's shared memory: a bulk-copy mbarrier per stage, the stages' weight rows and block
-    scales, and x in fp32."""
-    @cute.struct
-    class RingStorage:
-        bar: cute.struct.MemRange[cutlass.Int64, stages]
-        w: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, stages * stage_bytes], 128]
-        sc: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, stages * stage_scales], 128]
-        v: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, hidden], 128]
-
-    return RingStorage
-
-
-class GateUpRing:
-    """gate/up as `GateUpOneToken` computes it, in `ctas` persistent CTAs (one an SM) that walk the
-    (slot, GU_ROWS-row block) items c, c + ctas, ... through a ring of `stages` shared-memory stages:
-    an item's gate and up rows and their block scales arrive by bulk copies on the stage's mbarrier
-    while the earlier stages are summed. Why: GateUpOneToken's 768 CTAs fill every SM's shared memory
-    until gate/up ends, so `down`'s CTAs (their w2 slices asked for before their PDL wait) cannot start
-    beside them and w2 streams only after gate/up; the ring leaves room for one `down` CTA an SM."""
-
-    def __init__(self, hidden: int, stages: int = 2, ctas: int = 132, rows_per_warp: int = GU_ROWS_PER_WARP):
-        self.threads = 32 * GU_ROWS // rows_per_warp
-        if hidden % 512 or hidden % (4 * self.threads) or GU_ROWS % rows_per_warp:
-            raise ValueError(f"H={hidden}, rows_per_warp={rows_per_warp}: H must be a multiple of 512 (a row "
-                             f"block's scales are bulk-copied, 16 bytes at a time) and of {4 * self.threads}, "
-                             f"rows_per_warp divide {GU_ROWS}")
-        self.hidden, self.rpw, self.stages, self.ctas = hidden, rows_per_warp, stages, ctas
-        self.rows_bytes = GU_ROWS * hidden
-        self.nkb = hidden // 128
-
-    @cute.jit
-    def __call__(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor,
-                 expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32, k: cutlass.Int32,
-                 pdl: cutlass.Int32, stream):
-        self.shared_storage = ring_storage_type(self.stages, 2 * self.rows_bytes, self.hidden, 2 * self.nkb)
-        self.kernel(x, ids, w13, s13, act, expert_offset, num_local, inter, k).launch(
-            grid=[self.ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=pdl)
-
-    @cute.jit
-    def issue(self, it, stage, bars, w_s, sc_s, ids, w13, s13, expert_offset, num_local, inter):
-        """Thread 0: item `it`'s gate and up rows and block scales into `stage` (a remote expert's item:
-        a plain arrival, so every stage's phase flips once per item)."""
-        nblk = inter // GU_ROWS
-        p = it // nblk
-        n0 = (it % nblk) * GU_ROWS
-        e = cutlass.Int32(ids[p]) - expert_offset
-        bar = bars + stage
-        if e >= 0 and e < num_local:
-            nkb, rb = self.nkb, self.rows_bytes
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, 2 * rb + 2 * nkb * 4)
-            g_row = cutlass.Int64(e) * 2 * inter + n0
-            w_base = w13.iterator.toint()
-            s_base = s13.iterator.toint()
-            dst = w_s + stage * 2 * rb
-            bulk_g2s(dst, w_base + g_row * self.hidden, rb, bar.toint())
-            bulk_g2s(dst + rb, w_base + (g_row + inter) * self.hidden, rb, bar.toint())
-            sdst = sc_s + stage * 2 * nkb * 4
-            bulk_g2s(sdst, s_base + (g_row // 128) * nkb * 4, nkb * 4, bar.toint())
-            bulk_g2s(sdst + nkb * 4, s_base + ((g_row + inter) // 128) * nkb * 4, nkb * 4, bar.toint())
-        else:
-            cute.arch.mbarrier_arrive(bar)
-
-    @cute.kernel
-    def kernel(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor,
-               expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32, k: cutlass.Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        c, _, _ = cute.arch.block_idx()
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        bars = storage.bar.data_ptr()
-        w_s = storage.w.data_ptr().toint()
-        sc_s = storage.sc.data_ptr().toint()
-        sc = storage.sc.get_tensor(cute.make_layout(self.stages * 2 * self.nkb))
-        x_s = storage.v.data_ptr().toint()
-        hidden, threads, rpw, stages, nkb = self.hidden, self.threads, self.rpw, self.stages, self.nkb
-        if tidx == 0:
-            for s in cutlass.range_constexpr(stages):
-                cute.arch.mbarrier_init(bars + s, 1)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
-        items = k * (inter // GU_ROWS)
-        cute.arch.griddepcontrol_wait()  # the routing (the previous kernel) is complete and visible
-        cute.arch.griddepcontrol_launch_dependents()
-        x_base = x.iterator.toint()
-        xv = [ld_global_bf16x4(x_base + cutlass.Int64((i * threads + tidx) * 4) * 2)
-              for i in range(hidden // (4 * threads))]
-        if tidx == 0:
-            for s in cutlass.range_constexpr(stages):
-                if c + s * self.ctas < items:
-                    self.issue(c + s * self.ctas, s, bars, w_s, sc_s, ids, w13, s13, expert_offset, num_local, inter)
-        for i in cutlass.range_constexpr(hidden // (4 * threads)):
-            st_shared_v4f(x_s + (i * threads + tidx) * 16, xv[i])
-        cute.arch.sync_threads()
-        r0 = (tidx // 32) * rpw
-        lane = tidx % 32
-        nblk = inter // GU_ROWS
-        for it in cutlass.range(c, items, self.ctas):
-            n = (it - c) // self.ctas
-            stage = n % stages
-            p = it // nblk
-            n0 = (it % nblk) * GU_ROWS
-            e = cutlass.Int32(ids[p]) - expert_offset
-            cute.arch.mbarrier_wait(bars + stage, (n // stages) % 2)
-            if e >= 0 and e < num_local:
-                ws = w_s + stage * 2 * self.rows_bytes
-                s0 = stage * 2 * nkb
-                acc_g = [cutlass.Float32(0.0) for _ in range(rpw)]
-                acc_u = [cutlass.Float32(0.0) for _ in range(rpw)]
-                for q in cutlass.range_constexpr(nkb):
-                    col = q * 128 + lane * 4
-                    xq = ld_shared_v4f(x_s + col * 4)
-                    sg = sc[s0 + q]
-                    su = sc[s0 + nkb + q]
-                    for i in cutlass.range_constexpr(rpw):
-                        gv = ld_shared_e4m3x4(ws + (r0 + i) * hidden + col)
-                        uv = ld_shared_e4m3x4(ws + self.rows_bytes + (r0 + i) * hidden + col)
-                        acc_g[i] += (gv[0] * xq[0] + gv[1] * xq[1] + gv[2] * xq[2] + gv[3] * xq[3]) * sg
-                        acc_u[i] += (uv[0] * xq[0] + uv[1] * xq[1] + uv[2] * xq[2] + uv[3] * xq[3]) * su
-                for i in cutlass.range_constexpr(rpw):
-                    g, u = warp_sum(acc_g[i]), warp_sum(acc_u[i])
-                    if lane == 0:
-                        act[cutlass.Int64(p) * inter + n0 + r0 + i] = g / (1.0 + cute.math.exp(-g)) * u
-            cute.arch.sync_threads()  # every warp is done with the stage: it may be refilled
-            if tidx == 0:
-                if it + stages * self.ctas < items:
-                    self.issue(it + stages * self.ctas, stage, bars, w_s, sc_s, ids, w13, s13, expert_offset,
-                               num_local, inter)
 
 
 class DownOneToken:
@@ -390,6 +260,4 @@ def compile_for_export(arch: str = "sm_90a") -> dict:
            for name, kw in DOWN_VARIANTS.items()}
     out.update({name: cute.compile(GateUpOneToken(**kw), *fake_args(*_GATE_UP_ARGS), options=opts)
                 for name, kw in GATE_UP_VARIANTS.items()})
-    out.update({name: cute.compile(GateUpRing(**kw), *fake_args(*_GATE_UP_ARGS), options=opts)
-                for name, kw in GATE_UP_RING_VARIANTS.items()})
     return out
