@@ -80,20 +80,3 @@ def ld_global_bf16x4(addr, *, loc=None, ip=None):
 def ld_shared_bf16x4(addr, *, loc=None, ip=None):
     """Four bf16 (8 bytes, shared) -> 4 x Float32."""
     return _bf16x4(i32(addr, loc, ip), "ld.shared.v2.b32", "r", loc, ip)
-
-
-@dsl_user_op
-def ld_global_b32x2(addr, *, loc=None, ip=None):
-    """8 bytes (global, past L1) as two Int32: bf16 pairs kept packed in registers (`bf16x4_bits`)."""
-    r = asm(ir.Type.parse("!llvm.struct<(i32,i32)>"), [i64(addr, loc, ip)], "ld.global.cg.v2.b32 {$0, $1}, [$2];",
-            "=r,=r,l,~{memory}", loc, ip)
-    return [cutlass.Int32(llvm.extractvalue(T.i32(), r, [i])) for i in range(2)]
-
-
-@dsl_user_op
-def bf16x4_bits(a, b, *, loc=None, ip=None):
-    """The four bf16 packed in Int32 `a` (low, high) and `b` -> 4 x Float32 (exact)."""
-    r = asm(ir.Type.parse("!llvm.struct<(f32,f32,f32,f32)>"), [i32(a, loc, ip), i32(b, loc, ip)],
-            "{\n shl.b32 $0, $4, 16;\n and.b32 $1, $4, 0xFFFF0000;\n shl.b32 $2, $5, 16;\n"
-            " and.b32 $3, $5, 0xFFFF0000;\n}", "=f,=f,=f,=f,r,r", loc, ip)
-    return [cutlass.Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]

@@ -48,7 +48,7 @@ import cutlass.cute as cute
 from cutlass.cutlass_dsl import dsl_user_op
 
 from aot.build import fake_args
-from aot.ptx import bf16x4_bits, bulk_g2s, i32, ld_global_b32x2, ld_global_bf16x4, ld_global_v4f, ld_shared_v4f, st_shared_v4f, v4f
+from aot.ptx import bulk_g2s, i32, ld_global_bf16x4, ld_global_v4f, ld_shared_v4f, st_shared_v4f, v4f
 from aot.rows import shared_storage_type, shared_views, warp_sum
 
 ARCHS = ("sm_90a",)
@@ -62,7 +62,7 @@ DOWN_VARIANTS = {"down_k8_i768": dict(k=8, inter=768)}  # Qwen3-30B-A3B
 # 1.991-1.992; 8 rows with x kept in bf16 in shared memory (6 CTAs an SM: one wave) 2.023-2.025 (H200, RESULTS)
 GU_ROWS = 8
 GU_ROWS_PER_WARP = 2
-GATE_UP_VARIANTS = {"gate_up_h2048": dict(hidden=2048), "gate_up_xr_h2048": dict(hidden=2048, x_regs=True)}
+GATE_UP_VARIANTS = {"gate_up_h2048": dict(hidden=2048)}  # Qwen3-30B-A3B, Qwen3-Next-80B-A3B
 
 
 @dsl_user_op
@@ -91,8 +91,7 @@ class GateUpOneToken:
     expert count and k are runtime (the grid is k x I / GU_ROWS; I a multiple of 128). See the module
     docstring."""
 
-    def __init__(self, hidden: int, rows_per_warp: int = GU_ROWS_PER_WARP, x_regs: bool = False):
-        self.x_regs = x_regs
+    def __init__(self, hidden: int, rows_per_warp: int = GU_ROWS_PER_WARP):
         self.threads = 32 * GU_ROWS // rows_per_warp
         if hidden % 128 or hidden % (4 * self.threads) or GU_ROWS % rows_per_warp or hidden // 64 > self.threads:
             raise ValueError(f"H={hidden}, rows_per_warp={rows_per_warp}: H must be a multiple of 128 and of "
@@ -105,8 +104,7 @@ class GateUpOneToken:
     def __call__(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor,
                  expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32, k: cutlass.Int32,
                  pdl: cutlass.Int32, stream):
-        self.shared_storage = shared_storage_type(2 * self.rows_bytes, 4 if self.x_regs else self.hidden,
-                                                  2 * (self.hidden // 128))
+        self.shared_storage = shared_storage_type(2 * self.rows_bytes, self.hidden, 2 * (self.hidden // 128))
         self.kernel(x, ids, w13, s13, act, expert_offset, num_local, inter).launch(
             grid=[k, inter // GU_ROWS, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=pdl)
 
@@ -119,18 +117,12 @@ class GateUpOneToken:
         hidden, threads, rpw = self.hidden, self.threads, self.rpw
         nkb = hidden // 128
         n0 = j * GU_ROWS
-        x_base = x.iterator.toint()
-        xr = []
-        if cutlass.const_expr(self.x_regs):  # x (written two kernels back) before the wait, the lane's
-            lane0 = tidx % 32                 # columns only, kept packed
-            xr = [ld_global_b32x2(x_base + cutlass.Int64(q * 128 + lane0 * 4) * 2) for q in range(nkb)]
         cute.arch.griddepcontrol_wait()  # the routing (the previous kernel) is complete and visible
         cute.arch.griddepcontrol_launch_dependents()
         # x is asked for beside the routing (not after it); its stores to shared memory come last
-        xv = []
-        if cutlass.const_expr(not self.x_regs):
-            xv = [ld_global_bf16x4(x_base + cutlass.Int64((i * threads + tidx) * 4) * 2)
-                  for i in range(hidden // (4 * threads))]
+        x_base = x.iterator.toint()
+        xv = [ld_global_bf16x4(x_base + cutlass.Int64((i * threads + tidx) * 4) * 2)
+              for i in range(hidden // (4 * threads))]
         e = cutlass.Int32(ids[p]) - expert_offset
         if e >= 0 and e < num_local:
             g_row = cutlass.Int64(e) * 2 * inter + n0  # first gate row; its up rows start I rows later
@@ -145,9 +137,8 @@ class GateUpOneToken:
                 bulk_g2s(w_s + self.rows_bytes, w_base + (g_row + inter) * hidden, self.rows_bytes, bar.toint())
             if tidx < 2 * nkb:
                 sc[tidx] = scale
-        if cutlass.const_expr(not self.x_regs):
-            for i in cutlass.range_constexpr(hidden // (4 * threads)):  # (in every CTA: a store only where
-                st_shared_v4f(x_s + (i * threads + tidx) * 16, xv[i])  # x is used lets ptxas sink its load)
+        for i in cutlass.range_constexpr(hidden // (4 * threads)):  # (in every CTA: a store only where
+            st_shared_v4f(x_s + (i * threads + tidx) * 16, xv[i])  # x is used lets ptxas sink its load)
         cute.arch.sync_threads()
         if e >= 0 and e < num_local:
             cute.arch.mbarrier_wait(bar, 0)
@@ -157,10 +148,7 @@ class GateUpOneToken:
             acc_u = [cutlass.Float32(0.0) for _ in range(rpw)]
             for q in cutlass.range_constexpr(nkb):
                 col = q * 128 + lane * 4
-                if cutlass.const_expr(self.x_regs):
-                    xq = bf16x4_bits(xr[q][0], xr[q][1])
-                else:
-                    xq = ld_shared_v4f(x_s + col * 4)
+                xq = ld_shared_v4f(x_s + col * 4)
                 for i in cutlass.range_constexpr(rpw):
                     gv = ld_shared_e4m3x4(w_s + (r0 + i) * hidden + col)
                     uv = ld_shared_e4m3x4(w_s + self.rows_bytes + (r0 + i) * hidden + col)
