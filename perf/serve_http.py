@@ -26,6 +26,7 @@ import sys
 import tempfile
 
 from nvl72.commands.bench import Bench, BenchConfig, table, turn_table
+from nvl72.commands.bench_plots import write_plots
 from nvl72.config import ModelConfig
 from perf.procs import Children, wait_serving
 from perf.serve import QWEN3_30B_A3B, decode_step_bytes
@@ -85,6 +86,7 @@ def main(argv=None) -> int:
     ap.add_argument("--startup-timeout", type=float, default=300)
     ap.add_argument("--request-timeout", type=float, default=120)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, metavar="DIR", help="also draw the decode and agentic runs as SVG charts")
     ap.add_argument("--log", default=None, help="server log file (default: a temporary file)")
     args = ap.parse_args(argv)
     args.ttft_lens = [int(x) for x in args.ttft_lens.split(",")]
@@ -135,6 +137,8 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+    if args.plot:
+        print("charts: " + ", ".join(write_plots(list(res["decode"].values()) + [ag], args.plot)))
     print(table(list(res["decode"].values()) + list(res["ttft"].values()) + [ag]))
     print("\nagentic by turn (turn 2+ hit rate from the prefix cache; TTFT should follow 'new tok'):")
     print(turn_table(ag.per_turn))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -29,6 +30,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from nvl72.cli import CLIError
+from nvl72.commands.bench_plots import write_plots
 
 HELP = "benchmark a running server (fixed lengths and the agentic workload)"
 
@@ -381,6 +383,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--seed", default="0", help="workload seed")
     a("--timeout", default="600", help="seconds per request")
     a("--json", default=None, help="write the results here as JSON")
+    a("--plot", default=None, metavar="DIR", help="also draw the results as SVG charts in DIR (made if missing)")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -417,6 +420,8 @@ async def run_suite(args: argparse.Namespace, cfg: BenchConfig) -> list[RunSumma
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    if args.plot and os.path.exists(args.plot) and not os.path.isdir(args.plot):
+        raise CLIError(f"--plot: {args.plot!r} is not a directory")  # before the run, not after it
     runs = asyncio.run(run_suite(args, cfg))
     for r in runs:
         if r.per_turn:
@@ -425,4 +430,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(to_json(runs, cfg), f, indent=1)
+    if args.plot:
+        try:
+            paths = write_plots(runs, args.plot)
+        except OSError as e:
+            raise CLIError(f"--plot: {args.plot!r}: {e.strerror or e}") from None
+        print("charts: " + (", ".join(paths) if paths else "none (fixed charts need two concurrencies)"))
     return 0

@@ -85,6 +85,14 @@ def test_bad_cli_values_name_them(capsys):
     assert "--token-range" in capsys.readouterr().err
 
 
+def test_plot_path_that_is_a_file_is_refused_before_the_run(tmp_path, capsys):
+    f = tmp_path / "taken"
+    f.write_text("x")
+    assert main(["bench", "--base-url", "http://127.0.0.1:9", "--plot", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert f"--plot: '{f}' is not a directory" in err and "127.0.0.1:9" not in err
+
+
 def test_unreachable_server_is_a_cli_error(capsys):
     assert main(["bench", "--base-url", "http://127.0.0.1:9", "--model", "m", "--workload", "fixed",
                  "--concurrency", "1", "--num-prompts", "1", "--input-len", "4", "--output-len", "2",
@@ -113,9 +121,13 @@ def test_cli_against_real_server(server, tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = main(["bench", "--base-url", server.url, "--concurrency", "1,3", "--num-prompts", "3", "--input-len", "12",
                "--output-len", "4", "--conversations", "2", "--turns", "3", "--first-turn-len", "40",
-               "--turn-len", "16", "--turn-output-len", "3", "--json", str(out), "--timeout", "120"])
+               "--turn-len", "16", "--turn-output-len", "3", "--json", str(out), "--timeout", "120",
+               "--plot", str(tmp_path / "charts")])
     assert rc == 0
     text = capsys.readouterr().out
+    charts = sorted(p.name for p in (tmp_path / "charts").iterdir())
+    assert charts == ["agentic_tokens.svg", "agentic_ttft.svg", "fixed_latency.svg", "fixed_throughput.svg"]
+    assert "charts: " in text
     assert "agentic" in text and "TTFT p50 ms" in text
     runs = json.loads(out.read_text())["runs"]
     fixed = [r for r in runs if r["workload"] == "fixed"]
