@@ -21,7 +21,8 @@ def test_serve_http_cpu(tmp_path, capsys):
         "--max-model-len", "512", "--max-num-seqs", "4", "--decode-prompt-len", "16", "--decode-out", "6",
         "--decode-rounds", "1", "--ttft-lens", "32,96", "--ttft-requests", "2", "--conversations", "2",
         "--turns", "3", "--first-turn-len", "64", "--turn-len", "24", "--turn-output-len", "4",
-        "--startup-timeout", "120", "--json", str(out), "--log", str(tmp_path / "server.log")])
+        "--startup-timeout", "120", "--json", str(out), "--log", str(tmp_path / "server.log"),
+        "--plot", str(tmp_path / "charts")])
     assert rc == 0
     res = json.loads(out.read_text())
     rows = {r["what"]: r for r in res["rows"]}
@@ -34,3 +35,6 @@ def test_serve_http_cpu(tmp_path, capsys):
     assert turns[0]["cached_fraction"] == 0 and all(t["cached_fraction"] > 0.5 for t in turns[1:])
     text = capsys.readouterr().out
     assert "SERVE_HTTP cpu" in text and "decode c=4" in text
+    # the decode runs (c=1, 4) and the agentic run drawn; the TTFT runs are not concurrency points
+    assert sorted(p.name for p in (tmp_path / "charts").iterdir()) == [
+        "agentic_tokens.svg", "agentic_ttft.svg", "fixed_latency.svg", "fixed_throughput.svg"]
