@@ -44,8 +44,7 @@ class FusedDecode:
         (t, k), (_, h, inter) = topk_ids.shape, w2.shape
         key = (x.device, t, k, h, inter, shared is not None)
         if key not in self._choice:
-            ring = os.environ.get("NVL72_AB_RING", "")  # TEMPORARY A/B
-            gu, dn = f"gate_up{'_ring' + ring if ring else ''}_h{h}", f"down_k{k}_i{inter}"
+            gu, dn = f"gate_up_h{h}", f"down_k{k}_i{inter}"
             why_gu = self._why_not(t, gu) or (f"I={inter}: not a multiple of {GU_ROWS}" if inter % GU_ROWS else None)
             why_dn = (self._why_not(t, dn) or ("a shared expert" if shared is not None else None)
                       or (f"H={h}: not a multiple of {ROWS}" if h % ROWS else None))

@@ -63,8 +63,6 @@ DOWN_VARIANTS = {"down_k8_i768": dict(k=8, inter=768)}  # Qwen3-30B-A3B
 GU_ROWS = 8
 GU_ROWS_PER_WARP = 2
 GATE_UP_VARIANTS = {"gate_up_h2048": dict(hidden=2048)}  # Qwen3-30B-A3B, Qwen3-Next-80B-A3B
-# experiment (branch exp/gate-up-ring-wg): warpgroup rings, selected by $NVL72_AB_RING=3 / 4
-GATE_UP_RING_VARIANTS = {"gate_up_ring3_h2048": dict(hidden=2048, wgs=3), "gate_up_ring4_h2048": dict(hidden=2048, wgs=4)}
 
 
 @dsl_user_op
@@ -160,137 +158,6 @@ class GateUpOneToken:
                 g, u = warp_sum(acc_g[i]), warp_sum(acc_u[i])
                 if lane == 0:
                     act[cutlass.Int64(p) * inter + n0 + r0 + i] = g / (1.0 + cute.math.exp(-g)) * u
-
-
-def ring_storage_type(stages: int, stage_bytes: int, hidden: int, stage_scales: int):
-    """GateUpRingWG's shared memory: a bulk-copy mbarrier per stage, the stages' weight rows and block
-    scales, and x in fp32."""
-    @cute.struct
-    class RingStorage:
-        bar: cute.struct.MemRange[cutlass.Int64, stages]
-        w: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, stages * stage_bytes], 128]
-        sc: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, stages * stage_scales], 128]
-        v: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, hidden], 128]
-
-    return RingStorage
-
-
-class GateUpRingWG:
-    """gate/up as `GateUpOneToken` computes it, in `ctas` persistent CTAs (one an SM) of `wgs`
-    warpgroups; warpgroup g of CTA c walks the (slot, GU_ROWS-row block) items v, v + V, ... (v = c x
-    wgs + g, V = ctas x wgs) through its own shared-memory stage: the item's gate and up rows and
-    block scales arrive by bulk copies on the stage's mbarrier, the warpgroup's 4 warps sum them as
-    GateUpOneToken's CTA does, then its first thread asks for its next item. Why: GateUpOneToken's 768
-    CTAs fill every SM's shared memory until gate/up ends, so `down`'s CTAs (their w2 slices asked for
-    before their PDL wait) start only as gate/up drains; at 3 warpgroups this kernel holds ~104 KB an SM,
-    leaving room for one `down` CTA beside it. (A ring of 4 warps an SM, 3cec6ff, summed too slowly.)"""
-
-    def __init__(self, hidden: int, wgs: int = 3, ctas: int = 132):
-        if hidden % 512 or hidden % (4 * 128):
-            raise ValueError(f"H={hidden}: a multiple of 512 (a row block's scales are bulk-copied, 16 bytes "
-                             "at a time; x is staged by one warpgroup, 16 bytes a thread)")
-        self.hidden, self.wgs, self.ctas = hidden, wgs, ctas
-        self.threads = 128 * wgs
-        self.rows_bytes = GU_ROWS * hidden
-        self.nkb = hidden // 128
-
-    @cute.jit
-    def __call__(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor,
-                 expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32, k: cutlass.Int32,
-                 pdl: cutlass.Int32, stream):
-        self.shared_storage = ring_storage_type(self.wgs, 2 * self.rows_bytes, self.hidden, 2 * self.nkb)
-        self.kernel(x, ids, w13, s13, act, expert_offset, num_local, inter, k).launch(
-            grid=[self.ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=pdl)
-
-    @cute.jit
-    def issue(self, it, stage, bars, w_s, sc_s, ids, w13, s13, expert_offset, num_local, inter):
-        """Item `it`'s gate and up rows and block scales into `stage` (a remote expert's item: a plain
-        arrival, so the stage's phase flips once per item)."""
-        nblk = inter // GU_ROWS
-        p = it // nblk
-        n0 = (it % nblk) * GU_ROWS
-        e = cutlass.Int32(ids[p]) - expert_offset
-        bar = bars + stage
-        if e >= 0 and e < num_local:
-            nkb, rb = self.nkb, self.rows_bytes
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, 2 * rb + 2 * nkb * 4)
-            g_row = cutlass.Int64(e) * 2 * inter + n0
-            w_base = w13.iterator.toint()
-            s_base = s13.iterator.toint()
-            dst = w_s + stage * 2 * rb
-            bulk_g2s(dst, w_base + g_row * self.hidden, rb, bar.toint())
-            bulk_g2s(dst + rb, w_base + (g_row + inter) * self.hidden, rb, bar.toint())
-            sdst = sc_s + stage * 2 * nkb * 4
-            bulk_g2s(sdst, s_base + (g_row // 128) * nkb * 4, nkb * 4, bar.toint())
-            bulk_g2s(sdst + nkb * 4, s_base + ((g_row + inter) // 128) * nkb * 4, nkb * 4, bar.toint())
-        else:
-            cute.arch.mbarrier_arrive(bar)
-
-    @cute.kernel
-    def kernel(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor,
-               expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32, k: cutlass.Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        c, _, _ = cute.arch.block_idx()
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        bars = storage.bar.data_ptr()
-        w_s = storage.w.data_ptr().toint()
-        sc_s = storage.sc.data_ptr().toint()
-        sc = storage.sc.get_tensor(cute.make_layout(self.wgs * 2 * self.nkb))
-        x_s = storage.v.data_ptr().toint()
-        hidden, nkb, rpw = self.hidden, self.nkb, GU_ROWS_PER_WARP
-        g = tidx // 128  # this thread's warpgroup: its stage
-        t = tidx % 128
-        if tidx == 0:
-            for s in cutlass.range_constexpr(self.wgs):
-                cute.arch.mbarrier_init(bars + s, 1)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
-        items = k * (inter // GU_ROWS)
-        v = c * self.wgs + g
-        step = self.ctas * self.wgs
-        cute.arch.griddepcontrol_wait()  # the routing (the previous kernel) is complete and visible
-        cute.arch.griddepcontrol_launch_dependents()
-        x_base = x.iterator.toint()
-        xv = [ld_global_bf16x4(x_base + cutlass.Int64((i * 128 + t) * 4) * 2) for i in range(hidden // 512)]
-        if t == 0:
-            if v < items:
-                self.issue(v, g, bars, w_s, sc_s, ids, w13, s13, expert_offset, num_local, inter)
-        if g == 0:
-            for i in cutlass.range_constexpr(hidden // 512):
-                st_shared_v4f(x_s + (i * 128 + t) * 16, xv[i])
-        cute.arch.sync_threads()
-        r0 = (t // 32) * rpw
-        lane = t % 32
-        nblk = inter // GU_ROWS
-        ws = w_s + g * 2 * self.rows_bytes
-        s0 = g * 2 * nkb
-        for it in cutlass.range(v, items, step):
-            n = (it - v) // step
-            p = it // nblk
-            n0 = (it % nblk) * GU_ROWS
-            e = cutlass.Int32(ids[p]) - expert_offset
-            cute.arch.mbarrier_wait(bars + g, n % 2)
-            if e >= 0 and e < num_local:
-                acc_g = [cutlass.Float32(0.0) for _ in range(rpw)]
-                acc_u = [cutlass.Float32(0.0) for _ in range(rpw)]
-                for q in cutlass.range_constexpr(nkb):
-                    col = q * 128 + lane * 4
-                    xq = ld_shared_v4f(x_s + col * 4)
-                    sg = sc[s0 + q]
-                    su = sc[s0 + nkb + q]
-                    for i in cutlass.range_constexpr(rpw):
-                        gv = ld_shared_e4m3x4(ws + (r0 + i) * hidden + col)
-                        uv = ld_shared_e4m3x4(ws + self.rows_bytes + (r0 + i) * hidden + col)
-                        acc_g[i] += (gv[0] * xq[0] + gv[1] * xq[1] + gv[2] * xq[2] + gv[3] * xq[3]) * sg
-                        acc_u[i] += (uv[0] * xq[0] + uv[1] * xq[1] + uv[2] * xq[2] + uv[3] * xq[3]) * su
-                for i in cutlass.range_constexpr(rpw):
-                    gs, us = warp_sum(acc_g[i]), warp_sum(acc_u[i])
-                    if lane == 0:
-                        act[cutlass.Int64(p) * inter + n0 + r0 + i] = gs / (1.0 + cute.math.exp(-gs)) * us
-            cute.arch.barrier(barrier_id=1 + g, number_of_threads=128)  # the warpgroup is done with its stage
-            if t == 0:
-                if it + step < items:
-                    self.issue(it + step, g, bars, w_s, sc_s, ids, w13, s13, expert_offset, num_local, inter)
 
 
 class DownOneToken:
@@ -393,6 +260,4 @@ def compile_for_export(arch: str = "sm_90a") -> dict:
            for name, kw in DOWN_VARIANTS.items()}
     out.update({name: cute.compile(GateUpOneToken(**kw), *fake_args(*_GATE_UP_ARGS), options=opts)
                 for name, kw in GATE_UP_VARIANTS.items()})
-    out.update({name: cute.compile(GateUpRingWG(**kw), *fake_args(*_GATE_UP_ARGS), options=opts)
-                for name, kw in GATE_UP_RING_VARIANTS.items()})
     return out

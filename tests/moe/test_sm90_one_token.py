@@ -140,10 +140,6 @@ def test_gpu_kernels_match_reference_in_a_graph():
         local = (c.ids[0] >= offset) & (c.ids[0] < offset + num_local)
         assert torch.isfinite(act[local]).all() and act[~local].isnan().all()
         assert _rel(act[local], tfd.gate_up(c.x, c.ids, c.w[0], c.w[1], offset)[local]) < 1e-5
-        for ring in ("gate_up_ring3_h2048", "gate_up_ring4_h2048"):
-            act2 = torch.full((8, 768), float("nan"), device="cuda")
-            op.gate_up(c.x, c.ids, c.w[0], c.w[1], offset, ring, act2)
-            assert act2[~local].isnan().all() and torch.equal(act2[local], act[local]), ring
         out = torch.full((1, 2048), float("nan"), dtype=torch.bfloat16, device="cuda")
         got = op(c.x, c.tw, c.ids, *c.w, offset, out=out)
         torch.cuda.synchronize()
