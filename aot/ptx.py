@@ -80,3 +80,16 @@ def ld_global_bf16x4(addr, *, loc=None, ip=None):
 def ld_shared_bf16x4(addr, *, loc=None, ip=None):
     """Four bf16 (8 bytes, shared) -> 4 x Float32."""
     return _bf16x4(i32(addr, loc, ip), "ld.shared.v2.b32", "r", loc, ip)
+
+
+@dsl_user_op
+def globaltimer(*, loc=None, ip=None):
+    """The GPU's global nanosecond timer (%globaltimer, shared by every SM): for timelines of a kernel's
+    CTAs (when each passed its PDL wait, when its bytes arrived)."""
+    return cutlass.Int64(asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", loc, ip))
+
+
+@dsl_user_op
+def smid(*, loc=None, ip=None):
+    """The SM this thread runs on (%smid)."""
+    return cutlass.Int32(asm(T.i32(), [], "mov.u32 $0, %smid;", "=r", loc, ip))

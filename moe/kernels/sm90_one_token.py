@@ -48,7 +48,8 @@ import cutlass.cute as cute
 from cutlass.cutlass_dsl import dsl_user_op
 
 from aot.build import fake_args
-from aot.ptx import bulk_g2s, i32, ld_global_bf16x4, ld_global_v4f, ld_shared_v4f, st_shared_v4f, v4f
+from aot.ptx import (bulk_g2s, globaltimer, i32, ld_global_bf16x4, ld_global_v4f, ld_shared_v4f, smid, st_shared_v4f,
+                     v4f)
 from aot.rows import shared_storage_type, shared_views, warp_sum
 
 ARCHS = ("sm_90a",)
@@ -63,6 +64,10 @@ DOWN_VARIANTS = {"down_k8_i768": dict(k=8, inter=768)}  # Qwen3-30B-A3B
 GU_ROWS = 8
 GU_ROWS_PER_WARP = 2
 GATE_UP_VARIANTS = {"gate_up_h2048": dict(hidden=2048)}  # Qwen3-30B-A3B, Qwen3-Next-80B-A3B
+# gate/up with a timeline: the default kernel plus, per CTA, TIMELINE_FIELDS int64 stamps (tests/moe/
+# gpu_gate_up_timeline.py); arguments (x, ids, w13, s13, act, stamps [grid * TIMELINE_FIELDS] int64), then as gate/up's
+TIMELINE_VARIANTS = {"gate_up_h2048_timeline": dict(hidden=2048)}
+TIMELINE_FIELDS = 5
 
 
 @dsl_user_op
@@ -91,7 +96,8 @@ class GateUpOneToken:
     expert count and k are runtime (the grid is k x I / GU_ROWS; I a multiple of 128). See the module
     docstring."""
 
-    def __init__(self, hidden: int, rows_per_warp: int = GU_ROWS_PER_WARP):
+    def __init__(self, hidden: int, rows_per_warp: int = GU_ROWS_PER_WARP, timeline: bool = False):
+        self.timeline = timeline
         self.threads = 32 * GU_ROWS // rows_per_warp
         if hidden % 128 or hidden % (4 * self.threads) or GU_ROWS % rows_per_warp or hidden // 64 > self.threads:
             raise ValueError(f"H={hidden}, rows_per_warp={rows_per_warp}: H must be a multiple of 128 and of "
@@ -104,21 +110,27 @@ class GateUpOneToken:
     def __call__(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor,
                  expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32, k: cutlass.Int32,
                  pdl: cutlass.Int32, stream):
+        self.launch(x, ids, w13, s13, act, act, expert_offset, num_local, inter, k, pdl, stream)
+
+    @cute.jit
+    def launch(self, x, ids, w13, s13, act, stamps, expert_offset, num_local, inter, k, pdl, stream):
         self.shared_storage = shared_storage_type(2 * self.rows_bytes, self.hidden, 2 * (self.hidden // 128))
-        self.kernel(x, ids, w13, s13, act, expert_offset, num_local, inter).launch(
+        self.kernel(x, ids, w13, s13, act, stamps, expert_offset, num_local, inter).launch(
             grid=[k, inter // GU_ROWS, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=pdl)
 
     @cute.kernel
     def kernel(self, x: cute.Tensor, ids: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, act: cute.Tensor,
-               expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32):
+               stamps: cute.Tensor, expert_offset: cutlass.Int32, num_local: cutlass.Int32, inter: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         p, j, _ = cute.arch.block_idx()
+        t_start = globaltimer() if cutlass.const_expr(self.timeline) else cutlass.Int64(0)
         bar, w_s, x_s, sc = shared_views(self.shared_storage, 2 * (self.hidden // 128), tidx)
         hidden, threads, rpw = self.hidden, self.threads, self.rpw
         nkb = hidden // 128
         n0 = j * GU_ROWS
         cute.arch.griddepcontrol_wait()  # the routing (the previous kernel) is complete and visible
         cute.arch.griddepcontrol_launch_dependents()
+        t_wait = globaltimer() if cutlass.const_expr(self.timeline) else cutlass.Int64(0)
         # x is asked for beside the routing (not after it); its stores to shared memory come last
         x_base = x.iterator.toint()
         xv = [ld_global_bf16x4(x_base + cutlass.Int64((i * threads + tidx) * 4) * 2)
@@ -140,8 +152,11 @@ class GateUpOneToken:
         for i in cutlass.range_constexpr(hidden // (4 * threads)):  # (in every CTA: a store only where
             st_shared_v4f(x_s + (i * threads + tidx) * 16, xv[i])  # x is used lets ptxas sink its load)
         cute.arch.sync_threads()
+        t_data = cutlass.Int64(0)
         if e >= 0 and e < num_local:
             cute.arch.mbarrier_wait(bar, 0)
+            if cutlass.const_expr(self.timeline):
+                t_data = globaltimer()
             r0 = (tidx // 32) * rpw
             lane = tidx % 32
             acc_g = [cutlass.Float32(0.0) for _ in range(rpw)]
@@ -158,6 +173,14 @@ class GateUpOneToken:
                 g, u = warp_sum(acc_g[i]), warp_sum(acc_u[i])
                 if lane == 0:
                     act[cutlass.Int64(p) * inter + n0 + r0 + i] = g / (1.0 + cute.math.exp(-g)) * u
+        if cutlass.const_expr(self.timeline):
+            if tidx == 0:  # (start, wait passed, rows arrived (0: a remote slot), end, SM) of this CTA
+                base = (cutlass.Int64(p) * (inter // GU_ROWS) + j) * TIMELINE_FIELDS
+                stamps[base] = t_start
+                stamps[base + 1] = t_wait
+                stamps[base + 2] = t_data
+                stamps[base + 3] = globaltimer()
+                stamps[base + 4] = cutlass.Int64(smid())
 
 
 class DownOneToken:
@@ -250,6 +273,11 @@ _GATE_UP_ARGS = ([(cutlass.BFloat16, 8), (cutlass.Int64, 8), (cutlass.Uint8, 16)
                   (cutlass.Float32, 4)], 5)
 
 
+# (x, ids, w13, s13, act, stamps), then as gate/up's
+_TIMELINE_ARGS = ([(cutlass.BFloat16, 8), (cutlass.Int64, 8), (cutlass.Uint8, 16), (cutlass.Float32, 4),
+                   (cutlass.Float32, 4), (cutlass.Int64, 8)], 5)
+
+
 def compile_for_export(arch: str = "sm_90a") -> dict:
     """{export name: compiled fn} for every entry of DOWN_VARIANTS and GATE_UP_VARIANTS (arguments: module
     docstring)."""
@@ -260,4 +288,7 @@ def compile_for_export(arch: str = "sm_90a") -> dict:
            for name, kw in DOWN_VARIANTS.items()}
     out.update({name: cute.compile(GateUpOneToken(**kw), *fake_args(*_GATE_UP_ARGS), options=opts)
                 for name, kw in GATE_UP_VARIANTS.items()})
+    out.update({name: cute.compile(GateUpOneToken(**kw, timeline=True).launch, *fake_args(*_TIMELINE_ARGS),
+                                   options=opts)
+                for name, kw in TIMELINE_VARIANTS.items()})
     return out

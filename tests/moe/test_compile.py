@@ -97,14 +97,17 @@ def test_sm100_mxfp8_grouped_gemm_compiles():
 
 
 def test_sm90_one_token_compiles(tmp_path):
-    """The one-token gate/up and down link into a bundle module."""
+    """The one-token gate/up (also its timeline form) and down link into a bundle module."""
     from aot import build
 
     from moe import fused_decode
 
     mod = importlib.import_module("moe.kernels.sm90_one_token")
+    from tests.moe import gpu_gate_up_timeline
+
     assert (fused_decode.ROWS, fused_decode.GU_ROWS) == (mod.ROWS, mod.GU_ROWS)  # the host side's copies
-    names = sorted({**mod.DOWN_VARIANTS, **mod.GATE_UP_VARIANTS})
+    assert (gpu_gate_up_timeline.FIELDS, gpu_gate_up_timeline.CTAS) == (mod.TIMELINE_FIELDS, 8 * 768 // mod.GU_ROWS)
+    names = sorted({**mod.DOWN_VARIANTS, **mod.GATE_UP_VARIANTS, **mod.TIMELINE_VARIANTS})
     assert sorted(mod.compile_for_export("sm_90a")) == names
     with pytest.raises(ValueError, match="sm_100a"):
         mod.compile_for_export("sm_100a")
