@@ -279,8 +279,8 @@ _TIMELINE_ARGS = ([(cutlass.BFloat16, 8), (cutlass.Int64, 8), (cutlass.Uint8, 16
 
 
 def compile_for_export(arch: str = "sm_90a") -> dict:
-    """{export name: compiled fn} for every entry of DOWN_VARIANTS and GATE_UP_VARIANTS (arguments: module
-    docstring)."""
+    """{export name: compiled fn} for every entry of DOWN_VARIANTS, GATE_UP_VARIANTS (arguments: module
+    docstring) and TIMELINE_VARIANTS."""
     if not arch.startswith("sm_90"):
         raise ValueError(f"arch={arch!r}: the decode kernels are built for sm_90a")
     opts = f"--gpu-arch {arch} --enable-tvm-ffi"

@@ -101,10 +101,9 @@ def test_sm90_one_token_compiles(tmp_path):
     from aot import build
 
     from moe import fused_decode
-
-    mod = importlib.import_module("moe.kernels.sm90_one_token")
     from tests.moe import gpu_gate_up_timeline
 
+    mod = importlib.import_module("moe.kernels.sm90_one_token")
     assert (fused_decode.ROWS, fused_decode.GU_ROWS) == (mod.ROWS, mod.GU_ROWS)  # the host side's copies
     assert (gpu_gate_up_timeline.FIELDS, gpu_gate_up_timeline.CTAS) == (mod.TIMELINE_FIELDS, 8 * 768 // mod.GU_ROWS)
     names = sorted({**mod.DOWN_VARIANTS, **mod.GATE_UP_VARIANTS, **mod.TIMELINE_VARIANTS})
