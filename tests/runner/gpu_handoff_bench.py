@@ -12,7 +12,9 @@ writes one value. Handoffs:
        (the engine's kernels);
   pdl_trigger_first: PDL, launch_dependents at the start, then the wait;
   flag: PDL, launch_dependents at the start, then a poll (`ld.acquire.gpu`) of an arrival counter
-        the previous kernel's programs bump (`atom.add.release.gpu`) after their stores; no wait.
+        the previous kernel's programs bump (`atom.add.release.gpu`) after their stores; no wait;
+  flag_sleep: the same with a `nanosleep` of ~100 ns between polls (fewer polls competing with the
+        stores they wait for).
 Time per boundary = median replay / chain. Every mode's outputs are checked against a torch
 recomputation. Prints a table.
 """
@@ -30,7 +32,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests.moe.gpu_layer_profile import capture, median_us  # noqa: E402
 
-MODES = {"plain": 0, "pdl": 1, "pdl_trigger_first": 2, "flag": 3}
+MODES = {"plain": 0, "pdl": 1, "pdl_trigger_first": 2, "flag": 3, "flag_sleep": 4}
 POLL_LIMIT = tl.constexpr(1 << 24)  # polls before a program gives up (writes NaN: the check fails, nothing hangs)
 
 
@@ -38,6 +40,11 @@ POLL_LIMIT = tl.constexpr(1 << 24)  # polls before a program gives up (writes Na
 def _ld_acquire(p):
     return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [p], dtype=tl.int32,
                                      is_pure=False, pack=1)
+
+
+@triton.jit
+def _nap():
+    tl.inline_asm_elementwise("nanosleep.u32 100; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -57,19 +64,21 @@ def _hop(prev, out, w, cnt_in, cnt_out, ep, w_words, P: tl.constexpr, PB: tl.con
     if MODE == 2:
         gdc_launch_dependents()
         gdc_wait()
-    if MODE == 3:
+    if MODE >= 3:
         gdc_launch_dependents()
         target = tl.load(ep) * P
         seen = _ld_acquire(cnt_in)
         n = 0
         while (seen < target) & (n < POLL_LIMIT):
+            if MODE == 4:
+                _nap()
             seen = _ld_acquire(cnt_in)
             n += 1
         ok = seen >= target
     v = tl.load(prev + tl.arange(0, PB), mask=tl.arange(0, PB) < P, other=0.0, cache_modifier=".cg")
     s = tl.sum(v, 0) * (1.0 / P) + tl.sum(accw, 0) + pid
     tl.store(out + pid, tl.where(ok, s, float("nan")))
-    if MODE == 3:
+    if MODE >= 3:
         tl.debug_barrier()  # every thread's store precedes the release
         tl.atomic_add(cnt_out, 1, sem="release", scope="gpu")
 
