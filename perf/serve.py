@@ -143,13 +143,21 @@ def exposed_by_name(spans: list[tuple[str, float, float]]) -> dict[str, tuple[fl
     this is what it adds to the critical path. Idle gaps (a start after the previous end) count
     for nobody."""
     out: dict[str, tuple[float, int]] = {}
-    prev_end = float("-inf")
-    for name, start, end in sorted(spans, key=lambda s: s[1]):
-        t = end - max(prev_end, start)
-        prev_end = max(prev_end, end)
+    for name, exposed, _span, _lead in _critical_path(spans):
         total, n = out.get(name, (0.0, 0))
-        out[name] = (total + max(t, 0.0), n + 1)
+        out[name] = (total + exposed, n + 1)
     return out
+
+
+def _critical_path(spans: list[tuple[str, float, float]]) -> list[tuple[str, float, float, float]]:
+    """The spans in start order as (name, exposed, own span, lead): exposed = its end minus the later
+    of its start and the previous ends (0 when it ends before them), lead = how long before the
+    previous ends it started."""
+    ops, prev_end = [], float("-inf")
+    for name, start, end in sorted(spans, key=lambda s: s[1]):
+        ops.append((name, max(end - max(prev_end, start), 0.0), end - start, max(prev_end - start, 0.0)))
+        prev_end = max(prev_end, end)
+    return ops
 
 
 def exposed_by_position(spans: list[tuple[str, float, float]], first: str) -> list[dict]:
@@ -159,11 +167,7 @@ def exposed_by_position(spans: list[tuple[str, float, float]], first: str) -> li
     of: exposed time (as `exposed_by_name`), the op's own span, and its lead (how long before the
     previous op's end it started: under PDL its early loads and its wait). Tells apart ops of one
     kernel (the q/k/v and o_proj GEMVs) that `exposed_by_name` sums together."""
-    ops, prev_end = [], float("-inf")
-    for name, start, end in sorted(spans, key=lambda s: s[1]):
-        ops.append((name, end - max(prev_end, start) if end > prev_end else 0.0, end - start,
-                    max(prev_end - start, 0.0)))
-        prev_end = max(prev_end, end)
+    ops = _critical_path(spans)
     cuts = [i for i, op in enumerate(ops) if first in op[0]]
     units = [ops[a:b] for a, b in zip(cuts, cuts[1:])]
     if not units:
