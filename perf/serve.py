@@ -216,9 +216,9 @@ def profile_decode(engine: LLMEngine, batch: int, out_dir: str, steps: int = 24)
           f"{sum(t for _, (t, _n) in exposed) / steps:.1f} us in all)")
     for name, (t, n) in exposed[:20]:
         print(f"{t / steps:>9.1f} {n / steps:>6.1f}x  {name[:90]}")
-    layer = exposed_by_position(spans, "_qk_norm_rope_kernel")
+    layer = exposed_by_position(spans, "_paged_attention_kernel")
     if layer:
-        print(f"\nLAYER decode b={batch} (one decoder layer's ops from the q/k norm on, medians over {layer[0]['units']} "
+        print(f"\nLAYER decode b={batch} (one decoder layer's ops from the attention on, medians over {layer[0]['units']} "
               f"layers; us: exposed, own span, lead = started before the previous op's end)")
         for op in layer:
             print(f"{op['exposed']:>9.2f} {op['span']:>7.2f} {op['lead']:>7.2f}  {op['name'][:80]}")

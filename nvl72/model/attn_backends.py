@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 ENV = "NVL72_ATTN_BACKEND"
 GEMV_ENV = "NVL72_TRITON_GEMV"
 NORM_GEMV_ENV = "NVL72_NORM_GEMV"  # the input norm inside the q/k/v GEMV (one-token steps)
+QK_ATTN_ENV = "NVL72_QK_NORM_ATTN"  # the q/k norm, RoPE and K/V store inside decode attention
 DECODE_LAYER_ENV = "NVL72_DECODE_LAYER"
 DECODE_LAYER_DEFAULT = "0"
 
@@ -70,7 +71,7 @@ class AttentionBackend:
 
     name = "base"
     graph_safe = False  # plan() and forward() can be captured in a CUDA graph
-    fused_qk_norm_rope = False  # layers call qk_norm_rope() instead of the reference norm + RoPE
+    fused_qk_norm_rope = False  # layers call norm_rope_attend() instead of the reference norm + RoPE
     # the decoder's residual add + RMSNorm and the RoPE table as Triton kernels (add_rms_norm(),
     # rope_cos_sin()) instead of the torch references
     fused_ops = False
@@ -86,6 +87,14 @@ class AttentionBackend:
         return fused_triton.qk_norm_rope(q_raw, k_raw, q_weight, k_weight, cos, sin, num_heads, num_kv_heads,
                                          head_dim, eps, zero_centered, gated, v, kv_cache,
                                          None if meta is None else meta.slot_mapping)
+
+    def norm_rope_attend(self, q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, head_dim,
+                         eps, zero_centered, gated, kv_cache, meta, scale):
+        """`qk_norm_rope` with the K/V store, then `forward`: (out [T, Hq, D], gate [T, Hq, D] or None)."""
+        q, k, gate = self.qk_norm_rope(q_raw, k_raw, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, head_dim,
+                                       eps, zero_centered, gated, v, kv_cache, meta)
+        out = self.forward(q, k, v, kv_cache, meta, scale, stored=True)
+        return out, (None if gate is None else gate.view(out.shape))
 
     def add_rms_norm(self, x, delta, weight, eps, zero_centered, router=None):
         """`fused_triton.add_rms_norm`'s contract: (x + delta, its RMSNorm[, router logits]); delta
@@ -181,6 +190,12 @@ class TritonBackend(AttentionBackend):
         self.smem_gemv = smem_gemv.load() if self.gemv else None
         log.info("one-token steps: the input norm %s the q/k/v GEMV ($%s)", "inside" if self.norm_gemv else "before",
                  NORM_GEMV_ENV)
+        # One-token steps with the q/k norm, RoPE and K/V store inside the attention kernel
+        # (`fused_triton.norm_rope_paged_attention`): one dependent launch fewer a layer; $NVL72_QK_NORM_ATTN=0:
+        # qk_norm_rope, then the attention
+        self.qk_attn = _flag(QK_ATTN_ENV)
+        log.info("one-token steps: the q/k norm %s the attention kernel ($%s)", "inside" if self.qk_attn else "before",
+                 QK_ATTN_ENV)
         # One-token steps of the layers nvl72.model.decode_layer serves in one persistent kernel
         # ("fused"), or in its six phases as separate launches ("phased"); "0": the per-op kernels.
         from nvl72.model.decode_layer import MODES
@@ -206,6 +221,16 @@ class TritonBackend(AttentionBackend):
                 got = self.kernels.norm_gemv(x, delta, norm_weight, eps, zero_centered, weight, bias)
             return got
         return super().norm_linear(x, delta, norm_weight, eps, zero_centered, weight, bias)
+
+    def norm_rope_attend(self, q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, head_dim,
+                         eps, zero_centered, gated, kv_cache, meta: PagedMeta, scale):
+        if not (self.qk_attn and meta.max_query_len == 1):
+            return super().norm_rope_attend(q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads, num_kv_heads,
+                                            head_dim, eps, zero_centered, gated, kv_cache, meta, scale)
+        b = meta.batch
+        return self.kernels.norm_rope_paged_attention(q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads,
+                                                      head_dim, eps, zero_centered, gated, kv_cache, meta.slot_mapping,
+                                                      b.query_start_loc, b.seq_lens, b.page_table, scale)
 
     def plan(self, batch: ForwardBatch, page_size: int) -> PagedMeta:
         capturing = batch.input_ids.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -20,7 +20,11 @@
 - `paged_attention`: causal GQA over the pages, one program per (sequence, KV head, block of
   query tokens) holding all the group's query heads as rows, so decode (one token) and prefill
   chunks share the kernel; online softmax in fp32. Its launch needs no host sync (the grid's
-  query-block count comes from `max_query_len`, known on the host), so it runs inside CUDA graphs.
+  query-block count comes from `max_query_len`, known on the host), so it runs inside CUDA graphs;
+- `norm_rope_paged_attention`: `qk_norm_rope` with the K/V store and `paged_attention` in one launch
+  for one-token queries (the attention programs norm and rope their own q rows and the new key, and
+  take the new K/V from registers): at batch 1 one dependent launch fewer a layer (H200, 48 layers:
+  1.806-1.812 -> 1.746-1.749 ms a step, perf/RESULTS.md).
 
 Size arguments that change from step to step (sequence count, page-table width) are not
 specialised on (`do_not_specialize`), nor is the alignment of the per-step index arrays (query
@@ -36,10 +40,12 @@ kernel launch right after the wait.
 The shared-expert gate `sigmoid(x . w) * shared` is not here: `moe` adds it in its un-permute
 kernel already.
 
-Verified in Triton's interpreter (TRITON_INTERPRET=1) against the references and compiled for
-sm_90a with Triton 3.6 and 3.9 on CPU; not yet run or timed on a GPU (perf/RESULTS.md).
+Verified in Triton's interpreter (TRITON_INTERPRET=1) against the references, and on H100 / H200
+(tests/runner/test_fused_triton.py -m gpu; timings in perf/RESULTS.md).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -299,23 +305,35 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 
 @triton.jit
-def _norm_rope_row(src, w, cos, sin, dst, rms_eps, D: tl.constexpr, R: tl.constexpr, ZC: tl.constexpr):
-    DT = dst.dtype.element_ty
-    d = tl.arange(0, D)
-    x = tl.load(src + d).to(tl.float32)
-    rstd = _rstd(x, rms_eps, D)
+def _norm_rope_rows(src, ok, w, cos, sin, rms_eps, D: tl.constexpr, R: tl.constexpr, ZC: tl.constexpr,
+                    DT: tl.constexpr):
+    """RMSNorm (weight w) then RoPE on the first R dims of the rows at src [M, 1] (row pointers; rows
+    where ok [M, 1], zeros elsewhere), each row's cos/sin at cos/sin [M, 1]: [M, D] fp32, rounded
+    in DT as `layers.Attention` rounds with the references."""
+    d = tl.arange(0, D)[None, :]
+    x = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 1) / D + rms_eps)[:, None]
     y = _norm_scale(x, rstd, tl.load(w + d).to(tl.float32), ZC, DT)
     if R > 0:
         rot = d < R
         partner = tl.where(d < R // 2, d + R // 2, d - R // 2)
-        xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
+        xp = tl.load(src + partner, mask=ok & rot, other=0.0).to(tl.float32)
         yp = _norm_scale(xp, rstd, tl.load(w + partner, mask=rot, other=0.0).to(tl.float32), ZC, DT)
         yp = tl.where(d < R // 2, -yp, yp)
-        c = tl.load(cos + d, mask=rot, other=1.0).to(tl.float32)
-        s = tl.load(sin + d, mask=rot, other=0.0).to(tl.float32)
+        c = tl.load(cos + d, mask=ok & rot, other=1.0).to(tl.float32)
+        s = tl.load(sin + d, mask=ok & rot, other=0.0).to(tl.float32)
         roped = _round(_round(y * c, DT) + _round(yp * s, DT), DT)
         y = tl.where(rot, roped, y)
-    tl.store(dst + d, y.to(dst.dtype.element_ty))
+    return y
+
+
+@triton.jit
+def _norm_rope_row(src, w, cos, sin, dst, rms_eps, D: tl.constexpr, R: tl.constexpr, ZC: tl.constexpr):
+    """`_norm_rope_rows` of the one row at src, stored at dst; returns it [D] fp32."""
+    one = tl.zeros([1, 1], tl.int32)
+    y = _norm_rope_rows(src + one, one == 0, w, cos + one, sin + one, rms_eps, D, R, ZC, dst.dtype.element_ty)
+    y = tl.reshape(y, (D,))
+    tl.store(dst + tl.arange(0, D), y.to(dst.dtype.element_ty))
     return y
 
 
@@ -420,25 +438,39 @@ def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 @triton.jit(do_not_specialize=["stride_pt"], do_not_specialize_on_alignment=["qsl", "seq_lens", "page_table"])
 def _paged_attention_kernel(q, kv_cache, out, part_acc, part_ml, counters, qsl, seq_lens, page_table, scale,
                             stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_kind, stride_head,
-                            stride_tok, stride_pt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                            stride_tok, stride_pt, k_raw, v_raw, qw, kw, cos, sin, slots, rms_eps, stride_kr,
+                            stride_vr, stride_cs, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                             PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
-                            EARLY: tl.constexpr, PDL: tl.constexpr):
+                            EARLY: tl.constexpr, NORM: tl.constexpr, R: tl.constexpr, ZC: tl.constexpr,
+                            PDL: tl.constexpr):
     """Split decode launches (NSPLIT > 1) with PDL (EARLY) read the batch tensors (the step's staging, copied
     before the forward), the page ids and the keys of earlier steps before waiting for the previous
     kernel, which writes only this step's K/V (see attend_block's EARLY). Other launches wait first
-    (at batch 64 the early reads measured 0.3% slower)."""
+    (at batch 64 the early reads measured 0.3% slower). NORM: attend_block's (k_raw, v_raw, cos, sin,
+    slots: rows by token; unread otherwise)."""
     if not EARLY:
         wait_prior(PDL)
     seq, kvh = tl.program_id(0), tl.program_id(1)
     mblk, split = tl.program_id(2) // NSPLIT, tl.program_id(2) % NSPLIT
     q_start = tl.load(qsl + seq)
     qlen = tl.load(qsl + seq + 1) - q_start
+    seq_len = tl.load(seq_lens + seq)
     if mblk * BLOCK_M < qlen:
-        attend_block(q, kv_cache, out, part_acc, part_ml, counters + seq * tl.num_programs(1) + kvh, q_start, qlen,
-                     tl.load(seq_lens + seq), page_table + seq.to(tl.int64) * stride_pt, kvh, tl.num_programs(1),
-                     mblk, split, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_kind,
-                     stride_head, stride_tok, GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D, PAGE_SIZE, IEEE, NSPLIT, EARLY)
+        cnt = counters + seq * tl.num_programs(1) + kvh
+        pt_row = page_table + seq.to(tl.int64) * stride_pt
+        if NORM:
+            t64 = q_start.to(tl.int64)
+            attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_len, pt_row, kvh,
+                         tl.num_programs(1), mblk, split, scale, stride_qt, stride_qh, stride_ot, stride_oh,
+                         stride_page, stride_kind, stride_head, stride_tok, GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D,
+                         PAGE_SIZE, IEEE, NSPLIT, EARLY, NORM, k_raw + t64 * stride_kr, v_raw + t64 * stride_vr, qw,
+                         kw, cos + t64 * stride_cs, sin + t64 * stride_cs, slots + t64, rms_eps, R, ZC)
+        else:
+            attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_len, pt_row, kvh,
+                         tl.num_programs(1), mblk, split, scale, stride_qt, stride_qh, stride_ot, stride_oh,
+                         stride_page, stride_kind, stride_head, stride_tok, GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D,
+                         PAGE_SIZE, IEEE, NSPLIT, EARLY)
     elif EARLY:
         wait_prior(PDL)
 
@@ -488,11 +520,34 @@ def _kv_tile(kv_cache, base, mask, d, stride_kind):
 
 
 @triton.jit
+def _fresh_token(q_rows, q_ok, k_row, v_row, qw, kw, cos, sin, slot_ptr, kvh, rms_eps, store, kv_cache, stride_page,
+                 stride_kind, stride_head, stride_tok, D: tl.constexpr, PAGE_SIZE: tl.constexpr, R: tl.constexpr,
+                 ZC: tl.constexpr, DT: tl.constexpr):
+    """attend_block's NORM inputs of a one-token query and KV head kvh (k_row, v_row, cos, sin: the
+    token's rows): (q rows [M, D] normed and roped, in DT; the new key [1, D] and value [1, D] in the
+    cache dtype), the key and value also stored in page slot *slot_ptr where `store` and it is not -1."""
+    one = tl.zeros([1, 1], tl.int32)
+    qv = _norm_rope_rows(q_rows, q_ok, qw, cos + one, sin + one, rms_eps, D, R, ZC, DT).to(DT)
+    KT = kv_cache.dtype.element_ty
+    d = tl.arange(0, D)[None, :]
+    k_new = _norm_rope_rows(k_row + kvh * D + one, one == 0, kw, cos + one, sin + one, rms_eps, D, R, ZC, DT).to(KT)
+    v_new = tl.load(v_row + kvh * D + d).to(KT)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    if store and slot >= 0:
+        dst = kv_cache + (slot // PAGE_SIZE) * stride_page + kvh * stride_head + (slot % PAGE_SIZE) * stride_tok + d
+        tl.store(dst, k_new)
+        tl.store(dst + stride_kind, v_new)
+    return qv, k_new, v_new
+
+
+@triton.jit
 def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_len, pt_row, kvh, num_kv_heads, mblk,
                  split, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_kind, stride_head,
                  stride_tok, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr,
-                 NSPLIT: tl.constexpr, EARLY: tl.constexpr = False):
+                 NSPLIT: tl.constexpr, EARLY: tl.constexpr = False, NORM: tl.constexpr = False, k_row=None,
+                 v_row=None, qw=None, kw=None, cos=None, sin=None, slot_ptr=None, rms_eps=0.0, R: tl.constexpr = 0,
+                 ZC: tl.constexpr = False):
     """One (sequence, KV head, query block, key split) of `paged_attention`: the sequence's query
     tokens start at row `q_start` of q/out, `qlen` of them, `seq_len` keys, page-table row `pt_row`;
     `cnt` is the (sequence, KV head)'s arrival counter of the splits (unused when NSPLIT is 1).
@@ -500,6 +555,11 @@ def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_le
     before `wait_prior` except this step's keys (positions >= seq_len - qlen), which the previous
     kernel stores and which are read after it; q is read after it too. Before an EARLY call the
     caller may have read the batch tensors (written before the forward) only.
+    NORM (one query token a sequence, `norm_rope_paged_attention`): q holds the q/k/v projection's q
+    rows (a head's at q + token * stride_qt + head * stride_qh), k_row / v_row / cos / sin the token's
+    rows of k, v and the RoPE table; q and k are normed and roped here (weights qw, kw) as
+    `qk_norm_rope` does, the new key and value enter the key blocks from registers, and the split that
+    holds them stores them in the token's page slot (*slot_ptr; none where -1).
     Shared with the batch-1 decode-layer kernel (`nvl72.model.decode_layer`)."""
     rows = tl.arange(0, BLOCK_M * GROUP_PAD)  # row r: query token r // GROUP_PAD, head r % GROUP_PAD
     m = mblk * BLOCK_M + rows // GROUP_PAD
@@ -522,17 +582,27 @@ def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_le
     n = lo + tl.arange(0, BLOCK_N)  # the first block (none of it in a split past the keys)
     n_ok = n < tl.where(split < active, hi, lo)
     base = _kv_base(pt_row, n, n_ok, kvh, stride_page, stride_head, stride_tok, PAGE_SIZE)
+    new = n_ok & (n >= seq_len - qlen)  # this step's keys (stored by the previous kernel, or NORM's)
     if EARLY:  # keys of earlier steps (complete before the previous kernel started) before the wait
-        new = n_ok & (n >= seq_len - qlen)
         kt, vt = _kv_tile(kv_cache, base, n_ok & (n < seq_len - qlen), d, stride_kind)
         wait_prior(EARLY)
-        kn, vn = _kv_tile(kv_cache, base, new, d, stride_kind)
-        kt = tl.where(new[None, :], kn, kt)
-        vt = tl.where(new[:, None], vn, vt)
+        if not NORM:
+            kn, vn = _kv_tile(kv_cache, base, new, d, stride_kind)
+            kt = tl.where(new[None, :], kn, kt)
+            vt = tl.where(new[:, None], vn, vt)
+    elif NORM:
+        kt, vt = _kv_tile(kv_cache, base, n_ok & ~new, d, stride_kind)
     else:
         kt, vt = _kv_tile(kv_cache, base, n_ok, d, stride_kind)
-    qv = tl.load(q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None],
-                 other=0.0)  # [R, D]
+    q_rows = q + tok[:, None] * stride_qt + head[:, None] * stride_qh  # [R, 1]
+    if NORM:
+        qv, k_new, v_new = _fresh_token(q_rows, row_ok[:, None], k_row, v_row, qw, kw, cos, sin, slot_ptr, kvh, rms_eps,
+                                        split == active - 1, kv_cache, stride_page, stride_kind, stride_head,
+                                        stride_tok, D, PAGE_SIZE, R, ZC, q.dtype.element_ty)
+        kt = tl.where(new[None, :], tl.trans(k_new), kt)
+        vt = tl.where(new[:, None], v_new, vt)
+    else:
+        qv = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)  # [R, D]
     if split < active:
         m_i, l_i, acc = _attend_keys(qv, kt, vt, n, n_ok, qpos, m_i, l_i, acc, scale, IEEE)
         for start in range(lo + BLOCK_N, hi, BLOCK_N):
@@ -540,6 +610,10 @@ def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_le
             n_ok = n < hi
             base = _kv_base(pt_row, n, n_ok, kvh, stride_page, stride_head, stride_tok, PAGE_SIZE)
             kt, vt = _kv_tile(kv_cache, base, n_ok, d, stride_kind)
+            if NORM:  # the new key in a later block of the split (contexts past NSPLIT x BLOCK_N keys)
+                new = n == seq_len - 1
+                kt = tl.where(new[None, :], tl.trans(k_new), kt)
+                vt = tl.where(new[:, None], v_new, vt)
             m_i, l_i, acc = _attend_keys(qv, kt, vt, n, n_ok, qpos, m_i, l_i, acc, scale, IEEE)
         o_ptr = out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         if NSPLIT == 1:  # (constexpr: the atomics below need an int32 counter, which prefill does not pass)
@@ -631,16 +705,34 @@ def attention_shape_ok(num_heads: int, num_kv_heads: int, head_dim: int) -> bool
     return num_heads % num_kv_heads == 0 and head_dim & (head_dim - 1) == 0 and head_dim >= 16
 
 
+class QKNorm(NamedTuple):
+    """`paged_attention`'s q/k RMSNorm + RoPE + K/V store of one-token queries, done in the attention
+    kernel (`attend_block`'s NORM) instead of `qk_norm_rope`: k_raw [T, Hkv * D] and v [T, Hkv, D]
+    rows of the q/k/v projection, the norm weights [D], cos/sin [T, R], slot_mapping [T]."""
+    k_raw: torch.Tensor
+    v: torch.Tensor
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
+    eps: float
+    zero_centered: bool
+
+
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     page_table: torch.Tensor, max_query_len: int, scale: float,
-                    out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, splits: int | None = None,
+                    norm: QKNorm | None = None) -> torch.Tensor:
     """Twin of `ops.paged_attention` from raw batch tensors (no metadata object, no host sync).
 
     q [T, Hq, D]; kv_cache [P, 2, Hkv, ps, D]; query_start_loc [B+1]; seq_lens [B]; page_table
     [B, max_pages] -> [T, Hq, D]. A sequence with no query tokens is skipped. Decode batches
     (max_query_len 1) split each sequence's keys over `splits` programs (default
     `decode_splits`): the splits past the keys do nothing, the last of a (sequence, KV head)'s others
-    to finish combines them (a context within one split: that program writes the output)."""
+    to finish combines them (a context within one split: that program writes the output).
+    With `norm` (max_query_len 1 only) q is the projection's q before its norm and RoPE, and this
+    step's K/V are not in the cache yet: the kernel norms, ropes and stores them (`QKNorm`)."""
     t, hq, d = q.shape
     hkv, page_size = kv_cache.shape[2], kv_cache.shape[3]
     if not attention_shape_ok(hq, hkv, d):
@@ -648,7 +740,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                          "(needs a whole group and a power-of-two head_dim >= 16)")
     if q.stride(2) != 1 or kv_cache.stride(4) != 1:
         raise ValueError("paged_attention needs a contiguous head_dim in q and the cache")
-    out = torch.empty_like(q) if out is None else out
+    if norm is not None:
+        if max_query_len != 1:
+            raise ValueError(f"paged_attention with the q/k norm inside: one query token a sequence "
+                             f"(max_query_len={max_query_len})")
+        if norm.k_raw.stride(1) != 1 or norm.v.stride(2) != 1 or norm.cos.stride(1) != 1 \
+                or norm.cos.stride() != norm.sin.stride():
+            raise ValueError("paged_attention with the q/k norm inside needs row-contiguous k, v, cos and sin")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     group = hq // hkv
     group_pad = triton.next_power_of_2(group)
     rows = 16 if max_query_len * group_pad <= 16 else 64  # tl.dot wants >= 16 rows
@@ -667,12 +766,42 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             part_acc = torch.empty(t, hq, splits, d, dtype=torch.float32, device=q.device)
             part_ml = torch.empty(t, hq, splits, 2, dtype=torch.float32, device=q.device)
             counters = _split_counters(q.device, b * hkv)
+        if norm is None:
+            norm_args = (q, q, q, q, q, q, q, 0.0, 0, 0, 0)  # unread
+            rot, zc = 0, False
+        else:
+            norm_args = (norm.k_raw, norm.v, norm.q_weight, norm.k_weight, norm.cos, norm.sin, norm.slot_mapping,
+                         norm.eps, norm.k_raw.stride(0), norm.v.stride(0), norm.cos.stride(0))
+            rot, zc = norm.cos.shape[1], norm.zero_centered
         grid = (b, hkv, triton.cdiv(max_query_len, block_m) * splits)
         pdl = launch_args(q.device)
         _paged_attention_kernel[grid](
             q, kv_cache, out, part_acc, part_ml, counters, query_start_loc, seq_lens, page_table, scale, q.stride(0),
             q.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-            kv_cache.stride(3), page_table.stride(0), GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m,
+            kv_cache.stride(3), page_table.stride(0), *norm_args, GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m,
             BLOCK_N=block_n, D=d, PAGE_SIZE=page_size, IEEE=q.dtype == torch.float32, NSPLIT=splits,
-            EARLY=pdl["PDL"] and splits > 1, num_warps=SPLIT_DECODE_WARPS if splits > 1 else 4, **pdl)
+            EARLY=pdl["PDL"] and splits > 1, NORM=norm is not None, R=rot, ZC=zc,
+            num_warps=SPLIT_DECODE_WARPS if splits > 1 else 4, **pdl)
     return out
+
+
+def norm_rope_paged_attention(q_raw: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                              k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                              head_dim: int, eps: float, zero_centered: bool, gated: bool, kv_cache: torch.Tensor,
+                              slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                              page_table: torch.Tensor, scale: float,
+                              splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`qk_norm_rope` (with the K/V store) then `paged_attention` in one kernel, for one query token a
+    sequence: at batch 1 one dependent launch fewer a layer. q_raw [T, Hq * D * (2 if gated else 1)],
+    k_raw [T, Hkv * D], v [T, Hkv, D] -> (out [T, Hq, D], gate [T, Hq, D] view of q_raw or None)."""
+    t = q_raw.shape[0]
+    if q_raw.shape[1] != num_heads * head_dim * (2 if gated else 1) or q_raw.stride(1) != 1:
+        raise ValueError(f"q_raw {tuple(q_raw.shape)} is not row-contiguous {num_heads} heads x head_dim "
+                         f"{head_dim} (gated={gated})")
+    if k_raw.shape[1] != v.shape[1] * head_dim:
+        raise ValueError(f"k_raw {tuple(k_raw.shape)} does not match v {tuple(v.shape)}")
+    heads = q_raw.view(t, num_heads, head_dim * (2 if gated else 1))
+    norm = QKNorm(k_raw, v, q_weight, k_weight, cos, sin, slot_mapping, eps, zero_centered)
+    out = paged_attention(heads[..., :head_dim], kv_cache, query_start_loc, seq_lens, page_table, 1, scale,
+                          splits=splits, norm=norm)
+    return out, (heads[..., head_dim:] if gated else None)

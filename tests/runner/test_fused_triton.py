@@ -81,6 +81,48 @@ def test_decode_splits_choice():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("gated,zero_centered,rot,splits", [
+    (False, False, 16, None), (True, True, 8, 1), (False, False, 16, 2), (True, False, 4, 16)])
+def test_norm_rope_paged_attention_equals_two_kernels(device, dtype, gated, zero_centered, rot, splits):
+    """The q/k norm, RoPE and K/V store inside the attention kernel give qk_norm_rope + paged_attention's
+    output and cache bit for bit (fp32 within rounding: the compiler may contract the norm's and
+    RoPE's products differently in the two kernels): one split, 2 splits of a 600-key context (the new
+    key in the fifth block of the second split), 16 (10 active) and the default; q/k/v as column
+    slices of one packed projection; a padded row (slot -1) stores nothing."""
+    skip_interpreted_bf16(device, dtype)
+    hq, hkv, d, ps = 8, 2, 16, 4
+    batch, kv, _, _, _ = random_batch([1, 1, 1, 1, 1], [0, 17, 139, 600, 5], ps, hq, hkv, d, dtype, device, seed=rot)
+    t = 5
+    g = torch.Generator().manual_seed(splits or 0)
+    qw_rows = hq * d * (2 if gated else 1)
+    qkv = torch.randn(t, qw_rows + 2 * hkv * d, generator=g).to(dtype).to(device)
+    q_raw, k_raw, v = qkv.split([qw_rows, hkv * d, hkv * d], dim=1)
+    v = v.view(t, hkv, d)
+    qw, kw = (torch.randn(d, generator=g).to(dtype).to(device) * 0.3 + (0 if zero_centered else 1) for _ in range(2))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    cos, sin = (x.to(device) for x in ops.rope_cos_sin(batch.positions.cpu(), inv_freq, dtype))
+    slots = ops.AttentionMetadata.build(batch, ps).slot_mapping.clone()
+    slots[4] = -1  # a padded graph row: its key goes nowhere
+    kv_ref = kv.clone()
+    q, _, gate_ref = ft.qk_norm_rope(q_raw, k_raw, qw, kw, cos, sin, hq, hkv, d, 1e-6, zero_centered, gated, v,
+                                     kv_ref, slots)
+    args = (batch.query_start_loc, batch.seq_lens, batch.page_table)
+    ref = ft.paged_attention(q, kv_ref, *args, 1, d**-0.5, splits=splits)
+    out, gate = ft.norm_rope_paged_attention(q_raw, k_raw, v, qw, kw, cos, sin, hq, d, 1e-6, zero_centered, gated,
+                                             kv, slots, *args, d**-0.5, splits=splits)
+    same = torch.equal if dtype != torch.float32 else lambda a, b: rel_err(a, b) < 1e-6
+    assert same(kv, kv_ref)
+    assert same(out[:4], ref[:4])  # (row 4 read its stale slot in the two-kernel path)
+    if gated:
+        assert torch.equal(gate.reshape(t, hq * d), gate_ref)
+    else:
+        assert gate is None
+    with pytest.raises(ValueError, match="max_query_len=2"):
+        ft.paged_attention(q, kv, *args, 2, d**-0.5, norm=ft.QKNorm(k_raw, v, qw, kw, cos, sin, slots, 1e-6, False))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_store_kv_skips_negative_slots(device):
     batch, kv, q, k, v = random_batch([3], [2], 4, 2, 2, 16, torch.float32, device, seed=3)
     before = kv.clone()
@@ -245,16 +287,20 @@ def test_kernels_compile_for_hopper(pdl):
                 "counters": "*i32", "qsl": "*i32", "seq_lens": "*i32",
                 "page_table": "*i32", "scale": "fp32", **{n: i64 for n in (
                     "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_page", "stride_kind", "stride_head",
-                    "stride_tok", "stride_pt")}}
-    for bm, nsplit in ((2, 1), (2, 32), (8, 1)):
+                    "stride_tok", "stride_pt")},
+                "k_raw": "*bf16", "v_raw": "*bf16", "qw": "*bf16", "kw": "*bf16", "cos": "*bf16", "sin": "*bf16",
+                "slots": "*i64", "rms_eps": "fp32", "stride_kr": i64, "stride_vr": i64, "stride_cs": i64}
+    for bm, nsplit, norm in ((2, 1, False), (2, 32, False), (8, 1, False), (2, 1, True), (2, 32, True)):
         # as paged_attention launches it: without splits the output stands in for the counters
         sig = {**attn_sig, "counters": "*i32" if nsplit > 1 else "*bf16"}
         ptx = compile_pdl(ft._paged_attention_kernel, sig, {
             "GROUP": 8, "GROUP_PAD": 8, "BLOCK_M": bm, "BLOCK_N": 64, "D": 128, "PAGE_SIZE": 16, "IEEE": False,
-            "NSPLIT": nsplit, "EARLY": pdl and nsplit > 1}, pdl)
+            "NSPLIT": nsplit, "EARLY": pdl and nsplit > 1, "NORM": norm, "R": 128 if norm else 0, "ZC": False}, pdl)
         if pdl and nsplit > 1:  # page ids and earlier keys requested before the wait; this step's K/V, q after it
             before, after = ptx[:ptx.index("griddepcontrol.wait")], ptx[ptx.index("griddepcontrol.wait"):]
             assert before.count("ld.global") >= 4 and "ld.global" in after
+            if norm:  # the new K/V stored after the wait only
+                assert "st.global" not in before and "st.global" in after
     for norm in (0, 1, 2):  # plain, RMSNorm(x), RMSNorm(x + delta) (norm_gemv)
         ptx = compile_pdl(ft._gemv_kernel, {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "out": "*bf16", "N": i32,
                                             "K": i32, "stride_w": i32, "delta": "*bf16", "norm_w": "*bf16",
