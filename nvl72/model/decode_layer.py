@@ -8,10 +8,9 @@ programs than the SMs can hold at once, see `grid_size`, so every program is res
 
   1  residual add + RMSNorm (each program norms the row itself: 2 x H values) and the packed q/k/v
      GEMV, rows in blocks over the programs
-  2  per (KV head, key split): q RMSNorm + RoPE of the group's heads (each split for itself), the
-     split that holds the new token's key also its k RMSNorm + RoPE and the K/V store into the
-     page slot, then split-key paged attention (`fused_triton.attend_block`: the same code as the
-     decode path of `paged_attention`), the last split of a KV head combining
+  2  per (KV head, key split): split-key paged attention with the q/k RMSNorm + RoPE and the K/V
+     store inside (`fused_triton.attend_block` with NORM: the same code as the one-token path of
+     `norm_rope_paged_attention`), the last split of a KV head combining
   3  o_proj GEMV
   4  residual add + RMSNorm again and the router GEMV
   5  softmax top-k (every program, from the E logits) and the experts' gate/up + SiLU
@@ -47,8 +46,7 @@ import triton.language as tl
 from aot.pdl import launch_args, wait_prior
 from moe.kernels.triton_fused_decode import down_rows, gate_up_rows
 from moe.kernels.triton_moe import topk_softmax
-from nvl72.model.fused_triton import (_norm_rope_row, _round, attend_block, decode_splits, rms_norm_row,
-                                      split_chunk)
+from nvl72.model.fused_triton import _round, attend_block, decode_splits, rms_norm_row
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +145,7 @@ def _decode_layer_kernel(
     nprog = tl.num_programs(0)
     DT = res_out.dtype.element_ty
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
-    hr = hrows + pid * BLOCK_H  # this program's row: the normed input (the GEMVs read it in K steps), its q heads
+    hr = hrows + pid * BLOCK_H  # this program's row: the normed input (the GEMVs read it in K steps)
     c = tl.arange(0, BLOCK_H)
     if PHASE == 0 or PHASE == 1:
         wv = _tile(wqkv, pid, 0, NQKV, H, BN_QKV, BK_QKV)
@@ -165,24 +163,11 @@ def _decode_layer_kernel(
     if PHASE == 0 or PHASE == 2:
         GROUP: tl.constexpr = HQ // HKV
         seq_len = tl.load(seq_lens)
-        # the split whose keys end with the new token's (attend_block's chunking) stores its K/V first
-        last = (seq_len - 1) // split_chunk(seq_len, NSPLIT, BLOCK_KV)
-        for item in range(pid, HKV * NSPLIT, nprog):
-            kvh = item // NSPLIT
-            split = item % NSPLIT
-            for g in range(GROUP):  # (GROUP * D <= BLOCK_H: see `unsupported`)
-                _norm_rope_row(qkv + (kvh * GROUP + g) * D, qn, cos, sin, hr + g * D, eps, D, R, ZC)
-            slot = tl.load(slots).to(tl.int64)
-            if (split == last) & (slot >= 0):
-                dst = kv_cache + (slot // PAGE_SIZE) * stride_page + kvh * stride_head + (slot % PAGE_SIZE) * stride_tok
-                _norm_rope_row(qkv + (HQ + kvh) * D, kn, cos, sin, dst, eps, D, R, ZC)
-                d = tl.arange(0, D)
-                tl.store(dst + stride_kind + d, tl.load(qkv + (HQ + HKV + kvh) * D + d).to(kv_cache.dtype.element_ty))
-            tl.debug_barrier()
-            attend_block(hr - kvh * GROUP * D, kv_cache, attn, part_acc, part_ml, cnt + kvh, 0, 1, seq_len,
-                         page_table, kvh, HKV, 0, split, scale, HQ * D, D, HQ * D, D, stride_page, stride_kind,
-                         stride_head, stride_tok, GROUP, GROUP_PAD, BLOCK_M, BLOCK_KV, D, PAGE_SIZE, IEEE, NSPLIT)
-            tl.debug_barrier()
+        for item in range(pid, HKV * NSPLIT, nprog):  # q/k norm, RoPE, the K/V store: attend_block's NORM
+            attend_block(qkv, kv_cache, attn, part_acc, part_ml, cnt + item // NSPLIT, 0, 1, seq_len, page_table,
+                         item // NSPLIT, HKV, 0, item % NSPLIT, scale, HQ * D, D, HQ * D, D, stride_page, stride_kind,
+                         stride_head, stride_tok, GROUP, GROUP_PAD, BLOCK_M, BLOCK_KV, D, PAGE_SIZE, IEEE, NSPLIT,
+                         False, True, qkv + HQ * D, qkv + (HQ + HKV) * D, qn, kn, cos, sin, slots, eps, R, ZC)
         wv = _tile(wo, pid, 0, H, HQ * D, BN_O, BK_O)
         if PHASE == 0:
             _grid_sync(bar, 2 * nprog)
@@ -257,8 +242,8 @@ def unsupported(layer) -> str | None:
         return f"the MoE backend {mlp.backend_label()} does not keep FP8 expert weights"
     d, h, inter = attn.head_dim, mlp.hidden, mlp.intermediate
     hq, hkv = attn.num_heads, attn.num_kv_heads
-    if d & (d - 1) or d < 16 or hq % hkv or hq // hkv * d > triton.next_power_of_2(h):
-        return f"head_dim {d} / heads {hq}/{hkv} (a power-of-two head_dim, a query group within the hidden size)"
+    if d & (d - 1) or d < 16 or hq % hkv:
+        return f"head_dim {d} / heads {hq}/{hkv} (a power-of-two head_dim >= 16, whole query groups)"
     if h % BN_DN or inter % 128 or h % 128:
         return f"hidden {h} / moe_intermediate {inter} (multiples of 128)"
     return None
