@@ -6,7 +6,7 @@ Builds a Qwen3-30B-A3B-shaped model with dummy weights (`--layers` of its 48 dec
 default: FP8 experts, ~33 GB, loaded and captured in seconds; the bound below is for the same layer
 count), drives the engine
 directly (no HTTP: `nvl72 bench` is the client for a running server) and reports
-  - decode output tokens/s at batch 1 and 64 (ignore_eos, greedy): triton attention with CUDA
+  - decode output tokens/s at batch 1 and 64 (`--batches`; ignore_eos, greedy): triton attention with CUDA
     graphs, triton eager, and FlashInfer decode eager where it imports (`--modes`); async
     scheduling on (the next step prepared while one runs) unless `--no-async`;
   - TTFT of one 1K and one 8K prompt on an idle engine (one prefill forward + first sample);
@@ -251,6 +251,7 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-out", type=int, default=64, help="output tokens per decode request")
     ap.add_argument("--modes", default="graphs,eager,flashinfer",
                     help="decode modes to time: graphs (triton + CUDA graphs), eager (triton), flashinfer")
+    ap.add_argument("--batches", default="1,64", help="decode batch sizes to measure (and profile)")
     ap.add_argument("--reps", type=int, default=5, help="decode runs per batch size; the median is reported")
     ap.add_argument("--no-async", action="store_true",
                     help="synchronous scheduling (each step scheduled after the previous one's read-back)")
@@ -263,7 +264,7 @@ def main(argv=None) -> int:
                          "max_model_len 16384, KV cache from free memory")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, metavar="DIR",
-                    help="also profile decode at batch 1 and 64 (graphs) and one 1K / 8K prefill: kernel tables "
+                    help="also profile decode at the --batches sizes (graphs) and one 1K / 8K prefill: kernel tables "
                          "(decode: also by exposed time) printed, traces in DIR")
     args = ap.parse_args(argv)
     want = set(args.modes.split(","))
@@ -271,6 +272,12 @@ def main(argv=None) -> int:
         ap.error(f"--modes={args.modes!r}: a comma-separated subset of graphs, eager, flashinfer")
     if args.reps < 1:
         ap.error(f"--reps={args.reps}: at least 1")
+    try:
+        batches = tuple(int(x) for x in args.batches.split(","))
+    except ValueError:
+        batches = ()
+    if not batches or min(batches) < 1 or max(batches) > 64:
+        ap.error(f"--batches={args.batches!r}: comma-separated batch sizes from 1 to 64 (the engine's max_num_seqs)")
     torch.manual_seed(0)
     bw = hbm_copy_bandwidth()
     cfg = ModelConfig.from_dict(dict(QWEN3_30B_A3B, num_hidden_layers=args.layers))
@@ -310,7 +317,7 @@ def main(argv=None) -> int:
         modes.append(("flashinfer", fi, None))
     for mode, backend, g in modes:
         engine.model.attn_backend, engine.runner.graphs = backend, g
-        for b in (1, 64):
+        for b in batches:
             # the median of --reps runs: one run of a few dozen steps moves by 10-20% with a host hiccup
             runs = sorted((decode_rate(engine, b, 128, args.decode_out, seed=b + 1000 * i) for i in range(args.reps)),
                           key=lambda r: r["step_ms"])
@@ -329,7 +336,7 @@ def main(argv=None) -> int:
             res["rows"].append({"what": f"fixed c={args.fixed} #{i + 1}", "mode": triton.name + ("+graphs" if graphs else ""),
                                 "tok_s": r["tok_s"], "step_ms": r["step_ms"], "steps": r["steps"]})
     if args.profile:
-        for b in (1, 64):
+        for b in batches:
             profile_decode(engine, b, args.profile)
         for n in ttft_lens:
             profile_prefill(engine, n, args.profile)
