@@ -263,9 +263,10 @@ def rms_norm_row(v, wv, rms_eps, H, ZC: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _rstd(v, rms_eps, H):
-    """1 / RMS of the fp32 row v [BLOCK] (zeros past H)."""
-    return tl.rsqrt(tl.sum(v * v, 0) / H + rms_eps)
+def _rstd(v, rms_eps, H, AXIS: tl.constexpr = 0):
+    """1 / RMS of the fp32 rows of v along AXIS (zeros past H): a row [BLOCK] -> scalar, rows [M, BLOCK]
+    along 1 -> [M]."""
+    return tl.rsqrt(tl.sum(v * v, AXIS) / H + rms_eps)
 
 
 @triton.jit
@@ -312,7 +313,7 @@ def _norm_rope_rows(src, ok, w, cos, sin, rms_eps, D: tl.constexpr, R: tl.conste
     in DT as `layers.Attention` rounds with the references."""
     d = tl.arange(0, D)[None, :]
     x = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, 1) / D + rms_eps)[:, None]
+    rstd = _rstd(x, rms_eps, D, 1)[:, None]
     y = _norm_scale(x, rstd, tl.load(w + d).to(tl.float32), ZC, DT)
     if R > 0:
         rot = d < R
@@ -457,20 +458,13 @@ def _paged_attention_kernel(q, kv_cache, out, part_acc, part_ml, counters, qsl, 
     qlen = tl.load(qsl + seq + 1) - q_start
     seq_len = tl.load(seq_lens + seq)
     if mblk * BLOCK_M < qlen:
-        cnt = counters + seq * tl.num_programs(1) + kvh
-        pt_row = page_table + seq.to(tl.int64) * stride_pt
-        if NORM:
-            t64 = q_start.to(tl.int64)
-            attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_len, pt_row, kvh,
-                         tl.num_programs(1), mblk, split, scale, stride_qt, stride_qh, stride_ot, stride_oh,
-                         stride_page, stride_kind, stride_head, stride_tok, GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D,
-                         PAGE_SIZE, IEEE, NSPLIT, EARLY, NORM, k_raw + t64 * stride_kr, v_raw + t64 * stride_vr, qw,
-                         kw, cos + t64 * stride_cs, sin + t64 * stride_cs, slots + t64, rms_eps, R, ZC)
-        else:
-            attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_len, pt_row, kvh,
-                         tl.num_programs(1), mblk, split, scale, stride_qt, stride_qh, stride_ot, stride_oh,
-                         stride_page, stride_kind, stride_head, stride_tok, GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D,
-                         PAGE_SIZE, IEEE, NSPLIT, EARLY)
+        t64 = q_start.to(tl.int64)  # NORM's token rows (the pointers are unread without NORM)
+        attend_block(q, kv_cache, out, part_acc, part_ml, counters + seq * tl.num_programs(1) + kvh, q_start, qlen,
+                     seq_len, page_table + seq.to(tl.int64) * stride_pt, kvh, tl.num_programs(1), mblk, split, scale,
+                     stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_kind, stride_head, stride_tok,
+                     GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D, PAGE_SIZE, IEEE, NSPLIT, EARLY, NORM,
+                     k_raw + t64 * stride_kr, v_raw + t64 * stride_vr, qw, kw, cos + t64 * stride_cs,
+                     sin + t64 * stride_cs, slots + t64, rms_eps, R, ZC)
     elif EARLY:
         wait_prior(PDL)
 
