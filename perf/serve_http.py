@@ -26,7 +26,7 @@ import sys
 import tempfile
 
 from nvl72.commands.bench import Bench, BenchConfig, table, turn_table
-from nvl72.commands.bench_plots import write_plots
+from nvl72.commands.bench_plots import plot_dir_problem, write_plots
 from nvl72.config import ModelConfig
 from perf.procs import Children, wait_serving
 from perf.serve import QWEN3_30B_A3B, decode_step_bytes
@@ -90,6 +90,9 @@ def main(argv=None) -> int:
     ap.add_argument("--log", default=None, help="server log file (default: a temporary file)")
     args = ap.parse_args(argv)
     args.ttft_lens = [int(x) for x in args.ttft_lens.split(",")]
+    problem = args.plot and plot_dir_problem(args.plot)
+    if problem:
+        ap.error(problem)
 
     if args.model_config:
         with open(args.model_config) as f:

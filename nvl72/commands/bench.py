@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import time
@@ -30,7 +29,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from nvl72.cli import CLIError
-from nvl72.commands.bench_plots import write_plots
+from nvl72.commands.bench_plots import plot_dir_problem, write_plots
 
 HELP = "benchmark a running server (fixed lengths and the agentic workload)"
 
@@ -420,8 +419,9 @@ async def run_suite(args: argparse.Namespace, cfg: BenchConfig) -> list[RunSumma
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    if args.plot and os.path.exists(args.plot) and not os.path.isdir(args.plot):
-        raise CLIError(f"--plot: {args.plot!r} is not a directory")  # before the run, not after it
+    problem = args.plot and plot_dir_problem(args.plot)
+    if problem:
+        raise CLIError(problem)
     runs = asyncio.run(run_suite(args, cfg))
     for r in runs:
         if r.per_turn:

@@ -69,6 +69,13 @@ def line_chart(title: str, x_label: str, y_label: str, series: dict[str, list[tu
     return "\n".join(out)
 
 
+def plot_dir_problem(out_dir: str) -> str | None:
+    """Why `out_dir` cannot take the charts (checked before a run, not after it), or None."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        return f"--plot: {out_dir!r} is not a directory"
+    return None
+
+
 def _write(out_dir: str, name: str, svg: str) -> str:
     path = os.path.join(out_dir, name)
     with open(path, "w") as f:

@@ -38,3 +38,12 @@ def test_serve_http_cpu(tmp_path, capsys):
     # the decode runs (c=1, 4) and the agentic run drawn; the TTFT runs are not concurrency points
     assert sorted(p.name for p in (tmp_path / "charts").iterdir()) == [
         "agentic_tokens.svg", "agentic_ttft.svg", "fixed_latency.svg", "fixed_throughput.svg"]
+
+
+def test_plot_path_that_is_a_file_is_refused_before_the_server_starts(tmp_path, capsys):
+    f = tmp_path / "taken"
+    f.write_text("x")
+    with pytest.raises(SystemExit):
+        serve_http.main(["--device", "cpu", "--plot", str(f), "--log", str(tmp_path / "server.log")])
+    assert f"--plot: '{f}' is not a directory" in capsys.readouterr().err
+    assert not (tmp_path / "server.log").exists()
