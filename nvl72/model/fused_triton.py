@@ -444,13 +444,12 @@ def _paged_attention_kernel(q, kv_cache, out, part_acc, part_ml, counters, qsl, 
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                             PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
                             EARLY: tl.constexpr, NORM: tl.constexpr, R: tl.constexpr, ZC: tl.constexpr,
-                            HEAD_KEYS: tl.constexpr, PDL: tl.constexpr):
+                            PDL: tl.constexpr):
     """Split decode launches (NSPLIT > 1) with PDL (EARLY) read the batch tensors (the step's staging, copied
     before the forward), the page ids and the keys of earlier steps before waiting for the previous
     kernel, which writes only this step's K/V (see attend_block's EARLY). Other launches wait first
     (at batch 64 the early reads measured 0.3% slower). NORM: attend_block's (k_raw, v_raw, cos, sin,
-    slots: rows by token; unread otherwise). HEAD_KEYS > 0 (split one-token launches, NSPLIT >= GROUP): a sequence of at most HEAD_KEYS keys is attended by its first GROUP splits of each KV
-    head, one query head each, with no partials (`_attend_head`); the other splits exit."""
+    slots: rows by token; unread otherwise)."""
     if not EARLY:
         wait_prior(PDL)
     seq, kvh = tl.program_id(0), tl.program_id(1)
@@ -458,15 +457,7 @@ def _paged_attention_kernel(q, kv_cache, out, part_acc, part_ml, counters, qsl, 
     q_start = tl.load(qsl + seq)
     qlen = tl.load(qsl + seq + 1) - q_start
     seq_len = tl.load(seq_lens + seq)
-    if HEAD_KEYS > 0 and seq_len <= HEAD_KEYS:
-        if split < GROUP and qlen > 0:
-            t64 = q_start.to(tl.int64)
-            _attend_head(q, kv_cache, out, t64, seq_len, page_table + seq.to(tl.int64) * stride_pt, kvh, split,
-                         scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_kind, stride_head,
-                         stride_tok, k_raw + t64 * stride_kr, v_raw + t64 * stride_vr, qw, kw, cos + t64 * stride_cs,
-                         sin + t64 * stride_cs, slots + t64, rms_eps, GROUP, D, PAGE_SIZE, HEAD_KEYS, NORM, R, ZC,
-                         PDL)
-    elif mblk * BLOCK_M < qlen:
+    if mblk * BLOCK_M < qlen:
         t64 = q_start.to(tl.int64)  # NORM's token rows (the pointers are unread without NORM)
         attend_block(q, kv_cache, out, part_acc, part_ml, counters + seq * tl.num_programs(1) + kvh, q_start, qlen,
                      seq_len, page_table + seq.to(tl.int64) * stride_pt, kvh, tl.num_programs(1), mblk, split, scale,
@@ -476,48 +467,6 @@ def _paged_attention_kernel(q, kv_cache, out, part_acc, part_ml, counters, qsl, 
                      sin + t64 * stride_cs, slots + t64, rms_eps, R, ZC)
     elif EARLY:
         wait_prior(PDL)
-
-
-@triton.jit
-def _attend_head(q, kv_cache, out, tok, seq_len, pt_row, kvh, g, scale, stride_qt, stride_qh, stride_ot, stride_oh,
-                 stride_page, stride_kind, stride_head, stride_tok, k_row, v_row, qw, kw, cos, sin, slot_ptr, rms_eps,
-                 GROUP: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr, KEYS: tl.constexpr,
-                 NORM: tl.constexpr, R: tl.constexpr, ZC: tl.constexpr, PDL: tl.constexpr):
-    """Query head g of KV head kvh for the one-token row `tok` of a sequence of seq_len <= KEYS keys,
-    in one program and in fp32 throughout (no tensor-core tiles, no partials): the earlier keys' K/V
-    are read before the PDL wait; after it q and the new key are read (NORM: normed and roped as
-    attend_block's NORM does, the key stored by g == 0, and joining from registers), and the
-    softmax-weighted sum of V is the head's output. Against the split programs this skips the partials' store, the
-    arrival atomic and the combine's reload: two dependent round trips, 2.0 us of a batch-1 layer
-    on an H200 when skipped."""
-    n = tl.arange(0, KEYS)
-    d = tl.arange(0, D)
-    old = n < seq_len - 1
-    base = _kv_base(pt_row, n, old, kvh, stride_page, stride_head, stride_tok, PAGE_SIZE)
-    k = tl.load(kv_cache + base[:, None] + d[None, :], mask=old[:, None], other=0.0)  # [KEYS, D]
-    v = tl.load(kv_cache + stride_kind + base[:, None] + d[None, :], mask=old[:, None], other=0.0)
-    last = seq_len - 1 + tl.zeros([1], tl.int32)
-    last_base = _kv_base(pt_row, last, last >= 0, kvh, stride_page, stride_head, stride_tok, PAGE_SIZE)[:, None]
-    wait_prior(PDL)
-    one = tl.zeros([1, 1], tl.int32)
-    head = kvh * GROUP + g
-    q_row = q + tok * stride_qt + head * stride_qh + one  # [1, 1]
-    if NORM:
-        qv, k_new, v_new = _fresh_token(q_row, one == 0, k_row, v_row, qw, kw, cos, sin, slot_ptr, kvh, rms_eps,
-                                        g == 0, kv_cache, stride_page, stride_kind, stride_head, stride_tok, D,
-                                        PAGE_SIZE, R, ZC, q.dtype.element_ty)
-    else:  # q and the new key / value (stored by the previous kernel) as they are
-        qv = tl.load(q_row + d[None, :])
-        k_new = tl.load(kv_cache + last_base + d[None, :])
-        v_new = tl.load(kv_cache + stride_kind + last_base + d[None, :])
-    qf = qv.to(tl.float32)
-    s = tl.where(old, tl.sum(k.to(tl.float32) * qf, 1) * scale, float("-inf"))  # [KEYS] the earlier keys
-    s_new = tl.sum(k_new.to(tl.float32) * qf, 1) * scale  # [1] the new key (its own term: no tile copy)
-    m = tl.maximum(tl.max(s, 0), tl.max(s_new, 0))
-    p, p_new = tl.exp(s - m), tl.exp(s_new - m)
-    o = tl.sum(p[:, None] * v.to(tl.float32), 0) + tl.sum(p_new[:, None] * v_new.to(tl.float32), 0)  # [D]
-    o = o / (tl.sum(p, 0) + tl.sum(p_new, 0))
-    tl.store(out + tok * stride_ot + head * stride_oh + d, o.to(out.dtype.element_ty))
 
 
 @triton.jit
@@ -744,12 +693,6 @@ def decode_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_ke
     return 1 if want < 2 else 1 << (want.bit_length() - 1)
 
 
-def max_head_keys(head_dim: int) -> int:
-    """The most keys `_attend_head` takes in one program: its K and V tiles (read before the PDL wait)
-    are 64 bf16 registers a thread each at 8 warps."""
-    return 32768 // head_dim
-
-
 def attention_shape_ok(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether `paged_attention` serves these heads: a whole query group per KV head and a
     power-of-two head_dim >= 16 (tl.dot and the head-dim arange)."""
@@ -774,7 +717,7 @@ class QKNorm(NamedTuple):
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     page_table: torch.Tensor, max_query_len: int, scale: float,
                     out: torch.Tensor | None = None, splits: int | None = None,
-                    norm: QKNorm | None = None, head_keys: int | None = None) -> torch.Tensor:
+                    norm: QKNorm | None = None) -> torch.Tensor:
     """Twin of `ops.paged_attention` from raw batch tensors (no metadata object, no host sync).
 
     q [T, Hq, D]; kv_cache [P, 2, Hkv, ps, D]; query_start_loc [B+1]; seq_lens [B]; page_table
@@ -783,9 +726,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     `decode_splits`): the splits past the keys do nothing, the last of a (sequence, KV head)'s others
     to finish combines them (a context within one split: that program writes the output).
     With `norm` (max_query_len 1 only) q is the projection's q before its norm and RoPE, and this
-    step's K/V are not in the cache yet: the kernel norms, ropes and stores them (`QKNorm`).
-    Split launches with a whole query group of splits attend sequences of at most `head_keys` keys
-    (default `max_head_keys`, a power of two; 0: none) one query head a program, without partials."""
+    step's K/V are not in the cache yet: the kernel norms, ropes and stores them (`QKNorm`)."""
     t, hq, d = q.shape
     hkv, page_size = kv_cache.shape[2], kv_cache.shape[3]
     if not attention_shape_ok(hq, hkv, d):
@@ -813,9 +754,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     if splits < 1 or splits & (splits - 1) or (splits > 1 and max_query_len != 1):
         raise ValueError(f"splits={splits}: a power of two, above 1 only for single-token queries "
                          f"(max_query_len={max_query_len})")
-    head_keys = max_head_keys(d) if head_keys is None else head_keys
-    if head_keys < 0 or head_keys & (head_keys - 1) or head_keys > max_head_keys(d):
-        raise ValueError(f"head_keys={head_keys}: 0 or a power of two up to {max_head_keys(d)} (head_dim {d})")
     if t and b and max_query_len > 0:
         part_acc = part_ml = counters = out  # unread without splits
         if splits > 1:
@@ -837,7 +775,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             kv_cache.stride(3), page_table.stride(0), *norm_args, GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m,
             BLOCK_N=block_n, D=d, PAGE_SIZE=page_size, IEEE=q.dtype == torch.float32, NSPLIT=splits,
             EARLY=pdl["PDL"] and splits > 1, NORM=norm is not None, R=rot, ZC=zc,
-            HEAD_KEYS=head_keys if 1 < splits and group <= splits else 0,
             num_warps=SPLIT_DECODE_WARPS if splits > 1 else 4, **pdl)
     return out
 

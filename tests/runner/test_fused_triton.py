@@ -57,7 +57,7 @@ def test_decode_split_keys_match_reference(device, dtype, splits):
     splits of a 140-key context, 3 of them active; of a 601-key one, 10: the combine's loop past its
     first four partials) and combined by the last active program of each (sequence, KV head);
     contexts within one split (1, 18 keys) written by that program: the reference's result, twice
-    (the arrival counters are back at 0 after each launch). No head programs (head_keys 0)."""
+    (the arrival counters are back at 0 after each launch)."""
     hq, hkv, d, ps = 8, 2, 16, 4
     batch, kv, q, k, v = random_batch([1, 1, 1, 1], [0, 17, 139, 600], ps, hq, hkv, d, dtype, device, seed=splits)
     meta = ops.AttentionMetadata.build(batch, ps)
@@ -65,32 +65,9 @@ def test_decode_split_keys_match_reference(device, dtype, splits):
     ref = ops.paged_attention(q.float(), kv.float(), meta, d**-0.5)
     for _ in range(2):
         out = ft.paged_attention(q, kv, batch.query_start_loc, batch.seq_lens, batch.page_table, 1, d**-0.5,
-                                 splits=splits, head_keys=0)
+                                 splits=splits)
         assert rel_err(out, ref) < TOL[dtype]
         assert not ft._SPLIT_COUNTERS[q.device].any()
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", LOW)
-def test_head_programs_match_reference(device, dtype):
-    """Single-token queries of at most head_keys (64) keys attended one query head a program
-    (`_attend_head`), longer ones by the splits, in one launch of 8 splits (GQA 4): every output row
-    written (NaN-poisoned first) and the reference's; a head_keys that is not a power of two or above
-    max_head_keys is refused."""
-    skip_interpreted_bf16(device, dtype)
-    hq, hkv, d, ps = 8, 2, 16, 4
-    batch, kv, q, k, v = random_batch([1] * 5, [0, 17, 63, 64, 200], ps, hq, hkv, d, dtype, device, seed=11)
-    meta = ops.AttentionMetadata.build(batch, ps)
-    ft.store_kv(kv, k, v, meta.slot_mapping)
-    ref = ops.paged_attention(q.float(), kv.float(), meta, d**-0.5)
-    args = (q, kv, batch.query_start_loc, batch.seq_lens, batch.page_table, 1, d**-0.5)
-    out = torch.full_like(q, float("nan"))
-    ft.paged_attention(*args, out=out, splits=8, head_keys=64)
-    assert not out.isnan().any() and rel_err(out, ref) < TOL[dtype]
-    assert not ft._SPLIT_COUNTERS[q.device].any()
-    for bad in (48, 2 * ft.max_head_keys(d)):
-        with pytest.raises(ValueError, match=f"head_keys={bad}"):
-            ft.paged_attention(*args, splits=8, head_keys=bad)
 
 
 def test_decode_splits_choice():
@@ -313,14 +290,12 @@ def test_kernels_compile_for_hopper(pdl):
                     "stride_tok", "stride_pt")},
                 "k_raw": "*bf16", "v_raw": "*bf16", "qw": "*bf16", "kw": "*bf16", "cos": "*bf16", "sin": "*bf16",
                 "slots": "*i64", "rms_eps": "fp32", "stride_kr": i64, "stride_vr": i64, "stride_cs": i64}
-    for bm, nsplit, norm, head_keys in ((2, 1, False, 0), (2, 32, False, 0), (8, 1, False, 0), (2, 1, True, 0),
-                                        (2, 32, True, 0), (2, 32, False, 256), (2, 32, True, 256)):
+    for bm, nsplit, norm in ((2, 1, False), (2, 32, False), (8, 1, False), (2, 1, True), (2, 32, True)):
         # as paged_attention launches it: without splits the output stands in for the counters
         sig = {**attn_sig, "counters": "*i32" if nsplit > 1 else "*bf16"}
         ptx = compile_pdl(ft._paged_attention_kernel, sig, {
             "GROUP": 8, "GROUP_PAD": 8, "BLOCK_M": bm, "BLOCK_N": 64, "D": 128, "PAGE_SIZE": 16, "IEEE": False,
-            "NSPLIT": nsplit, "EARLY": pdl and nsplit > 1, "NORM": norm, "R": 128 if norm else 0, "ZC": False,
-            "HEAD_KEYS": head_keys}, pdl)
+            "NSPLIT": nsplit, "EARLY": pdl and nsplit > 1, "NORM": norm, "R": 128 if norm else 0, "ZC": False}, pdl)
         if pdl and nsplit > 1:  # page ids and earlier keys requested before the wait; this step's K/V, q after it
             before, after = ptx[:ptx.index("griddepcontrol.wait")], ptx[ptx.index("griddepcontrol.wait"):]
             assert before.count("ld.global") >= 4 and "ld.global" in after
