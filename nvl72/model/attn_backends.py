@@ -190,9 +190,10 @@ class TritonBackend(AttentionBackend):
         self.smem_gemv = smem_gemv.load() if self.gemv else None
         log.info("one-token steps: the input norm %s the q/k/v GEMV ($%s)", "inside" if self.norm_gemv else "before",
                  NORM_GEMV_ENV)
-        # One-token steps with the q/k norm, RoPE and K/V store inside the attention kernel
-        # (`fused_triton.norm_rope_paged_attention`): one dependent launch fewer a layer; $NVL72_QK_NORM_ATTN=0:
-        # qk_norm_rope, then the attention
+        # One-token steps whose attention splits keys (small batches) with the q/k norm, RoPE and K/V store
+        # inside the attention kernel (`fused_triton.norm_rope_paged_attention`): one dependent launch fewer a
+        # layer (H200, 48 layers, batch 1: 1.806 -> 1.748 ms a step; at batch 64, one program a sequence,
+        # 1.0% slower, so not there); $NVL72_QK_NORM_ATTN=0: qk_norm_rope, then the attention
         self.qk_attn = _flag(QK_ATTN_ENV)
         log.info("one-token steps: the q/k norm %s the attention kernel ($%s)", "inside" if self.qk_attn else "before",
                  QK_ATTN_ENV)
@@ -224,10 +225,12 @@ class TritonBackend(AttentionBackend):
 
     def norm_rope_attend(self, q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, head_dim,
                          eps, zero_centered, gated, kv_cache, meta: PagedMeta, scale):
-        if not (self.qk_attn and meta.max_query_len == 1):
+        b = meta.batch
+        if not (self.qk_attn and meta.max_query_len == 1 and self.kernels.decode_splits(
+                q_raw.device, b.seq_lens.shape[0], num_kv_heads, b.page_table.shape[1] * kv_cache.shape[3],
+                self.kernels.key_block(head_dim)) > 1):
             return super().norm_rope_attend(q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads, num_kv_heads,
                                             head_dim, eps, zero_centered, gated, kv_cache, meta, scale)
-        b = meta.batch
         return self.kernels.norm_rope_paged_attention(q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads,
                                                       head_dim, eps, zero_centered, gated, kv_cache, meta.slot_mapping,
                                                       b.query_start_loc, b.seq_lens, b.page_table, scale)

@@ -693,6 +693,11 @@ def decode_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_ke
     return 1 if want < 2 else 1 << (want.bit_length() - 1)
 
 
+def key_block(head_dim: int) -> int:
+    """Keys a `paged_attention` program takes per block (its K/V tile's rows)."""
+    return 64 if head_dim <= 128 else 32
+
+
 def attention_shape_ok(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether `paged_attention` serves these heads: a whole query group per KV head and a
     power-of-two head_dim >= 16 (tl.dot and the head-dim arange)."""
@@ -746,7 +751,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     group_pad = triton.next_power_of_2(group)
     rows = 16 if max_query_len * group_pad <= 16 else 64  # tl.dot wants >= 16 rows
     block_m = max(rows // group_pad, 1)
-    block_n = 64 if d <= 128 else 32
+    block_n = key_block(d)
     b = seq_lens.shape[0]
     if splits is None:
         splits = 1 if max_query_len != 1 else decode_splits(q.device, b, hkv, page_table.shape[1] * page_size,

@@ -125,3 +125,38 @@ def test_triton_gemv_is_default_switchable_and_single_token_only(monkeypatch):
     for t in (1, 3):
         x = torch.randn(t, 64, generator=g).to(device)
         assert torch.allclose(backend.linear(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-4)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU runs need TRITON_INTERPRET=1")
+def test_triton_norm_rope_attend_fuses_split_launches_only(monkeypatch):
+    """One-token steps whose attention splits keys (one sequence of 300 keys: 4 splits on the
+    interpreter's 8 "SMs") run the q/k norm inside the attention kernel; a batch of 8 (one program a
+    sequence) runs qk_norm_rope then the attention, as does $NVL72_QK_NORM_ATTN=0: each equal to the
+    layer's reference math (ops.rms_norm, apply_rope, paged_attention)."""
+    backend = ab.TritonBackend()
+    used = []
+    real = backend.kernels.norm_rope_paged_attention
+    monkeypatch.setattr(backend.kernels, "norm_rope_paged_attention", lambda *a, **k: used.append(1) or real(*a, **k))
+    hq, hkv, d, ps, eps = 8, 2, 16, 4, 1e-6
+    g = torch.Generator().manual_seed(4)
+    qw, kw = (torch.randn(d, generator=g) * 0.2 + 1 for _ in range(2))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    for ctx, fused in (([299], True), ([5, 40, 17, 90, 3, 60, 22, 8], False)):
+        t = len(ctx)
+        batch, kv, _, _, _ = random_batch([1] * t, ctx, ps, hq, hkv, d, torch.float32, "cpu", seed=t)
+        q_raw, k_raw, v = torch.randn(t, (hq + 2 * hkv) * d, generator=g).split([hq * d, hkv * d, hkv * d], dim=1)
+        v = v.view(t, hkv, d)
+        cos, sin = ops.rope_cos_sin(batch.positions, inv_freq, torch.float32)
+        meta = ops.AttentionMetadata.build(batch, ps)
+        q = ops.apply_rope(ops.rms_norm(q_raw.reshape(t, hq, d), qw, eps, False), cos, sin)
+        k = ops.apply_rope(ops.rms_norm(k_raw.reshape(t, hkv, d), kw, eps, False), cos, sin)
+        ref_kv = kv.clone()
+        ops.write_kv(ref_kv, k, v, meta.slot_mapping)
+        ref = ops.paged_attention(q, ref_kv, meta, d**-0.5)
+        del used[:]
+        out, gate = backend.norm_rope_attend(q_raw, k_raw, v, qw, kw, cos, sin, hq, hkv, d, eps, False, False, kv,
+                                             backend.plan(batch, ps), d**-0.5)
+        assert gate is None and used == ([1] if fused else []), ctx
+        assert rel_err(out, ref) < 1e-5 and rel_err(kv, ref_kv) < 1e-6
+    monkeypatch.setenv(ab.QK_ATTN_ENV, "0")
+    assert not ab.TritonBackend().qk_attn
