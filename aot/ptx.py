@@ -57,6 +57,12 @@ def st_shared_v4f(addr, v, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def ld_shared_f32(addr, *, loc=None, ip=None):
+    """4-byte shared load -> Float32."""
+    return cutlass.Float32(asm(T.f32(), [i32(addr, loc, ip)], "ld.shared.f32 $0, [$1];", "=f,r,~{memory}", loc, ip))
+
+
+@dsl_user_op
 def ld_shared_v4f(addr, *, loc=None, ip=None):
     """16-byte shared load -> 4 x Float32."""
     return v4f(i32(addr, loc, ip), "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];",

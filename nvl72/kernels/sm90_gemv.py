@@ -21,12 +21,19 @@ Exports (VARIANTS): gemv_k{K} (plain), norm_gemv_k{K}[_zc][_d] (input RMSNorm, z
 (1 + w), residual add). Arguments (flat torch views): (x [K], delta [K], norm_w [K], sum_out [K], w
 [N * K], out [N], all bf16; N, eps (fp32), pdl); a plain GEMV ignores delta / norm_w / sum_out / eps,
 a norm without delta ignores delta and sum_out.
+ATTN_VARIANTS: attn_gemv_k{K}_d{D} (o_proj of a one-token split attention that left the combine of up
+to LEAVE splits to it: nvl72.model.fused_triton.paged_attention_partials), (x [K] bf16 (the attention's
+out), acc [Hq * splits * D] bf16, ml [Hq * splits * 2] fp32, seq_lens [>= 1] int32, w, out; N, splits,
+block_n, pdl): x staged from the partials where 2 to LEAVE splits hold the sequence's keys, from x otherwise.
+H200, 48-layer batch-1 step (perf/RESULTS.md): 1.719 -> 1.708 ms. The attention without its arrival
+atomic and partial reload saves 2.0 us a layer; the partials' reading (every CTA reads all heads')
+costs most of it back: with fp32 partials the step was 1.718 against 1.724.
 """
 import cutlass
 import cutlass.cute as cute
 
 from aot.build import fake_args
-from aot.ptx import bulk_g2s, ld_global_bf16x4, ld_shared_bf16x4, ld_shared_v4f, st_shared_v4f
+from aot.ptx import bulk_g2s, ld_global_bf16x4, ld_shared_bf16x4, ld_shared_f32, ld_shared_v4f, st_shared_v4f
 from aot.rows import shared_storage_type, shared_views, warp_sum
 
 ARCHS = ("sm_90a",)
@@ -37,6 +44,9 @@ VARIANTS = {"gemv_k4096": dict(k=4096)}
 for _zc in ("", "_zc"):
     for _d in ("", "_d"):
         VARIANTS[f"norm_gemv_k2048{_zc}{_d}"] = dict(k=2048, norm="delta" if _d else "plain", zero_centered=bool(_zc))
+LEAVE = 4  # partial splits the attn variants combine (one load round: 4 splits of 32 heads is 64 KB a CTA)
+# o_proj after 32 heads of 128 (Qwen3-30B-A3B)
+ATTN_VARIANTS = {"attn_gemv_k4096_d128": dict(k=4096, head_dim=128)}
 
 
 class GemvSmem:
@@ -67,32 +77,51 @@ class GemvSmem:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         bar, w_s, x_s, red = shared_views(self.shared_storage, self.warps, tidx)
-        k, threads, rpw = self.k, self.threads, self.rpw
-        steps = k // (4 * threads)
-        n0 = bidx * self.rows
-        row_bytes = k * 2
-        if tidx == 0:  # the weights are constant: asked for before the wait
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, self.rows * row_bytes)
-            src = w.iterator.toint() + cutlass.Int64(n0) * row_bytes
-            for r in cutlass.range_constexpr(self.rows):
-                bulk_g2s(w_s + r * row_bytes, src + r * row_bytes, row_bytes, bar.toint())
+        self._ask_rows(w, w_s, bar, bidx, tidx)
         if cutlass.const_expr(self.norm is not None):
-            nw_base = norm_w.iterator.toint()
-            nw = [ld_global_bf16x4(nw_base + cutlass.Int64((i * threads + tidx) * 4) * 2) for i in range(steps)]
+            nw = self._load_x(norm_w, tidx)
         cute.arch.griddepcontrol_wait()  # x (the previous kernels' output) is complete and visible
         cute.arch.griddepcontrol_launch_dependents()
-        x_base = x.iterator.toint()
-        xv = [ld_global_bf16x4(x_base + cutlass.Int64((i * threads + tidx) * 4) * 2) for i in range(steps)]
+        xv = self._load_x(x, tidx)
         if cutlass.const_expr(self.norm is not None):
             xv = self._normed(xv, nw, delta, sum_out, red, eps, bidx, tidx)
-        for i in cutlass.range_constexpr(steps):
-            st_shared_v4f(x_s + (i * threads + tidx) * 16, xv[i])
+        self._stage(xv, x_s, tidx)
+        self._rows_dot_x(w_s, x_s, bar, out, bidx, tidx)
+
+    @cute.jit
+    def _ask_rows(self, w: cute.Tensor, w_s, bar, bidx, tidx):
+        """Thread 0 asks for the CTA's weight rows (constant: before the PDL wait) on mbarrier `bar`."""
+        row_bytes = self.k * 2
+        if tidx == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, self.rows * row_bytes)
+            src = w.iterator.toint() + cutlass.Int64(bidx * self.rows) * row_bytes
+            for r in cutlass.range_constexpr(self.rows):
+                bulk_g2s(w_s + r * row_bytes, src + r * row_bytes, row_bytes, bar.toint())
+
+    @cute.jit
+    def _load_x(self, v: cute.Tensor, tidx):
+        """This thread's bf16 values of the K-vector v: 4 at column (i * threads + tidx) * 4 of step i."""
+        base, threads = v.iterator.toint(), self.threads
+        return [ld_global_bf16x4(base + cutlass.Int64((i * threads + tidx) * 4) * 2)
+                for i in range(self.k // (4 * threads))]
+
+    @cute.jit
+    def _stage(self, xv, x_s, tidx):
+        """This thread's x values (`_load_x`'s columns) into the fp32 vector in shared memory."""
+        for i in cutlass.range_constexpr(self.k // (4 * self.threads)):
+            st_shared_v4f(x_s + (i * self.threads + tidx) * 16, xv[i])
+
+    @cute.jit
+    def _rows_dot_x(self, w_s, x_s, bar, out: cute.Tensor, bidx, tidx):
+        """Once x is staged and the rows are in: warp w sums its rows (lane l on columns q * 128 + 4 l),
+        lane 0 stores them as bf16."""
         cute.arch.sync_threads()
         cute.arch.mbarrier_wait(bar, 0)
+        rpw, row_bytes = self.rpw, self.k * 2
         r0 = (tidx // 32) * rpw
         lane = tidx % 32
         acc = [cutlass.Float32(0.0) for _ in range(rpw)]
-        for q in cutlass.range_constexpr(k // 128):
+        for q in cutlass.range_constexpr(self.k // 128):
             col = q * 128 + lane * 4
             xq = ld_shared_v4f(x_s + col * 4)
             for i in cutlass.range_constexpr(rpw):
@@ -101,7 +130,7 @@ class GemvSmem:
         for i in cutlass.range_constexpr(rpw):
             y = warp_sum(acc[i])
             if lane == 0:
-                out[n0 + r0 + i] = y.to(cutlass.BFloat16)
+                out[bidx * self.rows + r0 + i] = y.to(cutlass.BFloat16)
 
     @cute.jit
     def _normed(self, xv, nw, delta, sum_out, red, eps: cutlass.Float32, bidx, tidx):
@@ -134,6 +163,112 @@ class GemvSmem:
         return [[_bf16(_bf16(xv[i][j] * rstd) * nw[i][j]) for j in range(4)] for i in range(steps)]
 
 
+class AttnGemvSmem(GemvSmem):
+    """o_proj of a one-token split attention that left the combine of 2 to `leave` splits to it
+    (ATTN_VARIANTS): x is the attention's out, or the combine of its partials, by the splits that
+    hold the sequence's keys, counted from seq_lens (staging, read before the wait) as the attention
+    counts them (fused_triton.split_chunk: `splits` of whole `block_n`-key blocks). The partials
+    come in by bulk copies (lane h of warp 0 asks for head h's rows) on a second mbarrier: one round
+    trip, where per-thread loads were spread over four by ptxas (it sank them to their uses)."""
+
+    def __init__(self, k: int, head_dim: int, leave: int = LEAVE, rows: int = ROWS, warps: int = WARPS):
+        super().__init__(k, rows, None, False, warps)
+        if head_dim % 4 or k % head_dim or k // head_dim > 32 or leave < 2:
+            raise ValueError(f"K={k}, head_dim={head_dim}, leave={leave}: head_dim a multiple of 4 dividing K "
+                             "into at most 32 heads, leave >= 2")
+        self.head_dim, self.leave, self.heads = head_dim, leave, k // head_dim
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, acc: cute.Tensor, ml: cute.Tensor, seq_lens: cute.Tensor, w: cute.Tensor,
+                 out: cute.Tensor, n: cutlass.Int32, splits: cutlass.Int32, block_n: cutlass.Int32, pdl: cutlass.Int32,
+                 stream):
+        heads, leave = self.heads, self.leave
+
+        @cute.struct
+        class AttnStorage:
+            bar: cute.struct.MemRange[cutlass.Int64, 2]  # the weight rows', the partials'
+            w: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.rows * self.k * 2], 128]
+            v: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.k], 128]
+            acc: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, heads * leave * self.head_dim], 128]
+            ml: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, heads * leave * 2], 16]
+
+        self.shared_storage = AttnStorage
+        self.kernel(x, acc, ml, seq_lens, w, out, splits, block_n).launch(
+            grid=[n // self.rows, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=pdl)
+
+    @cute.kernel
+    def kernel(self, x: cute.Tensor, acc: cute.Tensor, ml: cute.Tensor, seq_lens: cute.Tensor, w: cute.Tensor,
+               out: cute.Tensor, splits: cutlass.Int32, bn: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        bar = storage.bar.data_ptr()
+        if tidx == 0:
+            cute.arch.mbarrier_init(bar, 1)
+            cute.arch.mbarrier_init(bar + 1, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        w_s, x_s = storage.w.data_ptr().toint(), storage.v.data_ptr().toint()
+        acc_s, ml_s = storage.acc.data_ptr().toint(), storage.ml.data_ptr().toint()
+        self._ask_rows(w, w_s, bar, bidx, tidx)
+        keys = seq_lens[0]
+        chunk = cutlass.max(((keys + splits - 1) // splits + bn - 1) // bn * bn, bn)
+        active = cutlass.max((keys + chunk - 1) // chunk, 1)
+        cute.arch.griddepcontrol_wait()  # the attention's out or partials are complete and visible
+        cute.arch.griddepcontrol_launch_dependents()
+        if (active > 1) & (active <= self.leave):
+            self._ask_partials(acc, ml, acc_s, ml_s, bar + 1, splits, active, tidx)
+            cute.arch.mbarrier_wait(bar + 1, 0)
+            self._stage(self._combined(acc_s, ml_s, active, tidx), x_s, tidx)
+        else:
+            self._stage(self._load_x(x, tidx), x_s, tidx)
+        self._rows_dot_x(w_s, x_s, bar, out, bidx, tidx)
+
+    @cute.jit
+    def _ask_partials(self, acc: cute.Tensor, ml: cute.Tensor, acc_s, ml_s, pbar, splits, active, tidx):
+        """Lane h of warp 0 copies head h's `active` acc rows (bf16) and min(splits, leave) (max, sum)
+        pairs (16-byte multiples: splits is a power of two >= 2) into the staging, on mbarrier `pbar`."""
+        d, leave = self.head_dim, self.leave
+        acc_bytes = active * d * 2
+        ml_bytes = cutlass.min(splits, leave) * 8
+        if tidx == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(pbar, self.heads * (acc_bytes + ml_bytes))
+        if tidx < self.heads:
+            row = cutlass.Int64(tidx * splits)  # the head's split 0
+            bulk_g2s(acc_s + tidx * leave * d * 2, acc.iterator.toint() + row * d * 2, acc_bytes, pbar.toint())
+            bulk_g2s(ml_s + tidx * leave * 8, ml.iterator.toint() + row * 8, ml_bytes, pbar.toint())
+
+    @cute.jit
+    def _combined(self, acc_s, ml_s, active, tidx):
+        """This thread's x values (`_load_x`'s columns, 4 of one head a step) from the head's staged
+        partials (split j's output o_j, its max m_j and sum l_j): sum_j o_j * c_j / sum_j c_j with
+        c_j = l_j * e^(m_j - max m) over j < active (a split past it reads the last one's o at weight 0),
+        rounded to bf16 as the attention rounds its out."""
+        d, leave = self.head_dim, self.leave
+        xv = []
+        for i in cutlass.range_constexpr(self.k // (4 * self.threads)):
+            c = (i * self.threads + tidx) * 4
+            h = c // d
+            m, l, a = [], [], []
+            for j in cutlass.range_constexpr(leave):
+                pair = ml_s + (h * leave + j) * 8
+                m.append(cutlass.select_(j < active, ld_shared_f32(pair), -cutlass.Float32.inf))
+                l.append(ld_shared_f32(pair + 4))
+                a.append(ld_shared_bf16x4(acc_s + ((h * leave + cutlass.min(j, active - 1)) * d + c % d) * 2))
+            top = m[0]
+            for j in cutlass.range_constexpr(1, leave):
+                top = cute.arch.fmax(top, m[j])
+            cj = [cute.math.exp(m[j] - top, fastmath=True) * l[j] for j in range(leave)]
+            den = cj[0]
+            o = [a[0][e] * cj[0] for e in range(4)]
+            for j in cutlass.range_constexpr(1, leave):
+                den += cj[j]
+                o = [o[e] + a[j][e] * cj[j] for e in range(4)]
+            inv = cute.arch.rcp_approx(den)
+            xv.append([_bf16(o[e] * inv) for e in range(4)])
+        return xv
+
+
 def _bf16(v):
     """fp32 `v` rounded to bf16 and back (one torch op in bf16)."""
     return v.to(cutlass.BFloat16).to(cutlass.Float32)
@@ -144,11 +279,19 @@ _TENSORS = [(cutlass.BFloat16, 8), (cutlass.BFloat16, 8), (cutlass.BFloat16, 8),
             (cutlass.BFloat16, 16), (cutlass.BFloat16, 2)]
 
 
+# (x: 8-byte loads; acc, ml, w: bulk copies; seq_lens; out), then N, splits, block_n, pdl
+_ATTN_TENSORS = [(cutlass.BFloat16, 8), (cutlass.BFloat16, 16), (cutlass.Float32, 16), (cutlass.Int32, 4),
+                 (cutlass.BFloat16, 16), (cutlass.BFloat16, 2)]
+
+
 def compile_for_export(arch: str = "sm_90a") -> dict:
-    """{export name: compiled fn} for every entry of VARIANTS (arguments: module docstring)."""
+    """{export name: compiled fn} for every entry of VARIANTS and ATTN_VARIANTS (arguments: module docstring)."""
     if not arch.startswith("sm_90"):
         raise ValueError(f"arch={arch!r}: the GEMV kernels are built for sm_90a")
     opts = f"--gpu-arch {arch} --enable-tvm-ffi"
     *tensors_n, stream = fake_args(_TENSORS, 1)  # the tensors, N, the stream
     args = (*tensors_n, cutlass.Float32(0.0), cutlass.Int32(0), stream)
-    return {name: cute.compile(GemvSmem(**kw), *args, options=opts) for name, kw in VARIANTS.items()}
+    fns = {name: cute.compile(GemvSmem(**kw), *args, options=opts) for name, kw in VARIANTS.items()}
+    attn_args = fake_args(_ATTN_TENSORS, 4)  # the tensors, N, splits, block_n, pdl, the stream
+    fns.update({name: cute.compile(AttnGemvSmem(**kw), *attn_args, options=opts) for name, kw in ATTN_VARIANTS.items()})
+    return fns

@@ -35,6 +35,7 @@ ENV = "NVL72_ATTN_BACKEND"
 GEMV_ENV = "NVL72_TRITON_GEMV"
 NORM_GEMV_ENV = "NVL72_NORM_GEMV"  # the input norm inside the q/k/v GEMV (one-token steps)
 QK_ATTN_ENV = "NVL72_QK_NORM_ATTN"  # the q/k norm, RoPE and K/V store inside decode attention
+ATTN_O_PROJ_ENV = "NVL72_ATTN_O_PROJ"  # batch-1 steps: the attention's split combine inside o_proj's kernel
 DECODE_LAYER_ENV = "NVL72_DECODE_LAYER"
 DECODE_LAYER_DEFAULT = "0"
 
@@ -95,6 +96,16 @@ class AttentionBackend:
                                        eps, zero_centered, gated, v, kv_cache, meta)
         out = self.forward(q, k, v, kv_cache, meta, scale, stored=True)
         return out, (None if gate is None else gate.view(out.shape))
+
+    def norm_rope_attend_linear(self, q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads, num_kv_heads,
+                                head_dim, eps, zero_centered, gated, kv_cache, meta, scale, weight, bias=None):
+        """`norm_rope_attend`, out * sigmoid(gate) where gated, then `linear` (o_proj): [T, N]. The triton
+        backend's batch-1 steps leave the attention's split combine to o_proj's kernel."""
+        out, gate = self.norm_rope_attend(q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads, num_kv_heads,
+                                          head_dim, eps, zero_centered, gated, kv_cache, meta, scale)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.linear(out.reshape(out.shape[0], num_heads * head_dim), weight, bias)
 
     def add_rms_norm(self, x, delta, weight, eps, zero_centered, router=None):
         """`fused_triton.add_rms_norm`'s contract: (x + delta, its RMSNorm[, router logits]); delta
@@ -197,6 +208,15 @@ class TritonBackend(AttentionBackend):
         self.qk_attn = _flag(QK_ATTN_ENV)
         log.info("one-token steps: the q/k norm %s the attention kernel ($%s)", "inside" if self.qk_attn else "before",
                  QK_ATTN_ENV)
+        # Batch-1 steps whose attention fills 2 to smem_gemv.LEAVE key splits: o_proj's kernel combines
+        # the splits' partials while staging its x, the attention skips its arrival atomic and partial
+        # reload (H200, 48 layers: 1.719 -> 1.708 ms a step; skipping the combine alone was 2.0 us a layer,
+        # most of it now spent by o_proj's CTAs reading the partials); $NVL72_ATTN_O_PROJ=0: the attention
+        # combines them
+        self.attn_o_proj = self.qk_attn and self.smem_gemv is not None and _flag(ATTN_O_PROJ_ENV)
+        log.info("batch-1 steps: the attention's split combine %s ($%s)",
+                 "inside o_proj's kernel where it has the shape" if self.attn_o_proj else "in the attention",
+                 ATTN_O_PROJ_ENV)
         # One-token steps of the layers nvl72.model.decode_layer serves in one persistent kernel
         # ("fused"), or in its six phases as separate launches ("phased"); "0": the per-op kernels.
         from nvl72.model.decode_layer import MODES
@@ -225,15 +245,37 @@ class TritonBackend(AttentionBackend):
 
     def norm_rope_attend(self, q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, head_dim,
                          eps, zero_centered, gated, kv_cache, meta: PagedMeta, scale):
-        b = meta.batch
-        if not (self.qk_attn and meta.max_query_len == 1 and self.kernels.decode_splits(
-                q_raw.device, b.seq_lens.shape[0], num_kv_heads, b.page_table.shape[1] * kv_cache.shape[3],
-                self.kernels.key_block(head_dim)) > 1):
+        if not self._norm_in_attention(meta, num_kv_heads, head_dim, kv_cache):
             return super().norm_rope_attend(q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads, num_kv_heads,
                                             head_dim, eps, zero_centered, gated, kv_cache, meta, scale)
+        b = meta.batch
         return self.kernels.norm_rope_paged_attention(q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads,
                                                       head_dim, eps, zero_centered, gated, kv_cache, meta.slot_mapping,
                                                       b.query_start_loc, b.seq_lens, b.page_table, scale)
+
+    def norm_rope_attend_linear(self, q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads, num_kv_heads,
+                                head_dim, eps, zero_centered, gated, kv_cache, meta, scale, weight, bias=None):
+        leave = 0
+        if self.attn_o_proj and q_raw.shape[0] == 1 and not gated and self._norm_in_attention(meta, num_kv_heads,
+                                                                                               head_dim, kv_cache):
+            leave = self.smem_gemv.attn_leave(q_raw.dtype, weight, bias, head_dim)
+        if not leave:
+            return super().norm_rope_attend_linear(q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads,
+                                                   num_kv_heads, head_dim, eps, zero_centered, gated, kv_cache, meta,
+                                                   scale, weight, bias)
+        b = meta.batch
+        parts, _ = self.kernels.norm_rope_paged_attention(q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads,
+                                                          head_dim, eps, zero_centered, False, kv_cache,
+                                                          meta.slot_mapping, b.query_start_loc, b.seq_lens,
+                                                          b.page_table, scale, leave=leave)
+        return self.smem_gemv.attn_gemv(parts, weight)
+
+    def _norm_in_attention(self, meta: PagedMeta, num_kv_heads: int, head_dim: int, kv_cache) -> bool:
+        """Whether a step's q/k norm runs inside the attention: one-token steps whose launch splits keys."""
+        b = meta.batch
+        return self.qk_attn and meta.max_query_len == 1 and self.kernels.decode_splits(
+            kv_cache.device, b.seq_lens.shape[0], num_kv_heads, b.page_table.shape[1] * kv_cache.shape[3],
+            self.kernels.key_block(head_dim)) > 1
 
     def plan(self, batch: ForwardBatch, page_size: int) -> PagedMeta:
         capturing = batch.input_ids.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -444,12 +444,12 @@ def _paged_attention_kernel(q, kv_cache, out, part_acc, part_ml, counters, qsl, 
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                             PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
                             EARLY: tl.constexpr, NORM: tl.constexpr, R: tl.constexpr, ZC: tl.constexpr,
-                            PDL: tl.constexpr):
+                            LEAVE: tl.constexpr, PDL: tl.constexpr):
     """Split decode launches (NSPLIT > 1) with PDL (EARLY) read the batch tensors (the step's staging, copied
     before the forward), the page ids and the keys of earlier steps before waiting for the previous
     kernel, which writes only this step's K/V (see attend_block's EARLY). Other launches wait first
     (at batch 64 the early reads measured 0.3% slower). NORM: attend_block's (k_raw, v_raw, cos, sin,
-    slots: rows by token; unread otherwise)."""
+    slots: rows by token; unread otherwise); LEAVE: attend_block's."""
     if not EARLY:
         wait_prior(PDL)
     seq, kvh = tl.program_id(0), tl.program_id(1)
@@ -464,7 +464,7 @@ def _paged_attention_kernel(q, kv_cache, out, part_acc, part_ml, counters, qsl, 
                      stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_kind, stride_head, stride_tok,
                      GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D, PAGE_SIZE, IEEE, NSPLIT, EARLY, NORM,
                      k_raw + t64 * stride_kr, v_raw + t64 * stride_vr, qw, kw, cos + t64 * stride_cs,
-                     sin + t64 * stride_cs, slots + t64, rms_eps, R, ZC)
+                     sin + t64 * stride_cs, slots + t64, rms_eps, R, ZC, LEAVE)
     elif EARLY:
         wait_prior(PDL)
 
@@ -541,7 +541,7 @@ def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_le
                  BLOCK_N: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr,
                  NSPLIT: tl.constexpr, EARLY: tl.constexpr = False, NORM: tl.constexpr = False, k_row=None,
                  v_row=None, qw=None, kw=None, cos=None, sin=None, slot_ptr=None, rms_eps=0.0, R: tl.constexpr = 0,
-                 ZC: tl.constexpr = False):
+                 ZC: tl.constexpr = False, LEAVE: tl.constexpr = 0):
     """One (sequence, KV head, query block, key split) of `paged_attention`: the sequence's query
     tokens start at row `q_start` of q/out, `qlen` of them, `seq_len` keys, page-table row `pt_row`;
     `cnt` is the (sequence, KV head)'s arrival counter of the splits (unused when NSPLIT is 1).
@@ -554,6 +554,9 @@ def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_le
     rows of k, v and the RoPE table; q and k are normed and roped here (weights qw, kw) as
     `qk_norm_rope` does, the new key and value enter the key blocks from registers, and the split that
     holds them stores them in the token's page slot (*slot_ptr; none where -1).
+    LEAVE (split one-token launches): where 2 to LEAVE splits hold keys, their partials are left for
+    the consumer to combine (`SplitPartials`) instead of the last of them combining (an arrival
+    atomic and a reload of the partials: 2.0 us of a batch-1 layer on an H200 when skipped).
     Shared with the batch-1 decode-layer kernel (`nvl72.model.decode_layer`)."""
     rows = tl.arange(0, BLOCK_M * GROUP_PAD)  # row r: query token r // GROUP_PAD, head r % GROUP_PAD
     m = mblk * BLOCK_M + rows // GROUP_PAD
@@ -616,35 +619,47 @@ def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_le
         elif active == 1:  # the whole context in this program: no partials
             tl.store(o_ptr, (acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]).to(out.dtype.element_ty),
                      mask=row_ok[:, None])
-        else:  # partial (max, sum, unnormalised acc) per row and split
+        else:  # partial (max, sum, the split's output acc / sum in part_acc's dtype) per row and split
             prow = (tok * (num_kv_heads * GROUP) + head) * NSPLIT  # [R] the row's split 0
             tl.store(part_ml + (prow + split) * 2, m_i, mask=row_ok)
             tl.store(part_ml + (prow + split) * 2 + 1, l_i, mask=row_ok)
-            tl.store(part_acc + (prow + split)[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
-            # the last of the active programs of (sequence, KV head) to finish combines the partials:
-            # every thread's stores precede the barrier, the counter's acq_rel add publishes them
-            tl.debug_barrier()
-            if tl.atomic_add(cnt, 1) == active - 1:
-                o = tl.zeros([BLOCK_M * GROUP_PAD, D], tl.float32)
-                den = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
-                mx = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
-                for j0 in range(0, active, 4):  # four splits' partials per round trip (was one)
-                    o, den, mx = _combine4(part_acc + prow[:, None] * D + d[None, :], part_ml + prow * 2, j0, active,
-                                           row_ok, o, den, mx, D)
-                o = o / tl.where(den > 0.0, den, 1.0)[:, None]
-                tl.store(o_ptr, o.to(out.dtype.element_ty), mask=row_ok[:, None])
-                tl.atomic_xchg(cnt, 0)  # ready for the next launch (graph replays included)
+            tl.store(part_acc + (prow + split)[:, None] * D + d[None, :], acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None],
+                     mask=row_ok[:, None])
+            # the last of the active programs of (sequence, KV head) to finish combines the partials
+            # (up to LEAVE of them: the consumer does): every thread's stores precede the barrier, the
+            # counter's acq_rel add publishes them
+            if active > LEAVE:
+                _combine_last(out, part_acc, part_ml, cnt, o_ptr, prow, active, row_ok, BLOCK_M * GROUP_PAD, D)
+
+
+@triton.jit
+def _combine_last(out, part_acc, part_ml, cnt, o_ptr, prow, active, row_ok, R: tl.constexpr, D: tl.constexpr):
+    """attend_block's combine of a split program whose partials are stored: the last of the `active`
+    programs to arrive at counter `cnt` folds them into the rows' output (then zeroes the counter)."""
+    d = tl.arange(0, D)
+    tl.debug_barrier()
+    if tl.atomic_add(cnt, 1) == active - 1:
+        o = tl.zeros([R, D], tl.float32)
+        den = tl.zeros([R], tl.float32)
+        mx = tl.full([R], float("-inf"), tl.float32)
+        for j0 in range(0, active, 4):  # four splits' partials per round trip (was one)
+            o, den, mx = _combine4(part_acc + prow[:, None] * D + d[None, :], part_ml + prow * 2, j0, active, row_ok,
+                                   o, den, mx, D)
+        o = o / tl.where(den > 0.0, den, 1.0)[:, None]
+        tl.store(o_ptr, o.to(out.dtype.element_ty), mask=row_ok[:, None])
+        tl.atomic_xchg(cnt, 0)  # ready for the next launch (graph replays included)
 
 
 @triton.jit
 def _split_partial(acc_rows, ml_rows, j, active, row_ok, D: tl.constexpr):
-    """Split j's partial of the rows: (unnormalised acc [R, D], sum [R], max [R]); zeros and -inf for
-    a split from `active` on or whose rows saw no key (sum 0). acc_rows / ml_rows: the rows' split 0."""
+    """Split j's partial of the rows: (unnormalised acc [R, D] fp32: the stored output times its sum,
+    sum [R], max [R]); zeros and -inf for a split from `active` on or whose rows saw no key (sum 0).
+    acc_rows / ml_rows: the rows' split 0."""
     ok = row_ok.to(tl.int32) * (j < active) > 0  # (bool tensor & bool scalar fails in the interpreter)
-    acc = tl.load(acc_rows + j * D, mask=ok[:, None], other=0.0, cache_modifier=".cg")
+    out_j = tl.load(acc_rows + j * D, mask=ok[:, None], other=0.0, cache_modifier=".cg")
     l_j = tl.load(ml_rows + j * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
     m_j = tl.load(ml_rows + j * 2, mask=ok, other=0.0, cache_modifier=".cg")
-    return acc, l_j, tl.where(l_j > 0.0, m_j, float("-inf"))
+    return out_j.to(tl.float32) * l_j[:, None], l_j, tl.where(l_j > 0.0, m_j, float("-inf"))
 
 
 @triton.jit
@@ -719,6 +734,22 @@ class QKNorm(NamedTuple):
     zero_centered: bool
 
 
+class SplitPartials(NamedTuple):
+    """A one-token `paged_attention_partials` launch's results: where 2 to `leave` of a sequence's
+    `splits` hold keys (attend_block's `active`: whole `block_n`-key blocks, `split_chunk`), its rows of `out` are NOT written and the consumer combines
+    acc / ml instead (the o_proj GEMV's x staging, nvl72.kernels.sm90_gemv: the attention then skips an
+    arrival atomic and a reload of the partials); other sequences have `out` as `paged_attention`'s.
+    acc [T, Hq, splits, D] in q's dtype (half fp32's bytes to read): split j's output of the row,
+    sum(p * v) / sum(p); ml [T, Hq, splits, 2] fp32: its (max of the scaled scores, sum of p)."""
+    out: torch.Tensor
+    acc: torch.Tensor
+    ml: torch.Tensor
+    seq_lens: torch.Tensor
+    splits: int
+    block_n: int
+    leave: int
+
+
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     page_table: torch.Tensor, max_query_len: int, scale: float,
                     out: torch.Tensor | None = None, splits: int | None = None,
@@ -732,6 +763,16 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     to finish combines them (a context within one split: that program writes the output).
     With `norm` (max_query_len 1 only) q is the projection's q before its norm and RoPE, and this
     step's K/V are not in the cache yet: the kernel norms, ropes and stores them (`QKNorm`)."""
+    return paged_attention_partials(q, kv_cache, query_start_loc, seq_lens, page_table, max_query_len, scale, out,
+                                    splits, norm).out
+
+
+def paged_attention_partials(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                             seq_lens: torch.Tensor, page_table: torch.Tensor, max_query_len: int, scale: float,
+                             out: torch.Tensor | None = None, splits: int | None = None, norm: QKNorm | None = None,
+                             leave: int = 0) -> SplitPartials:
+    """`paged_attention`, leaving the combine of up to `leave` splits to the consumer (`SplitPartials`;
+    leave 0: none, the result's `out` is paged_attention's)."""
     t, hq, d = q.shape
     hkv, page_size = kv_cache.shape[2], kv_cache.shape[3]
     if not attention_shape_ok(hq, hkv, d):
@@ -759,10 +800,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     if splits < 1 or splits & (splits - 1) or (splits > 1 and max_query_len != 1):
         raise ValueError(f"splits={splits}: a power of two, above 1 only for single-token queries "
                          f"(max_query_len={max_query_len})")
+    if leave < 0 or (leave and max_query_len != 1):
+        raise ValueError(f"leave={leave}: >= 0, above 0 only for single-token queries (max_query_len={max_query_len})")
+    part_acc = part_ml = out  # unread without splits
     if t and b and max_query_len > 0:
-        part_acc = part_ml = counters = out  # unread without splits
+        counters = out
         if splits > 1:
-            part_acc = torch.empty(t, hq, splits, d, dtype=torch.float32, device=q.device)
+            part_acc = torch.empty(t, hq, splits, d, dtype=q.dtype, device=q.device)  # (vLLM's split decode too)
             part_ml = torch.empty(t, hq, splits, 2, dtype=torch.float32, device=q.device)
             counters = _split_counters(q.device, b * hkv)
         if norm is None:
@@ -779,20 +823,21 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             q.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
             kv_cache.stride(3), page_table.stride(0), *norm_args, GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m,
             BLOCK_N=block_n, D=d, PAGE_SIZE=page_size, IEEE=q.dtype == torch.float32, NSPLIT=splits,
-            EARLY=pdl["PDL"] and splits > 1, NORM=norm is not None, R=rot, ZC=zc,
+            EARLY=pdl["PDL"] and splits > 1, NORM=norm is not None, R=rot, ZC=zc, LEAVE=leave if splits > 1 else 0,
             num_warps=SPLIT_DECODE_WARPS if splits > 1 else 4, **pdl)
-    return out
+    return SplitPartials(out, part_acc, part_ml, seq_lens, splits, block_n, leave if splits > 1 else 0)
 
 
 def norm_rope_paged_attention(q_raw: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
                               k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                               head_dim: int, eps: float, zero_centered: bool, gated: bool, kv_cache: torch.Tensor,
                               slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                              page_table: torch.Tensor, scale: float,
-                              splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                              page_table: torch.Tensor, scale: float, splits: int | None = None,
+                              leave: int = 0) -> tuple[torch.Tensor | SplitPartials, torch.Tensor | None]:
     """`qk_norm_rope` (with the K/V store) then `paged_attention` in one kernel, for one query token a
     sequence: at batch 1 one dependent launch fewer a layer. q_raw [T, Hq * D * (2 if gated else 1)],
-    k_raw [T, Hkv * D], v [T, Hkv, D] -> (out [T, Hq, D], gate [T, Hq, D] view of q_raw or None)."""
+    k_raw [T, Hkv * D], v [T, Hkv, D] -> (out [T, Hq, D], gate [T, Hq, D] view of q_raw or None);
+    with `leave` > 0 the first is `paged_attention_partials`' SplitPartials."""
     t = q_raw.shape[0]
     if q_raw.shape[1] != num_heads * head_dim * (2 if gated else 1) or q_raw.stride(1) != 1:
         raise ValueError(f"q_raw {tuple(q_raw.shape)} is not row-contiguous {num_heads} heads x head_dim "
@@ -801,6 +846,6 @@ def norm_rope_paged_attention(q_raw: torch.Tensor, k_raw: torch.Tensor, v: torch
         raise ValueError(f"k_raw {tuple(k_raw.shape)} does not match v {tuple(v.shape)}")
     heads = q_raw.view(t, num_heads, head_dim * (2 if gated else 1))
     norm = QKNorm(k_raw, v, q_weight, k_weight, cos, sin, slot_mapping, eps, zero_centered)
-    out = paged_attention(heads[..., :head_dim], kv_cache, query_start_loc, seq_lens, page_table, 1, scale,
-                          splits=splits, norm=norm)
-    return out, (heads[..., head_dim:] if gated else None)
+    got = paged_attention_partials(heads[..., :head_dim], kv_cache, query_start_loc, seq_lens, page_table, 1, scale,
+                                   splits=splits, norm=norm, leave=leave)
+    return got if leave else got.out, (heads[..., head_dim:] if gated else None)

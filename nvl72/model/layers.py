@@ -180,18 +180,16 @@ class Attention(nn.Module):
 
     def _attend_packed(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """o_proj of the attention from the packed q/k/v projection [T, rows]: the gate split, q/k norm,
-        RoPE and the K/V store, then the attention (`norm_rope_attend`: one kernel for the first four,
-        or for all of them on one-token steps of the triton backend)."""
+        RoPE and the K/V store, then the attention and o_proj (`norm_rope_attend_linear`: one kernel for
+        the first four, or for all but o_proj on one-token steps of the triton backend)."""
         t, d, backend = qkv.shape[0], self.head_dim, ctx.backend
         kv_cache = ctx.caches.kv[self.cache_idx]
         q_raw, k_raw, v = qkv.split([lin.out_features for lin in (self.q_proj, self.k_proj, self.v_proj)], dim=1)
         v = v.view(t, self.num_kv_heads, d)  # column slice of the packed output: strided rows
-        out, gate = backend.norm_rope_attend(q_raw, k_raw, v, self.q_norm.weight, self.k_norm.weight, ctx.cos, ctx.sin,
-                                             self.num_heads, self.num_kv_heads, d, self.q_norm.eps,
-                                             self.q_norm.zero_centered, self.gated, kv_cache, ctx.attn, self.scale)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        return backend.linear(out.reshape(t, self.num_heads * d), self.o_proj.weight, self.o_proj.bias)
+        return backend.norm_rope_attend_linear(q_raw, k_raw, v, self.q_norm.weight, self.k_norm.weight, ctx.cos,
+                                               ctx.sin, self.num_heads, self.num_kv_heads, d, self.q_norm.eps,
+                                               self.q_norm.zero_centered, self.gated, kv_cache, ctx.attn, self.scale,
+                                               self.o_proj.weight, self.o_proj.bias)
 
 
 def shard_swiglu_(mlp: SharedExpert, full: int, parallel: ParallelLayout) -> None:

@@ -13,13 +13,14 @@ import os
 import torch
 
 from aot.launch import pdl_enabled
-from nvl72.model.fused_triton import check_norm, check_row
+from nvl72.model.fused_triton import SplitPartials, check_norm, check_row, gemv as triton_gemv
 
 log = logging.getLogger(__name__)
 
 ENV = "NVL72_SMEM_GEMV"
 MODULE = "nvl72.kernels.sm90_gemv"
 ROWS = 16  # the module's rows per CTA (not imported from it: it needs CuTeDSL, which GPU hosts lack)
+LEAVE = 4  # the module's LEAVE: the most key splits whose partials its attn variants combine
 
 
 def load() -> SmemGemv | None:
@@ -51,11 +52,10 @@ class SmemGemv:
         self.module = module
         self._logged: set[tuple] = set()
 
-    def _export(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias):
-        check_row(x, weight)
+    def _export(self, name: str, dtype: torch.dtype, weight: torch.Tensor, bias):
         n, k = weight.shape
         why = ("a bias" if bias is not None
-               else f"{x.dtype}, not bf16" if x.dtype != torch.bfloat16 or weight.dtype != x.dtype
+               else f"{dtype}, not bf16" if dtype != torch.bfloat16 or weight.dtype != dtype
                else f"N={n}: not a multiple of {ROWS}" if n % ROWS
                else "a weight not contiguous, 16-byte aligned" if not weight.is_contiguous() or weight.data_ptr() % 16
                else f"no variant {name}" if not hasattr(self.module, name) else None)
@@ -67,7 +67,8 @@ class SmemGemv:
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
         """x [1, K] @ weight.T -> [1, N], or None (no export for it)."""
-        fn = self._export(f"gemv_k{weight.shape[1]}", x, weight, bias)
+        check_row(x, weight)
+        fn = self._export(f"gemv_k{weight.shape[1]}", x.dtype, weight, bias)
         if fn is None:
             return None
         xf = _aligned(x)
@@ -79,8 +80,9 @@ class SmemGemv:
                   zero_centered: bool, weight: torch.Tensor, bias: torch.Tensor | None = None):
         """fused_triton.norm_gemv's (s, out), or None (no export for it)."""
         check_norm(x, delta, norm_weight)
+        check_row(x, weight)
         name = f"norm_gemv_k{weight.shape[1]}{'_zc' if zero_centered else ''}{'' if delta is None else '_d'}"
-        fn = self._export(name, x, weight, bias)
+        fn = self._export(name, x.dtype, weight, bias)
         if fn is None:
             return None
         xf = _aligned(x)
@@ -90,6 +92,31 @@ class SmemGemv:
         fn(xf, d, _aligned(norm_weight), s.view(-1), weight.view(-1), out.view(-1), weight.shape[0], float(eps),
            int(pdl_enabled(x.device)))
         return s, out
+
+
+    def attn_leave(self, dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None, head_dim: int) -> int:
+        """LEAVE where an attn export serves o_proj `weight` after heads of `head_dim` (pass it to
+        fused_triton's attention as `leave`, then run `attn_gemv`), else 0 (logged once)."""
+        name = f"attn_gemv_k{weight.shape[1]}_d{head_dim}"
+        return LEAVE if self._export(name, dtype, weight, bias) is not None else 0
+
+    def attn_gemv(self, parts: SplitPartials, weight: torch.Tensor) -> torch.Tensor:
+        """o_proj [1, N] of a one-token, one-sequence attention run with leave=`attn_leave(...)`: the
+        kernel stages x from `parts.out`, or from the combine of the partials where 2 to LEAVE splits
+        hold the keys."""
+        t, hq, d = parts.out.shape
+        if t != 1 or parts.seq_lens.numel() != 1 or parts.leave not in (0, LEAVE) or not parts.out.is_contiguous():
+            raise ValueError(f"attn_gemv: one contiguous token of one sequence, leave 0 or {LEAVE} (got out "
+                             f"{tuple(parts.out.shape)}, {parts.seq_lens.numel()} sequences, leave {parts.leave})")
+        if parts.splits == 1:  # no partials: the attention wrote out
+            x = parts.out.view(1, hq * d)
+            out = self.gemv(x, weight)
+            return triton_gemv(x, weight) if out is None else out
+        fn = getattr(self.module, f"attn_gemv_k{hq * d}_d{d}")
+        out = torch.empty(1, weight.shape[0], dtype=parts.out.dtype, device=parts.out.device)
+        fn(parts.out.view(-1), parts.acc.view(-1), parts.ml.view(-1), parts.seq_lens, weight.view(-1), out.view(-1),
+           weight.shape[0], parts.splits, parts.block_n, int(pdl_enabled(out.device)))
+        return out
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

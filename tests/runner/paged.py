@@ -42,3 +42,24 @@ def random_batch(qlens: list[int], ctx: list[int], page_size: int, hq: int, hkv:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def active_splits(seq_lens: torch.Tensor, splits: int, block_n: int) -> torch.Tensor:
+    """The splits holding keys of one-token sequences of `seq_lens` keys, as attend_block counts them
+    (`active`, from fused_triton.split_chunk) and the consumer of its SplitPartials must."""
+    chunk = (((seq_lens + splits - 1) // splits + block_n - 1) // block_n * block_n).clamp_min(block_n)
+    return ((seq_lens + chunk - 1) // chunk).clamp_min(1)
+
+
+def combine_partials(p) -> torch.Tensor:
+    """fp32 [T, Hq, D] of a one-token `fused_triton.SplitPartials` (one sequence a token): each row's
+    output from its sequence's active splits (exp(m_j - max m) weights), `out` where the attention
+    wrote it (one active split, or more than `leave`). The reference of the consumer's combine."""
+    active = active_splits(p.seq_lens.long(), p.splits, p.block_n)  # [T]
+    res = p.out.float().clone()
+    for t, a in enumerate(active.tolist()):
+        if 1 < a <= p.leave:
+            m, l, o = p.ml[t, :, :a, 0], p.ml[t, :, :a, 1], p.acc[t, :, :a].float()  # [Hq, a] / [Hq, a, D]
+            w = torch.exp(m - m.max(1, keepdim=True).values) * l
+            res[t] = (o * w[..., None]).sum(1) / w.sum(1)[:, None]
+    return res

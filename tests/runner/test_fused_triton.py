@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nvl72.model import ops
-from tests.runner.paged import random_batch, rel_err
+from tests.runner.paged import active_splits, combine_partials, random_batch, rel_err
 from tests.runner.ptx import COMPILES, compile_pdl
 
 ft = pytest.importorskip("nvl72.model.fused_triton", exc_type=ImportError)
@@ -68,6 +68,35 @@ def test_decode_split_keys_match_reference(device, dtype, splits):
                                  splits=splits)
         assert rel_err(out, ref) < TOL[dtype]
         assert not ft._SPLIT_COUNTERS[q.device].any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_left_partials_combine_to_the_reference(device, dtype):
+    """paged_attention_partials with leave=4 over 16 splits of 64-key blocks: the sequences whose keys
+    fill 2-4 splits (100, 139, 250 keys) leave their output rows unwritten (NaN-poisoned) and their
+    partials combine (tests.runner.paged.combine_partials) to the reference; one split (40 keys) and
+    ten (600) are written as paged_attention writes them, through the arrival counters (back at 0)."""
+    skip_interpreted_bf16(device, dtype)
+    hq, hkv, d, ps = 8, 2, 16, 4
+    ctx = [39, 99, 138, 249, 599]
+    batch, kv, q, k, v = random_batch([1] * 5, ctx, ps, hq, hkv, d, dtype, device, seed=7)
+    meta = ops.AttentionMetadata.build(batch, ps)
+    ft.store_kv(kv, k, v, meta.slot_mapping)
+    ref = ops.paged_attention(q.float(), kv.float(), meta, d**-0.5)
+    args = (q, kv, batch.query_start_loc, batch.seq_lens, batch.page_table, 1, d**-0.5)
+    assert active_splits(batch.seq_lens, 16, 64).tolist() == [1, 2, 3, 4, 10]
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        p = ft.paged_attention_partials(*args, out=out, splits=16, leave=4)
+        assert p.out is out and (p.splits, p.block_n, p.leave) == (16, 64, 4)
+        left = torch.tensor([False, True, True, True, False])
+        assert out[left.to(device)].isnan().all() and not out[~left.to(device)].isnan().any()
+        assert rel_err(combine_partials(p), ref) < TOL[dtype]
+        assert not ft._SPLIT_COUNTERS[q.device].any()
+    with pytest.raises(ValueError, match="leave=2"):
+        ft.paged_attention_partials(q, kv, batch.query_start_loc, batch.seq_lens, batch.page_table, 2, d**-0.5,
+                                    leave=2)
 
 
 def test_decode_splits_choice():
@@ -295,7 +324,8 @@ def test_kernels_compile_for_hopper(pdl):
         sig = {**attn_sig, "counters": "*i32" if nsplit > 1 else "*bf16"}
         ptx = compile_pdl(ft._paged_attention_kernel, sig, {
             "GROUP": 8, "GROUP_PAD": 8, "BLOCK_M": bm, "BLOCK_N": 64, "D": 128, "PAGE_SIZE": 16, "IEEE": False,
-            "NSPLIT": nsplit, "EARLY": pdl and nsplit > 1, "NORM": norm, "R": 128 if norm else 0, "ZC": False}, pdl)
+            "NSPLIT": nsplit, "EARLY": pdl and nsplit > 1, "NORM": norm, "R": 128 if norm else 0, "ZC": False,
+            "LEAVE": 4 if nsplit > 1 else 0}, pdl)
         if pdl and nsplit > 1:  # page ids and earlier keys requested before the wait; this step's K/V, q after it
             before, after = ptx[:ptx.index("griddepcontrol.wait")], ptx[ptx.index("griddepcontrol.wait"):]
             assert before.count("ld.global") >= 4 and "ld.global" in after

@@ -4,12 +4,14 @@ the kernels compiled for sm_90a, and on a Hopper GPU the compiled kernels agains
 GEMVs, in a CUDA graph."""
 import importlib
 import logging
+import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from nvl72.model import smem_gemv
+from nvl72.model import ops, smem_gemv
+from tests.runner.paged import active_splits, combine_partials, random_batch
 
 ft = pytest.importorskip("nvl72.model.fused_triton", exc_type=ImportError)
 
@@ -39,8 +41,24 @@ def _stand_in(name, calls):
     return run
 
 
-def _op(calls, names=("gemv_k256", "norm_gemv_k128", "norm_gemv_k128_d", "norm_gemv_k128_zc_d")):
-    return smem_gemv.SmemGemv(SimpleNamespace(**{n: _stand_in(n, calls) for n in names}))
+def _attn_stand_in(name, calls):
+    """A torch attn export with the kernel's signature: x from the combine of the partials where 2 to
+    LEAVE splits hold the keys (tests.runner.paged.combine_partials), from x otherwise."""
+    d = int(name.rsplit("_d", 1)[1])
+
+    def run(x, acc, ml, seq_lens, w, out, n, splits, block_n, pdl):
+        calls.append((name, n, splits, block_n, pdl))
+        hq = x.numel() // d
+        parts = ft.SplitPartials(x.view(1, hq, d), acc.view(1, hq, splits, d), ml.view(1, hq, splits, 2), seq_lens,
+                                 splits, block_n, smem_gemv.LEAVE)
+        xv = combine_partials(parts).to(x.dtype).float().view(-1)
+        out.copy_((w.view(n, -1).float() @ xv).to(out.dtype))
+    return run
+
+
+def _op(calls, names=("gemv_k256", "norm_gemv_k128", "norm_gemv_k128_d", "norm_gemv_k128_zc_d"), attn=()):
+    fns = {n: _stand_in(n, calls) for n in names} | {n: _attn_stand_in(n, calls) for n in attn}
+    return smem_gemv.SmemGemv(SimpleNamespace(**fns))
 
 
 def test_gemv_takes_the_exports_where_they_apply(caplog):
@@ -102,6 +120,76 @@ def test_norm_gemv_contract(with_delta, zero_centered):
     assert len(calls) == 1
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU runs need TRITON_INTERPRET=1")
+def test_attn_gemv_contract(caplog):
+    """attn_leave gives LEAVE where an attn export has the shape (0, logged, for a bias, fp32, a missing
+    head_dim); attn_gemv passes (N, splits, block_n) and flat partials a split attention left with that
+    leave (Triton's interpreter, fp32; 16 splits of 64 keys: 150 keys fill 3 of them, 40 one, 600 ten) and
+    returns o_proj of the attention (one split: through `gemv`, Triton's for fp32); two tokens raise."""
+    calls = []
+    hq, hkv, d, ps = 8, 2, 32, 4
+    op = _op(calls, names=(f"gemv_k{hq * d}",), attn=(f"attn_gemv_k{hq * d}_d{d}",))
+    w = torch.randn(48, hq * d) * 0.1
+    with caplog.at_level(logging.INFO, logger="nvl72.model.smem_gemv"):
+        assert op.attn_leave(torch.bfloat16, w.bfloat16(), None, d) == smem_gemv.LEAVE
+        assert op.attn_leave(torch.bfloat16, w.bfloat16(), torch.zeros(48), d) == 0
+        assert op.attn_leave(torch.float32, w, None, d) == 0
+        assert op.attn_leave(torch.bfloat16, w.bfloat16(), None, 64) == 0
+    assert "a bias" in caplog.text and "not bf16" in caplog.text and f"no variant attn_gemv_k{hq * d}_d64" in caplog.text
+    for ctx, splits in ((149, 16), (39, 16), (599, 16), (149, 1)):
+        batch, kv, q, k, v = random_batch([1], [ctx], ps, hq, hkv, d, torch.float32, "cpu", seed=ctx)
+        meta = ops.AttentionMetadata.build(batch, ps)
+        ft.store_kv(kv, k, v, meta.slot_mapping)
+        ref = ops.paged_attention(q, kv, meta, d**-0.5).view(1, -1) @ w.T
+        parts = ft.paged_attention_partials(q, kv, batch.query_start_loc, batch.seq_lens, batch.page_table, 1,
+                                            d**-0.5, splits=splits, leave=smem_gemv.LEAVE)
+        del calls[:]
+        got = op.attn_gemv(parts, w)
+        assert got.shape == (1, 48) and _rel(got, ref) < 1e-5, ctx
+        assert calls == ([(f"attn_gemv_k{hq * d}_d{d}", 48, 16, 64, 0)] if splits > 1 else [])  # (fp32: Triton's)
+    with pytest.raises(ValueError, match="one contiguous token"):
+        op.attn_gemv(parts._replace(out=torch.zeros(2, hq, d)), w)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU runs need TRITON_INTERPRET=1")
+def test_backend_leaves_the_combine_to_o_proj(monkeypatch):
+    """TritonBackend.norm_rope_attend_linear: a one-token, one-sequence, ungated step whose o_proj has an
+    attn export runs the attention with its leave and the export (here a torch stand-in; 150 keys in 2
+    splits of 128), equal to the attention combining itself + o_proj; a gated
+    step, two sequences or $NVL72_ATTN_O_PROJ=0 take that path without the export."""
+    from nvl72.model import attn_backends as ab
+
+    hq, hkv, d, ps = 8, 2, 32, 4
+    calls = []
+    op = _op(calls, names=(), attn=(f"attn_gemv_k{hq * d}_d{d}",))
+    monkeypatch.setattr(op, "attn_leave", lambda dtype, weight, bias, head_dim: smem_gemv.LEAVE)
+    monkeypatch.setattr(smem_gemv, "load", lambda: op)
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(40, hq * d, generator=g) * 0.1
+    qw, kw = (torch.randn(d, generator=g) * 0.3 + 1 for _ in range(2))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+
+    def run(backend, ctx, gated):
+        t = len(ctx)
+        batch, kv, _, _, _ = random_batch([1] * t, ctx, ps, hq, hkv, d, torch.float32, "cpu", seed=sum(ctx))
+        qkv = torch.randn(t, hq * d * (2 if gated else 1) + 2 * hkv * d, generator=torch.Generator().manual_seed(t))
+        q_raw, k_raw, v = qkv.split([hq * d * (2 if gated else 1), hkv * d, hkv * d], dim=1)
+        cos, sin = ops.rope_cos_sin(batch.positions, inv_freq, torch.float32)
+        return backend.norm_rope_attend_linear(q_raw, k_raw, v.view(t, hkv, d), qw, kw, cos, sin, hq, hkv, d, 1e-6,
+                                               False, gated, kv, backend.plan(batch, ps), d**-0.5, w)
+
+    monkeypatch.setenv(ab.ATTN_O_PROJ_ENV, "0")
+    plain = ab.TritonBackend()
+    monkeypatch.delenv(ab.ATTN_O_PROJ_ENV)
+    backend = ab.TritonBackend()
+    assert backend.attn_o_proj and not plain.attn_o_proj
+    assert _rel(run(backend, [149], False), run(plain, [149], False)) < 1e-5
+    assert [c[:4] for c in calls] == [(f"attn_gemv_k{hq * d}_d{d}", 40, 2, 64)]
+    for ctx, gated in (([149], True), ([149, 20], False)):
+        assert _rel(run(backend, ctx, gated), run(plain, ctx, gated)) < 1e-6
+    assert len(calls) == 1
+
+
 def test_load_reads_the_switch(monkeypatch):
     monkeypatch.setenv(smem_gemv.ENV, "2")
     with pytest.raises(ValueError, match=r"\$NVL72_SMEM_GEMV='2'"):
@@ -120,14 +208,19 @@ def test_kernels_compile_for_sm90a(tmp_path):
     from aot import build
 
     mod = importlib.import_module("nvl72.kernels.sm90_gemv")
-    assert smem_gemv.ROWS == mod.ROWS
+    assert (smem_gemv.ROWS, smem_gemv.LEAVE) == (mod.ROWS, mod.LEAVE)
     assert {"gemv_k4096", "norm_gemv_k2048_d", "norm_gemv_k2048_zc_d"} <= set(mod.VARIANTS)
+    assert "attn_gemv_k4096_d128" in mod.ATTN_VARIANTS
     with pytest.raises(ValueError, match="sm_100a"):
         mod.compile_for_export("sm_100a")
     for bad in (dict(k=1000), dict(k=2048, rows=6), dict(k=2048, norm="layer")):
         with pytest.raises(ValueError, match="K="):
             mod.GemvSmem(**bad)
-    assert build.compile_module("nvl72.kernels.sm90_gemv", "sm_90a", str(tmp_path)) == list(mod.VARIANTS)
+    for bad in (dict(k=4096, head_dim=96), dict(k=8192, head_dim=128), dict(k=4096, head_dim=128, leave=1)):
+        with pytest.raises(ValueError, match="head_dim"):
+            mod.AttnGemvSmem(**bad)
+    assert build.compile_module("nvl72.kernels.sm90_gemv", "sm_90a", str(tmp_path)) == [*mod.VARIANTS,
+                                                                                       *mod.ATTN_VARIANTS]
 
 
 @pytest.mark.gpu
@@ -175,3 +268,61 @@ def test_gpu_kernels_match_reference_in_a_graph(zero_centered):
             s_t, out_t = ft.norm_gemv(h, delta, nw, 1e-6, zero_centered, wq)
             assert _rel(o_proj, ft.gemv(x, w)) < 2e-3 and _rel(out_g, out_t) < 2e-3
             assert torch.equal(s_g, s_t)
+
+
+@pytest.mark.gpu
+def test_gpu_attn_gemv_matches_reference_in_a_graph():
+    """The bundle's attn_gemv_k4096_d128 after the Triton attention left its partials (Qwen3-30B-A3B
+    heads, 32 x 128 over 4 KV heads, decode_splits' split count): contexts whose keys fill 1, 2, 3, 4, 5
+    and 6 splits (2-4 combined by the kernel, the others by the attention), output NaN-poisoned, against
+    o_proj of the fp32 reference attention and of the attention combining itself; then attention + o_proj
+    captured in a CUDA graph at the longest context and replayed at each length on fresh q."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("sm_90")
+    op = smem_gemv.load()
+    assert op is not None, "no nvl72.kernels.sm90_gemv in the kernel bundle ($NVL72_KERNEL_BUNDLE)"
+    hq, hkv, d, ps, dev = 32, 4, 128, 16, "cuda"
+    w = (torch.randn(2048, hq * d, device=dev) * 0.02).to(torch.bfloat16)
+    assert op.attn_leave(torch.bfloat16, w, None, d) == smem_gemv.LEAVE
+    lens = (40, 100, 150, 256, 300, 380)
+    batch, kv, q, k, v = random_batch([1], [lens[-1] - 1], ps, hq, hkv, d, torch.bfloat16, dev, seed=3)
+    ft.store_kv(kv, k, v, ops.AttentionMetadata.build(batch, ps).slot_mapping)
+    args = (kv, batch.query_start_loc, batch.seq_lens, batch.page_table, 1, d**-0.5)
+
+    def o_proj():
+        parts = ft.paged_attention_partials(q, *args, out=out_attn, leave=smem_gemv.LEAVE)
+        return parts, op.attn_gemv(parts, w)
+
+    def reference():
+        meta = ops.AttentionMetadata.build(batch, ps)
+        x = ops.paged_attention(q.float(), kv.float(), meta, d**-0.5).to(torch.bfloat16).float().view(1, -1)
+        own = op.gemv(ft.paged_attention(q, *args).view(1, -1), w)
+        return x @ w.float().T, own
+
+    out_attn = torch.empty_like(q)
+    for n in lens:
+        batch.seq_lens.fill_(n)
+        batch.positions.fill_(n - 1)
+        q.copy_(torch.randn_like(q))
+        out_attn.fill_(float("nan"))
+        parts, got = o_proj()
+        active = int(active_splits(batch.seq_lens, parts.splits, parts.block_n))
+        assert out_attn.isnan().any() == (1 < active <= smem_gemv.LEAVE), (n, active)
+        ref, own = reference()
+        assert _rel(got, ref) < 1e-2 and _rel(got, own) < 3e-3, (n, active, _rel(got, ref), _rel(got, own))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _, got = o_proj()
+    torch.cuda.current_stream().wait_stream(side)
+    for n in lens:
+        batch.seq_lens.fill_(n)
+        batch.positions.fill_(n - 1)
+        q.copy_(torch.randn_like(q))
+        got.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, own = reference()
+        assert _rel(got, ref) < 1e-2 and _rel(got, own) < 3e-3, n
