@@ -43,6 +43,21 @@ def bulk_g2s(dst, src, nbytes, mbar, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def cp_async_16(dst, src, src_bytes, *, loc=None, ip=None):
+    """cp.async of 16 bytes from global `src` (Int64) to shared `dst` (Int32), past L1; the bytes past
+    `src_bytes` (0 or 16) are zero-filled, not read. Complete after `cp_async_wait_all`."""
+    asm(None, [i32(dst, loc, ip), i64(src, loc, ip), i32(src_bytes, loc, ip)],
+        "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def cp_async_wait_all(*, loc=None, ip=None):
+    """Wait for this thread's cp.async copies (their data then visible to the thread; a CTA barrier
+    after it shares them)."""
+    asm(None, [], "cp.async.wait_all;", "~{memory}", loc, ip)
+
+
+@dsl_user_op
 def ld_global_v4f(addr, *, loc=None, ip=None):
     """16-byte global load past L1 (data the previous kernel wrote) -> 4 x Float32."""
     return v4f(i64(addr, loc, ip), "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];",

@@ -25,15 +25,16 @@ ATTN_VARIANTS: attn_gemv_k{K}_d{D} (o_proj of a one-token split attention that l
 to LEAVE splits to it: nvl72.model.fused_triton.paged_attention_partials), (x [K] bf16 (the attention's
 out), acc [Hq * splits * D] bf16, ml [Hq * splits * 2] fp32, seq_lens [>= 1] int32, w, out; N, splits,
 block_n, pdl): x staged from the partials where 2 to LEAVE splits hold the sequence's keys, from x otherwise.
-H200, 48-layer batch-1 step (perf/RESULTS.md): 1.719 -> 1.708 ms. The attention without its arrival
-atomic and partial reload saves 2.0 us a layer; the partials' reading (every CTA reads all heads')
-costs most of it back: with fp32 partials the step was 1.718 against 1.724.
+H200, 48-layer batch-1 step (perf/RESULTS.md): 1.727 -> 1.669 ms against the attention combining
+its splits (arrival atomic + partial reload: 2.0 us a layer). The partials' reading is what costs:
+bulk-copied by one warp (64 copies) the step was 1.724, with fp32 partials 1.718 against 1.724.
 """
 import cutlass
 import cutlass.cute as cute
 
 from aot.build import fake_args
-from aot.ptx import bulk_g2s, ld_global_bf16x4, ld_shared_bf16x4, ld_shared_f32, ld_shared_v4f, st_shared_v4f
+from aot.ptx import (bulk_g2s, cp_async_16, cp_async_wait_all, ld_global_bf16x4, ld_shared_bf16x4, ld_shared_f32,
+                     ld_shared_v4f, st_shared_v4f)
 from aot.rows import shared_storage_type, shared_views, warp_sum
 
 ARCHS = ("sm_90a",)
@@ -168,8 +169,8 @@ class AttnGemvSmem(GemvSmem):
     (ATTN_VARIANTS): x is the attention's out, or the combine of its partials, by the splits that
     hold the sequence's keys, counted from seq_lens (staging, read before the wait) as the attention
     counts them (fused_triton.split_chunk: `splits` of whole `block_n`-key blocks). The partials
-    come in by bulk copies (lane h of warp 0 asks for head h's rows) on a second mbarrier: one round
-    trip, where per-thread loads were spread over four by ptxas (it sank them to their uses)."""
+    come into shared memory by every thread's cp.async (no register results: loads into registers
+    were spread over four round trips by ptxas, which sank them to their uses)."""
 
     def __init__(self, k: int, head_dim: int, leave: int = LEAVE, rows: int = ROWS, warps: int = WARPS):
         super().__init__(k, rows, None, False, warps)
@@ -186,7 +187,7 @@ class AttnGemvSmem(GemvSmem):
 
         @cute.struct
         class AttnStorage:
-            bar: cute.struct.MemRange[cutlass.Int64, 2]  # the weight rows', the partials'
+            bar: cute.struct.MemRange[cutlass.Int64, 1]  # the weight rows'
             w: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.rows * self.k * 2], 128]
             v: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.k], 128]
             acc: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, heads * leave * self.head_dim], 128]
@@ -205,7 +206,6 @@ class AttnGemvSmem(GemvSmem):
         bar = storage.bar.data_ptr()
         if tidx == 0:
             cute.arch.mbarrier_init(bar, 1)
-            cute.arch.mbarrier_init(bar + 1, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         w_s, x_s = storage.w.data_ptr().toint(), storage.v.data_ptr().toint()
@@ -217,26 +217,32 @@ class AttnGemvSmem(GemvSmem):
         cute.arch.griddepcontrol_wait()  # the attention's out or partials are complete and visible
         cute.arch.griddepcontrol_launch_dependents()
         if (active > 1) & (active <= self.leave):
-            self._ask_partials(acc, ml, acc_s, ml_s, bar + 1, splits, active, tidx)
-            cute.arch.mbarrier_wait(bar + 1, 0)
+            self._copy_partials(acc, ml, acc_s, ml_s, splits, active, tidx)
             self._stage(self._combined(acc_s, ml_s, active, tidx), x_s, tidx)
         else:
             self._stage(self._load_x(x, tidx), x_s, tidx)
         self._rows_dot_x(w_s, x_s, bar, out, bidx, tidx)
 
     @cute.jit
-    def _ask_partials(self, acc: cute.Tensor, ml: cute.Tensor, acc_s, ml_s, pbar, splits, active, tidx):
-        """Lane h of warp 0 copies head h's `active` acc rows (bf16) and min(splits, leave) (max, sum)
-        pairs (16-byte multiples: splits is a power of two >= 2) into the staging, on mbarrier `pbar`."""
-        d, leave = self.head_dim, self.leave
-        acc_bytes = active * d * 2
-        ml_bytes = cutlass.min(splits, leave) * 8
-        if tidx == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(pbar, self.heads * (acc_bytes + ml_bytes))
-        if tidx < self.heads:
-            row = cutlass.Int64(tidx * splits)  # the head's split 0
-            bulk_g2s(acc_s + tidx * leave * d * 2, acc.iterator.toint() + row * d * 2, acc_bytes, pbar.toint())
-            bulk_g2s(ml_s + tidx * leave * 8, ml.iterator.toint() + row * 8, ml_bytes, pbar.toint())
+    def _copy_partials(self, acc: cute.Tensor, ml: cute.Tensor, acc_s, ml_s, splits, active, tidx):
+        """Every thread copies 16-byte pieces of the heads' first `leave` partial rows (zero-filled from
+        `active` on) and (max, sum) pairs (zero-filled from `splits` on) by cp.async, then waits for its
+        own and the CTA's. (Lane h of one warp bulk-copying head h's rows, 64 copies, was 3.2% slower a
+        batch-1 step: the bulk copies are issued one after another.)"""
+        d, leave, threads = self.head_dim, self.leave, self.threads
+        pieces = d * 2 // 16  # a row's 16-byte pieces
+        acc_base, ml_base = acc.iterator.toint(), ml.iterator.toint()
+        for r in cutlass.range_constexpr(self.heads * leave * pieces // threads):
+            q = r * threads + tidx
+            h, j = q // (leave * pieces), q // pieces % leave
+            src = acc_base + (cutlass.Int64(h * splits + cutlass.min(j, splits - 1)) * d * 2 + q % pieces * 16)
+            cp_async_16(acc_s + q * 16, src, cutlass.select_(j < active, 16, 0))
+        if tidx < self.heads * leave // 2:  # 16 bytes: the (max, sum) pairs of splits 2p and 2p + 1
+            h, p2 = tidx // (leave // 2), tidx % (leave // 2) * 2
+            src = ml_base + cutlass.Int64(h * splits + cutlass.min(p2, splits - 2)) * 8
+            cp_async_16(ml_s + tidx * 16, src, cutlass.select_(p2 < splits, 16, 0))
+        cp_async_wait_all()
+        cute.arch.sync_threads()
 
     @cute.jit
     def _combined(self, acc_s, ml_s, active, tidx):
@@ -258,7 +264,8 @@ class AttnGemvSmem(GemvSmem):
             top = m[0]
             for j in cutlass.range_constexpr(1, leave):
                 top = cute.arch.fmax(top, m[j])
-            cj = [cute.math.exp(m[j] - top, fastmath=True) * l[j] for j in range(leave)]
+            cj = [cutlass.select_(j < active, cute.math.exp(m[j] - top, fastmath=True) * l[j], cutlass.Float32(0.0))
+                  for j in range(leave)]  # (a pair past `active` may hold anything: stale, never written)
             den = cj[0]
             o = [a[0][e] * cj[0] for e in range(4)]
             for j in cutlass.range_constexpr(1, leave):
