@@ -45,7 +45,7 @@ VARIANTS = {"gemv_k4096": dict(k=4096)}
 for _zc in ("", "_zc"):
     for _d in ("", "_d"):
         VARIANTS[f"norm_gemv_k2048{_zc}{_d}"] = dict(k=2048, norm="delta" if _d else "plain", zero_centered=bool(_zc))
-LEAVE = 4  # partial splits the attn variants combine (one load round: 4 splits of 32 heads is 64 KB a CTA)
+LEAVE = 4  # partial splits the attn variants combine (4 splits of 32 heads: 32 KB of bf16 staged a CTA)
 # o_proj after 32 heads of 128 (Qwen3-30B-A3B)
 ATTN_VARIANTS = {"attn_gemv_k4096_d128": dict(k=4096, head_dim=128)}
 
@@ -174,9 +174,10 @@ class AttnGemvSmem(GemvSmem):
 
     def __init__(self, k: int, head_dim: int, leave: int = LEAVE, rows: int = ROWS, warps: int = WARPS):
         super().__init__(k, rows, None, False, warps)
-        if head_dim % 4 or k % head_dim or k // head_dim > 32 or leave < 2:
-            raise ValueError(f"K={k}, head_dim={head_dim}, leave={leave}: head_dim a multiple of 4 dividing K "
-                             "into at most 32 heads, leave >= 2")
+        if head_dim % 8 or k % head_dim or leave < 2 or leave % 2 or (k // head_dim) * leave * head_dim // 8 % (
+                32 * warps):
+            raise ValueError(f"K={k}, head_dim={head_dim}, leave={leave}: head_dim a multiple of 8 dividing K, leave "
+                             f"even, the partials' 16-byte pieces a multiple of the {32 * warps} threads")
         self.head_dim, self.leave, self.heads = head_dim, leave, k // head_dim
 
     @cute.jit
@@ -286,7 +287,7 @@ _TENSORS = [(cutlass.BFloat16, 8), (cutlass.BFloat16, 8), (cutlass.BFloat16, 8),
             (cutlass.BFloat16, 16), (cutlass.BFloat16, 2)]
 
 
-# (x: 8-byte loads; acc, ml, w: bulk copies; seq_lens; out), then N, splits, block_n, pdl
+# (x: 8-byte loads; acc, ml: 16-byte cp.async; seq_lens; w: bulk copies; out), then N, splits, block_n, pdl
 _ATTN_TENSORS = [(cutlass.BFloat16, 8), (cutlass.BFloat16, 16), (cutlass.Float32, 16), (cutlass.Int32, 4),
                  (cutlass.BFloat16, 16), (cutlass.BFloat16, 2)]
 
