@@ -243,37 +243,40 @@ class TritonBackend(AttentionBackend):
 
     def norm_rope_attend(self, q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, head_dim,
                          eps, zero_centered, gated, kv_cache, meta: PagedMeta, scale):
-        if not self._norm_in_attention(meta, num_kv_heads, head_dim, kv_cache):
+        splits = self._fused_splits(meta, num_kv_heads, head_dim, kv_cache)
+        if not splits:
             return super().norm_rope_attend(q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads, num_kv_heads,
                                             head_dim, eps, zero_centered, gated, kv_cache, meta, scale)
         b = meta.batch
         return self.kernels.norm_rope_paged_attention(q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads,
                                                       head_dim, eps, zero_centered, gated, kv_cache, meta.slot_mapping,
-                                                      b.query_start_loc, b.seq_lens, b.page_table, scale)
+                                                      b.query_start_loc, b.seq_lens, b.page_table, scale, splits)
 
     def norm_rope_attend_linear(self, q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads, num_kv_heads,
                                 head_dim, eps, zero_centered, gated, kv_cache, meta, scale, weight, bias=None):
         leave = 0
-        if self.attn_o_proj and q_raw.shape[0] == 1 and not gated and self._norm_in_attention(meta, num_kv_heads,
-                                                                                               head_dim, kv_cache):
+        splits = self._fused_splits(meta, num_kv_heads, head_dim, kv_cache)
+        if self.attn_o_proj and q_raw.shape[0] == 1 and not gated and splits:
             leave = self.smem_gemv.attn_leave(q_raw.dtype, weight, bias, head_dim)
         if not leave:
             return super().norm_rope_attend_linear(q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads,
                                                    num_kv_heads, head_dim, eps, zero_centered, gated, kv_cache, meta,
                                                    scale, weight, bias)
         b = meta.batch
-        parts, _ = self.kernels.norm_rope_paged_attention(q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads,
-                                                          head_dim, eps, zero_centered, False, kv_cache,
-                                                          meta.slot_mapping, b.query_start_loc, b.seq_lens,
-                                                          b.page_table, scale, leave=leave)
+        parts, _ = self.kernels.norm_rope_paged_attention_partials(
+            q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads, head_dim, eps, zero_centered, False, kv_cache,
+            meta.slot_mapping, b.query_start_loc, b.seq_lens, b.page_table, scale, splits, leave)
         return self.smem_gemv.attn_gemv(parts, weight)
 
-    def _norm_in_attention(self, meta: PagedMeta, num_kv_heads: int, head_dim: int, kv_cache) -> bool:
-        """Whether a step's q/k norm runs inside the attention: one-token steps whose launch splits keys."""
+    def _fused_splits(self, meta: PagedMeta, num_kv_heads: int, head_dim: int, kv_cache) -> int:
+        """The key splits of a step whose q/k norm runs inside the attention (one-token steps whose
+        launch splits keys), passed on to its launch; 0 for the others."""
+        if not (self.qk_attn and meta.max_query_len == 1):
+            return 0
         b = meta.batch
-        return self.qk_attn and meta.max_query_len == 1 and self.kernels.decode_splits(
-            kv_cache.device, b.seq_lens.shape[0], num_kv_heads, b.page_table.shape[1] * kv_cache.shape[3],
-            self.kernels.key_block(head_dim)) > 1
+        splits = self.kernels.decode_splits(kv_cache.device, b.seq_lens.shape[0], num_kv_heads,
+                                            b.page_table.shape[1] * kv_cache.shape[3], self.kernels.key_block(head_dim))
+        return splits if splits > 1 else 0
 
     def plan(self, batch: ForwardBatch, page_size: int) -> PagedMeta:
         capturing = batch.input_ids.is_cuda and torch.cuda.is_current_stream_capturing()

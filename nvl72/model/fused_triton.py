@@ -613,18 +613,16 @@ def attend_block(q, kv_cache, out, part_acc, part_ml, cnt, q_start, qlen, seq_le
                 vt = tl.where(new[:, None], v_new, vt)
             m_i, l_i, acc = _attend_keys(qv, kt, vt, n, n_ok, qpos, m_i, l_i, acc, scale, IEEE)
         o_ptr = out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # the rows' output over this program's keys
         if NSPLIT == 1:  # (constexpr: the atomics below need an int32 counter, which prefill does not pass)
-            tl.store(o_ptr, (acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]).to(out.dtype.element_ty),
-                     mask=row_ok[:, None])
+            tl.store(o_ptr, o.to(out.dtype.element_ty), mask=row_ok[:, None])
         elif active == 1:  # the whole context in this program: no partials
-            tl.store(o_ptr, (acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]).to(out.dtype.element_ty),
-                     mask=row_ok[:, None])
-        else:  # partial (max, sum, the split's output acc / sum in part_acc's dtype) per row and split
+            tl.store(o_ptr, o.to(out.dtype.element_ty), mask=row_ok[:, None])
+        else:  # partial (max, sum, the split's output in part_acc's dtype) per row and split
             prow = (tok * (num_kv_heads * GROUP) + head) * NSPLIT  # [R] the row's split 0
             tl.store(part_ml + (prow + split) * 2, m_i, mask=row_ok)
             tl.store(part_ml + (prow + split) * 2 + 1, l_i, mask=row_ok)
-            tl.store(part_acc + (prow + split)[:, None] * D + d[None, :], acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None],
-                     mask=row_ok[:, None])
+            tl.store(part_acc + (prow + split)[:, None] * D + d[None, :], o, mask=row_ok[:, None])
             # the last of the active programs of (sequence, KV head) to finish combines the partials
             # (up to LEAVE of them: the consumer does): every thread's stores precede the barrier, the
             # counter's acq_rel add publishes them
@@ -736,9 +734,10 @@ class QKNorm(NamedTuple):
 
 class SplitPartials(NamedTuple):
     """A one-token `paged_attention_partials` launch's results: where 2 to `leave` of a sequence's
-    `splits` hold keys (attend_block's `active`: whole `block_n`-key blocks, `split_chunk`), its rows of `out` are NOT written and the consumer combines
-    acc / ml instead (the o_proj GEMV's x staging, nvl72.kernels.sm90_gemv: the attention then skips an
-    arrival atomic and a reload of the partials); other sequences have `out` as `paged_attention`'s.
+    `splits` hold keys (attend_block's `active`: whole `block_n`-key blocks, `split_chunk`), its rows
+    of `out` are NOT written and the consumer combines acc / ml instead (the o_proj GEMV's x staging,
+    nvl72.kernels.sm90_gemv: the attention then skips an arrival atomic and a reload of the partials);
+    other sequences have `out` as `paged_attention`'s.
     acc [T, Hq, splits, D] in q's dtype (half fp32's bytes to read): split j's output of the row,
     sum(p * v) / sum(p); ml [T, Hq, splits, 2] fp32: its (max of the scaled scores, sum of p)."""
     out: torch.Tensor
@@ -832,12 +831,26 @@ def norm_rope_paged_attention(q_raw: torch.Tensor, k_raw: torch.Tensor, v: torch
                               k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                               head_dim: int, eps: float, zero_centered: bool, gated: bool, kv_cache: torch.Tensor,
                               slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                              page_table: torch.Tensor, scale: float, splits: int | None = None,
-                              leave: int = 0) -> tuple[torch.Tensor | SplitPartials, torch.Tensor | None]:
+                              page_table: torch.Tensor, scale: float,
+                              splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`qk_norm_rope` (with the K/V store) then `paged_attention` in one kernel, for one query token a
     sequence: at batch 1 one dependent launch fewer a layer. q_raw [T, Hq * D * (2 if gated else 1)],
-    k_raw [T, Hkv * D], v [T, Hkv, D] -> (out [T, Hq, D], gate [T, Hq, D] view of q_raw or None);
-    with `leave` > 0 the first is `paged_attention_partials`' SplitPartials."""
+    k_raw [T, Hkv * D], v [T, Hkv, D] -> (out [T, Hq, D], gate [T, Hq, D] view of q_raw or None)."""
+    parts, gate = norm_rope_paged_attention_partials(q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads,
+                                                     head_dim, eps, zero_centered, gated, kv_cache, slot_mapping,
+                                                     query_start_loc, seq_lens, page_table, scale, splits)
+    return parts.out, gate
+
+
+def norm_rope_paged_attention_partials(q_raw: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor,
+                                       q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                                       sin: torch.Tensor, num_heads: int, head_dim: int, eps: float,
+                                       zero_centered: bool, gated: bool, kv_cache: torch.Tensor,
+                                       slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                                       seq_lens: torch.Tensor, page_table: torch.Tensor, scale: float,
+                                       splits: int | None = None,
+                                       leave: int = 0) -> tuple[SplitPartials, torch.Tensor | None]:
+    """`norm_rope_paged_attention` as `paged_attention_partials`: (SplitPartials, gate or None)."""
     t = q_raw.shape[0]
     if q_raw.shape[1] != num_heads * head_dim * (2 if gated else 1) or q_raw.stride(1) != 1:
         raise ValueError(f"q_raw {tuple(q_raw.shape)} is not row-contiguous {num_heads} heads x head_dim "
@@ -846,6 +859,6 @@ def norm_rope_paged_attention(q_raw: torch.Tensor, k_raw: torch.Tensor, v: torch
         raise ValueError(f"k_raw {tuple(k_raw.shape)} does not match v {tuple(v.shape)}")
     heads = q_raw.view(t, num_heads, head_dim * (2 if gated else 1))
     norm = QKNorm(k_raw, v, q_weight, k_weight, cos, sin, slot_mapping, eps, zero_centered)
-    got = paged_attention_partials(heads[..., :head_dim], kv_cache, query_start_loc, seq_lens, page_table, 1, scale,
-                                   splits=splits, norm=norm, leave=leave)
-    return got if leave else got.out, (heads[..., head_dim:] if gated else None)
+    parts = paged_attention_partials(heads[..., :head_dim], kv_cache, query_start_loc, seq_lens, page_table, 1, scale,
+                                     splits=splits, norm=norm, leave=leave)
+    return parts, (heads[..., head_dim:] if gated else None)
