@@ -26,8 +26,10 @@ to LEAVE splits to it: nvl72.model.fused_triton.paged_attention_partials), (x [K
 out), acc [Hq * splits * D] bf16, ml [Hq * splits * 2] fp32, seq_lens [>= 1] int32, w, out; N, splits,
 block_n, pdl): x staged from the partials where 2 to LEAVE splits hold the sequence's keys, from x otherwise.
 H200, 48-layer batch-1 step (perf/RESULTS.md): 1.727 -> 1.669 ms against the attention combining
-its splits (arrival atomic + partial reload: 2.0 us a layer). The partials' reading is what costs:
-bulk-copied by one warp (64 copies) the step was 1.724, with fp32 partials 1.718 against 1.724.
+its splits (arrival atomic + partial reload: 2.0 us a layer) at contexts up to 256 keys (LEAVE 4);
+LEAVE 8 (in two rounds of STAGE splits) 1.746 -> 1.698 at 128-512 keys, 1.669 -> 1.676 at up to 192.
+The partials' reading is what costs: bulk-copied by one warp (64 copies) the step was 1.724, with
+fp32 partials 1.718 against 1.724.
 """
 import cutlass
 import cutlass.cute as cute
@@ -45,7 +47,8 @@ VARIANTS = {"gemv_k4096": dict(k=4096)}
 for _zc in ("", "_zc"):
     for _d in ("", "_d"):
         VARIANTS[f"norm_gemv_k2048{_zc}{_d}"] = dict(k=2048, norm="delta" if _d else "plain", zero_centered=bool(_zc))
-LEAVE = 4  # partial splits the attn variants combine (4 splits of 32 heads: 32 KB of bf16 staged a CTA)
+LEAVE = 8  # partial splits the attn variants combine (4 before: 1.746 -> 1.698 ms at contexts of 128-512 keys)
+STAGE = 4  # partial splits staged at a time (32 heads: 32 KB of bf16, so an o_proj CTA fits beside an attention CTA)
 # o_proj after 32 heads of 128 (Qwen3-30B-A3B)
 ATTN_VARIANTS = {"attn_gemv_k4096_d128": dict(k=4096, head_dim=128)}
 
@@ -169,30 +172,35 @@ class AttnGemvSmem(GemvSmem):
     (ATTN_VARIANTS): x is the attention's out, or the combine of its partials, by the splits that
     hold the sequence's keys, counted from seq_lens (staging, read before the wait) as the attention
     counts them (fused_triton.split_chunk: `splits` of whole `block_n`-key blocks). The partials
-    come into shared memory by every thread's cp.async (no register results: loads into registers
-    were spread over four round trips by ptxas, which sank them to their uses)."""
+    come into shared memory STAGE splits at a time by every thread's cp.async (no register results:
+    loads into registers were spread over four round trips by ptxas, which sank them to their uses);
+    each round adds its splits' weighted outputs to the fp32 x in shared memory."""
 
     def __init__(self, k: int, head_dim: int, leave: int = LEAVE, rows: int = ROWS, warps: int = WARPS):
         super().__init__(k, rows, None, False, warps)
-        if head_dim % 8 or k % head_dim or leave < 2 or leave % 2 or (k // head_dim) * leave * head_dim // 8 % (
-                32 * warps):
+        heads, threads = k // max(head_dim, 1), 32 * warps
+        if (head_dim % 8 or k % head_dim or leave < 2 or leave & (leave - 1) or leave > 32 or heads * leave % 32
+                or heads * leave > threads or heads * min(leave, STAGE) * head_dim // 8 % threads):
             raise ValueError(f"K={k}, head_dim={head_dim}, leave={leave}: head_dim a multiple of 8 dividing K, leave "
-                             f"even, the partials' 16-byte pieces a multiple of the {32 * warps} threads")
+                             f"a power of 2 up to 32, heads x leave whole warps of the {threads} threads (a thread "
+                             f"a split's weight), a round's 16-byte pieces a multiple of the threads")
         self.head_dim, self.leave, self.heads = head_dim, leave, k // head_dim
+        self.stage = min(leave, STAGE)
 
     @cute.jit
     def __call__(self, x: cute.Tensor, acc: cute.Tensor, ml: cute.Tensor, seq_lens: cute.Tensor, w: cute.Tensor,
                  out: cute.Tensor, n: cutlass.Int32, splits: cutlass.Int32, block_n: cutlass.Int32, pdl: cutlass.Int32,
                  stream):
-        heads, leave = self.heads, self.leave
+        heads, leave, stage = self.heads, self.leave, self.stage
 
         @cute.struct
         class AttnStorage:
             bar: cute.struct.MemRange[cutlass.Int64, 1]  # the weight rows'
             w: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.rows * self.k * 2], 128]
             v: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.k], 128]
-            acc: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, heads * leave * self.head_dim], 128]
+            acc: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, heads * stage * self.head_dim], 128]
             ml: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, heads * leave * 2], 16]
+            cw: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, heads * leave], 16]  # the splits' weights
 
         self.shared_storage = AttnStorage
         self.kernel(x, acc, ml, seq_lens, w, out, splits, block_n).launch(
@@ -211,6 +219,7 @@ class AttnGemvSmem(GemvSmem):
         cute.arch.sync_threads()
         w_s, x_s = storage.w.data_ptr().toint(), storage.v.data_ptr().toint()
         acc_s, ml_s = storage.acc.data_ptr().toint(), storage.ml.data_ptr().toint()
+        cw_s = storage.cw.get_tensor(cute.make_layout(self.heads * self.leave))
         self._ask_rows(w, w_s, bar, bidx, tidx)
         keys = seq_lens[0]
         chunk = cutlass.max(((keys + splits - 1) // splits + bn - 1) // bn * bn, bn)
@@ -218,63 +227,98 @@ class AttnGemvSmem(GemvSmem):
         cute.arch.griddepcontrol_wait()  # the attention's out or partials are complete and visible
         cute.arch.griddepcontrol_launch_dependents()
         if (active > 1) & (active <= self.leave):
-            self._copy_partials(acc, ml, acc_s, ml_s, splits, active, tidx)
-            self._stage(self._combined(acc_s, ml_s, active, tidx), x_s, tidx)
+            self._copy_pairs(ml, ml_s, splits, tidx)
+            self._copy_round(acc, acc_s, splits, active, 0, tidx)
+            self._weights(ml_s, cw_s, active, tidx)
+            self._add_round(acc_s, x_s, cw_s, 0, tidx)
+            for r in cutlass.range_constexpr(1, self.leave // self.stage):
+                if active > r * self.stage:
+                    cute.arch.sync_threads()  # every thread's reads of the last round are done
+                    self._copy_round(acc, acc_s, splits, active, r * self.stage, tidx)
+                    self._add_round(acc_s, x_s, cw_s, r * self.stage, tidx)
+            self._round_x(x_s, tidx)
         else:
             self._stage(self._load_x(x, tidx), x_s, tidx)
         self._rows_dot_x(w_s, x_s, bar, out, bidx, tidx)
 
     @cute.jit
-    def _copy_partials(self, acc: cute.Tensor, ml: cute.Tensor, acc_s, ml_s, splits, active, tidx):
-        """Every thread copies 16-byte pieces of the heads' first `leave` partial rows (zero-filled from
-        `active` on) and (max, sum) pairs (zero-filled from `splits` on) by cp.async, then waits for its
-        own and the CTA's. (Lane h of one warp bulk-copying head h's rows, 64 copies, was 3.2% slower a
-        batch-1 step: the bulk copies are issued one after another.)"""
-        d, leave, threads = self.head_dim, self.leave, self.threads
+    def _copy_pairs(self, ml: cute.Tensor, ml_s, splits, tidx):
+        """The heads' first `leave` (max, sum) pairs (zero-filled from `splits` on) by cp.async, 16
+        bytes (two pairs) a thread; complete with the first round's copies."""
+        leave = self.leave
+        if tidx < self.heads * leave // 2:  # the pairs of splits 2p and 2p + 1
+            h, p2 = tidx // (leave // 2), tidx % (leave // 2) * 2
+            src = ml.iterator.toint() + cutlass.Int64(h * splits + cutlass.min(p2, splits - 2)) * 8
+            cp_async_16(ml_s + tidx * 16, src, cutlass.select_(p2 < splits, 16, 0))
+
+    @cute.jit
+    def _copy_round(self, acc: cute.Tensor, acc_s, splits, active, j0, tidx):
+        """Every thread copies 16-byte pieces of the heads' partial rows j0 .. j0 + stage - 1 (zero-filled
+        from `active` on) by cp.async, then waits for its own and the CTA's. (Lane h of one warp
+        bulk-copying head h's rows, 64 copies, was 3.2% slower a batch-1 step: the bulk copies are
+        issued one after another.)"""
+        d, stage, threads = self.head_dim, self.stage, self.threads
         pieces = d * 2 // 16  # a row's 16-byte pieces
-        acc_base, ml_base = acc.iterator.toint(), ml.iterator.toint()
-        for r in cutlass.range_constexpr(self.heads * leave * pieces // threads):
+        acc_base = acc.iterator.toint()
+        for r in cutlass.range_constexpr(self.heads * stage * pieces // threads):
             q = r * threads + tidx
-            h, j = q // (leave * pieces), q // pieces % leave
+            h, j = q // (stage * pieces), j0 + q // pieces % stage
             src = acc_base + (cutlass.Int64(h * splits + cutlass.min(j, splits - 1)) * d * 2 + q % pieces * 16)
             cp_async_16(acc_s + q * 16, src, cutlass.select_(j < active, 16, 0))
-        if tidx < self.heads * leave // 2:  # 16 bytes: the (max, sum) pairs of splits 2p and 2p + 1
-            h, p2 = tidx // (leave // 2), tidx % (leave // 2) * 2
-            src = ml_base + cutlass.Int64(h * splits + cutlass.min(p2, splits - 2)) * 8
-            cp_async_16(ml_s + tidx * 16, src, cutlass.select_(p2 < splits, 16, 0))
         cp_async_wait_all()
         cute.arch.sync_threads()
 
     @cute.jit
-    def _combined(self, acc_s, ml_s, active, tidx):
-        """This thread's x values (`_load_x`'s columns, 4 of one head a step) from the head's staged
-        partials (split j's output o_j, its max m_j and sum l_j): sum_j o_j * c_j / sum_j c_j with
-        c_j = l_j * e^(m_j - max m) over j < active (a split past it reads the last one's o at weight 0),
-        rounded to bf16 as the attention rounds its out."""
-        d, leave = self.head_dim, self.leave
-        xv = []
+    def _weights(self, ml_s, cw_s, active, tidx):
+        """Split j's weight in head h's x, c_j / sum_j c_j with c_j = l_j * e^(m_j - max m) over j < active
+        (0 past it: a pair past `active` may hold anything, stale or never written), into cw_s[h, j]:
+        thread h * leave + j computes it, the head's max and sum by shuffles within its `leave` lanes.
+        (Each thread computing its own columns' weights, one exp a split and step in every lane of a
+        warp that shares the head, made a batch-1 step 1.692 against 1.676 ms at up to 3 splits.)"""
+        leave = self.leave
+        if tidx < self.heads * leave:  # (whole warps: leave divides 32)
+            j = tidx % leave
+            m = cutlass.select_(j < active, ld_shared_f32(ml_s + tidx * 8), -cutlass.Float32.inf)
+            top = _lanes_reduce(m, leave, cute.arch.fmax)
+            c = cutlass.select_(j < active, cute.math.exp(m - top, fastmath=True) * ld_shared_f32(ml_s + tidx * 8 + 4),
+                                cutlass.Float32(0.0))
+            cw_s[tidx] = c * cute.arch.rcp_approx(_lanes_reduce(c, leave, lambda a, b: a + b))
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _add_round(self, acc_s, x_s, cw_s, j0, tidx):
+        """This thread's x values (fp32, in x_s) plus the staged splits' outputs o_j times their weights
+        (the first round stores them); rows past `active` were zero-filled and weigh 0."""
+        d, stage, leave = self.head_dim, self.stage, self.leave
         for i in cutlass.range_constexpr(self.k // (4 * self.threads)):
             c = (i * self.threads + tidx) * 4
             h = c // d
-            m, l, a = [], [], []
-            for j in cutlass.range_constexpr(leave):
-                pair = ml_s + (h * leave + j) * 8
-                m.append(cutlass.select_(j < active, ld_shared_f32(pair), -cutlass.Float32.inf))
-                l.append(ld_shared_f32(pair + 4))
-                a.append(ld_shared_bf16x4(acc_s + ((h * leave + cutlass.min(j, active - 1)) * d + c % d) * 2))
-            top = m[0]
-            for j in cutlass.range_constexpr(1, leave):
-                top = cute.arch.fmax(top, m[j])
-            cj = [cutlass.select_(j < active, cute.math.exp(m[j] - top, fastmath=True) * l[j], cutlass.Float32(0.0))
-                  for j in range(leave)]  # (a pair past `active` may hold anything: stale, never written)
-            den = cj[0]
-            o = [a[0][e] * cj[0] for e in range(4)]
-            for j in cutlass.range_constexpr(1, leave):
-                den += cj[j]
-                o = [o[e] + a[j][e] * cj[j] for e in range(4)]
-            inv = cute.arch.rcp_approx(den)
-            xv.append([_bf16(o[e] * inv) for e in range(4)])
-        return xv
+            o = [cutlass.Float32(0.0) for _ in range(4)]
+            if cutlass.const_expr(j0 > 0):
+                o = ld_shared_v4f(x_s + c * 4)
+            for jj in cutlass.range_constexpr(stage):
+                a = ld_shared_bf16x4(acc_s + ((h * stage + jj) * d + c % d) * 2)
+                wj = cw_s[h * leave + j0 + jj]
+                o = [o[e] + a[e] * wj for e in range(4)]
+            st_shared_v4f(x_s + c * 4, o)
+
+    @cute.jit
+    def _round_x(self, x_s, tidx):
+        """This thread's combined x values rounded to bf16 in place, as the attention rounds its out."""
+        for i in cutlass.range_constexpr(self.k // (4 * self.threads)):
+            c = (i * self.threads + tidx) * 4
+            o = ld_shared_v4f(x_s + c * 4)
+            st_shared_v4f(x_s + c * 4, [_bf16(o[e]) for e in range(4)])
+
+
+def _lanes_reduce(v, lanes: int, op):
+    """`v` reduced by `op` over each aligned group of `lanes` lanes (a power of 2; butterfly shuffles:
+    every lane of the group gets the result)."""
+    off = lanes // 2
+    while off:
+        v = op(v, cute.arch.shuffle_sync_bfly(v, offset=off))
+        off //= 2
+    return v
 
 
 def _bf16(v):

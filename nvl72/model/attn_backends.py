@@ -210,7 +210,8 @@ class TritonBackend(AttentionBackend):
                  QK_ATTN_ENV)
         # Batch-1 steps whose attention fills 2 to smem_gemv.LEAVE key splits: o_proj's kernel combines
         # the splits' partials while staging its x, the attention skips its arrival atomic and partial
-        # reload (H200, 48 layers: 1.727 -> 1.669 ms a step); $NVL72_ATTN_O_PROJ=0: the attention combines
+        # reload (H200, 48 layers: 1.727 -> 1.669 ms a step at contexts to 192 keys, 2-4 splits; up to 8 splits
+        # since: 1.746 -> 1.698 at 128-512 keys); $NVL72_ATTN_O_PROJ=0: the attention combines
         self.attn_o_proj = self.qk_attn and self.smem_gemv is not None and _flag(ATTN_O_PROJ_ENV)
         log.info("batch-1 steps: the attention's split combine %s ($%s)",
                  "inside o_proj's kernel where it has the shape" if self.attn_o_proj else "in the attention",

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 ENV = "NVL72_SMEM_GEMV"
 MODULE = "nvl72.kernels.sm90_gemv"
 ROWS = 16  # the module's rows per CTA (not imported from it: it needs CuTeDSL, which GPU hosts lack)
-LEAVE = 4  # the module's LEAVE: the most key splits whose partials its attn variants combine
+LEAVE = 8  # the module's LEAVE: the most key splits whose partials its attn variants combine
 
 
 def load() -> SmemGemv | None:

@@ -216,7 +216,8 @@ def test_kernels_compile_for_sm90a(tmp_path):
     for bad in (dict(k=1000), dict(k=2048, rows=6), dict(k=2048, norm="layer")):
         with pytest.raises(ValueError, match="K="):
             mod.GemvSmem(**bad)
-    for bad in (dict(k=4096, head_dim=96), dict(k=4096, head_dim=128, leave=3), dict(k=4096, head_dim=128, leave=1)):
+    for bad in (dict(k=4096, head_dim=96), dict(k=4096, head_dim=128, leave=3), dict(k=4096, head_dim=128, leave=1),
+                dict(k=4096, head_dim=128, leave=6), dict(k=4096, head_dim=128, leave=16)):
         with pytest.raises(ValueError, match="head_dim"):
             mod.AttnGemvSmem(**bad)
     assert build.compile_module("nvl72.kernels.sm90_gemv", "sm_90a", str(tmp_path)) == [*mod.VARIANTS,
@@ -273,10 +274,11 @@ def test_gpu_kernels_match_reference_in_a_graph(zero_centered):
 @pytest.mark.gpu
 def test_gpu_attn_gemv_matches_reference_in_a_graph():
     """The bundle's attn_gemv_k4096_d128 after the Triton attention left its partials (Qwen3-30B-A3B
-    heads, 32 x 128 over 4 KV heads, decode_splits' split count): contexts whose keys fill 1, 2, 3, 4, 5
-    and 6 splits (2-4 combined by the kernel, the others by the attention), output NaN-poisoned, against
-    o_proj of the fp32 reference attention and of the attention combining itself; then attention + o_proj
-    captured in a CUDA graph at the longest context and replayed at each length on fresh q."""
+    heads, 32 x 128 over 4 KV heads, decode_splits' split count): contexts whose keys fill 1 to 6, 8 and
+    10 splits (2-8 combined by the kernel, in two rounds past 4, the others by the attention), output
+    NaN-poisoned, against o_proj of the fp32 reference attention and of the attention combining itself;
+    then attention + o_proj captured in a CUDA graph at the longest context and replayed at each length
+    on fresh q."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("sm_90")
     op = smem_gemv.load()
@@ -284,7 +286,7 @@ def test_gpu_attn_gemv_matches_reference_in_a_graph():
     hq, hkv, d, ps, dev = 32, 4, 128, 16, "cuda"
     w = (torch.randn(2048, hq * d, device=dev) * 0.02).to(torch.bfloat16)
     assert op.attn_leave(torch.bfloat16, w, None, d) == smem_gemv.LEAVE
-    lens = (40, 100, 150, 256, 300, 380)
+    lens = (40, 100, 150, 256, 300, 380, 500, 512, 600)
     batch, kv, q, k, v = random_batch([1], [lens[-1] - 1], ps, hq, hkv, d, torch.bfloat16, dev, seed=3)
     ft.store_kv(kv, k, v, ops.AttentionMetadata.build(batch, ps).slot_mapping)
     args = (kv, batch.query_start_loc, batch.seq_lens, batch.page_table, 1, d**-0.5)
