@@ -21,16 +21,23 @@ def shared_storage_type(weight_bytes: int, vec: int, scales: int):
 
 
 @cute.jit
-def shared_views(storage_type, scales: cutlass.Constexpr, tidx):
-    """A `shared_storage_type` allocated: (the mbarrier, initialised for one arrival and visible to the
-    CTA; the weight rows' and the vector's shared addresses; the block scales as a tensor of `scales`)."""
+def allocate_with_bar(storage_type, tidx):
+    """A shared-memory struct whose field `bar` is the weight rows' mbarrier, allocated, the mbarrier
+    initialised for one arrival and visible to the CTA."""
     storage = cutlass.utils.SmemAllocator().allocate(storage_type)
-    bar = storage.bar.data_ptr()
     if tidx == 0:
-        cute.arch.mbarrier_init(bar, 1)
+        cute.arch.mbarrier_init(storage.bar.data_ptr(), 1)
         cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
-    return bar, storage.w.data_ptr().toint(), storage.v.data_ptr().toint(), storage.sc.get_tensor(
+    return storage
+
+
+@cute.jit
+def shared_views(storage_type, scales: cutlass.Constexpr, tidx):
+    """A `shared_storage_type` allocated (`allocate_with_bar`): (the mbarrier; the weight rows' and the
+    vector's shared addresses; the block scales as a tensor of `scales`)."""
+    storage = allocate_with_bar(storage_type, tidx)
+    return storage.bar.data_ptr(), storage.w.data_ptr().toint(), storage.v.data_ptr().toint(), storage.sc.get_tensor(
         cute.make_layout(scales))
 
 

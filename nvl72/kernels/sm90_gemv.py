@@ -37,7 +37,7 @@ import cutlass.cute as cute
 from aot.build import fake_args
 from aot.ptx import (bulk_g2s, cp_async_16, cp_async_wait_all, ld_global_bf16x4, ld_shared_bf16x4, ld_shared_f32,
                      ld_shared_v4f, st_shared_v4f)
-from aot.rows import shared_storage_type, shared_views, warp_sum
+from aot.rows import allocate_with_bar, shared_storage_type, shared_views, warp_sum
 
 ARCHS = ("sm_90a",)
 WARPS = 8  # (4 and 16 measured slower, above)
@@ -211,12 +211,8 @@ class AttnGemvSmem(GemvSmem):
                out: cute.Tensor, splits: cutlass.Int32, bn: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        storage = allocate_with_bar(self.shared_storage, tidx)
         bar = storage.bar.data_ptr()
-        if tidx == 0:
-            cute.arch.mbarrier_init(bar, 1)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
         w_s, x_s = storage.w.data_ptr().toint(), storage.v.data_ptr().toint()
         acc_s, ml_s = storage.acc.data_ptr().toint(), storage.ml.data_ptr().toint()
         cw_s = storage.cw.get_tensor(cute.make_layout(self.heads * self.leave))

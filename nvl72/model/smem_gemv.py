@@ -93,7 +93,6 @@ class SmemGemv:
            int(pdl_enabled(x.device)))
         return s, out
 
-
     def attn_leave(self, dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None, head_dim: int) -> int:
         """LEAVE where an attn export serves o_proj `weight` after heads of `head_dim` (pass it to
         fused_triton's attention as `leave`, then run `attn_gemv`), else 0 (logged once)."""
