@@ -1,6 +1,7 @@
 """Inline PTX for the CuTeDSL kernels of `comms`, `moe` and `nvl72` (all may import `aot`): the asm builder
 and value converters their raw-address helpers share, and the bulk copy and 16- / 8-byte loads and
-stores of the one-token row kernels (moe.kernels.sm90_one_token, nvl72.kernels.sm90_gemv). Imports
+stores of the one-token row kernels (moe.kernels.sm90_one_token, nvl72.kernels.sm90_gemv) and the batch-1
+attention (nvl72.kernels.sm90_attn: also its arrival atomic and proxy fence). Imports
 CuTeDSL, so only kernel modules (compiled where CuTeDSL is installed, never imported on a GPU host)
 import it."""
 import cutlass
@@ -101,6 +102,63 @@ def ld_global_bf16x4(addr, *, loc=None, ip=None):
 def ld_shared_bf16x4(addr, *, loc=None, ip=None):
     """Four bf16 (8 bytes, shared) -> 4 x Float32."""
     return _bf16x4(i32(addr, loc, ip), "ld.shared.v2.b32", "r", loc, ip)
+
+
+@dsl_user_op
+def ld_shared_bf16x8(addr, *, loc=None, ip=None):
+    """Eight bf16 (16 bytes, shared) -> 8 x Float32 (exact)."""
+    r = asm(ir.Type.parse("!llvm.struct<(f32,f32,f32,f32,f32,f32,f32,f32)>"), [i32(addr, loc, ip)],
+            "{\n .reg .b32 a, b, c, d;\n ld.shared.v4.b32 {a, b, c, d}, [$8];\n shl.b32 $0, a, 16;\n"
+            " and.b32 $1, a, 0xFFFF0000;\n shl.b32 $2, b, 16;\n and.b32 $3, b, 0xFFFF0000;\n shl.b32 $4, c, 16;\n"
+            " and.b32 $5, c, 0xFFFF0000;\n shl.b32 $6, d, 16;\n and.b32 $7, d, 0xFFFF0000;\n}",
+            "=f,=f,=f,=f,=f,=f,=f,=f,r,~{memory}", loc, ip)
+    return [cutlass.Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(8)]
+
+
+def _st_bf16x4(addr, v, store: str, cons: str, loc, ip):
+    """Four Float32 rounded to bf16 (round to nearest even), stored as 2 x b32 by `store` at $0."""
+    asm(None, [addr] + [f32(x, loc, ip) for x in v],
+        "{\n .reg .b32 a, b;\n cvt.rn.bf16x2.f32 a, $2, $1;\n cvt.rn.bf16x2.f32 b, $4, $3;\n " + store
+        + " [$0], {a, b};\n}", cons + ",f,f,f,f,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def st_global_bf16x4(addr, v, *, loc=None, ip=None):
+    """Four Float32 -> bf16 at global address `addr` (Int64, 8-byte aligned)."""
+    _st_bf16x4(i64(addr, loc, ip), v, "st.global.v2.b32", "l", loc, ip)
+
+
+@dsl_user_op
+def st_shared_bf16x4(addr, v, *, loc=None, ip=None):
+    """Four Float32 -> bf16 at shared address `addr` (Int32, 8-byte aligned)."""
+    _st_bf16x4(i32(addr, loc, ip), v, "st.shared.v2.b32", "r", loc, ip)
+
+
+@dsl_user_op
+def ld_global_f32(addr, *, loc=None, ip=None):
+    """4-byte global load past L1 (data another CTA of this kernel wrote) -> Float32."""
+    return cutlass.Float32(asm(T.f32(), [i64(addr, loc, ip)], "ld.global.cg.f32 $0, [$1];", "=f,l,~{memory}", loc,
+                               ip))
+
+
+@dsl_user_op
+def atomic_add_acq_rel(addr, v, *, loc=None, ip=None):
+    """`atom.add.acq_rel.gpu` of Int32 `v` at global address `addr` (Int64): the old value. With a CTA
+    barrier before it, it publishes the CTA's earlier stores to the thread that reads the last count."""
+    return cutlass.Int32(asm(T.i32(), [i64(addr, loc, ip), i32(v, loc, ip)], "atom.add.acq_rel.gpu.s32 $0, [$1], $2;",
+                             "=r,l,r,~{memory}", loc, ip))
+
+
+@dsl_user_op
+def st_global_relaxed_i32(addr, v, *, loc=None, ip=None):
+    """`st.relaxed.gpu` of Int32 `v` at global address `addr` (Int64)."""
+    asm(None, [i64(addr, loc, ip), i32(v, loc, ip)], "st.relaxed.gpu.global.s32 [$0], $1;", "l,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def fence_proxy_async_shared(*, loc=None, ip=None):
+    """Order this thread's generic-proxy shared memory accesses before its later bulk copies into them."""
+    asm(None, [], "fence.proxy.async.shared::cta;", "~{memory}", loc, ip)
 
 
 @dsl_user_op

@@ -160,15 +160,19 @@ def _critical_path(spans: list[tuple[str, float, float]]) -> list[tuple[str, flo
     return ops
 
 
-def exposed_by_position(spans: list[tuple[str, float, float]], first: str) -> list[dict]:
+# a decoder layer's first op in the LAYER table: Triton's attention, or nvl72.kernels.sm90_attn's at batch 1
+ATTENTION_KERNELS = ("_paged_attention_kernel", "sm90_attnAttnOneToken")
+
+
+def exposed_by_position(spans: list[tuple[str, float, float]], first: tuple[str, ...]) -> list[dict]:
     """One repeating unit of GPU ops (a decoder layer), position by position: the ops from each one
-    whose name contains `first` up to the next; units of the commonest length only (the step's other
+    whose name contains one of `first` up to the next; units of the commonest length only (the step's other
     ops, lm_head and sampling, fall in units of other lengths). Per position the medians over units
     of: exposed time (as `exposed_by_name`), the op's own span, and its lead (how long before the
     previous op's end it started: under PDL its early loads and its wait). Tells apart ops of one
     kernel (the q/k/v and o_proj GEMVs) that `exposed_by_name` sums together."""
     ops = _critical_path(spans)
-    cuts = [i for i, op in enumerate(ops) if first in op[0]]
+    cuts = [i for i, op in enumerate(ops) if any(f in op[0] for f in first)]
     units = [ops[a:b] for a, b in zip(cuts, cuts[1:])]
     if not units:
         return []
@@ -216,7 +220,7 @@ def profile_decode(engine: LLMEngine, batch: int, out_dir: str, steps: int = 24)
           f"{sum(t for _, (t, _n) in exposed) / steps:.1f} us in all)")
     for name, (t, n) in exposed[:20]:
         print(f"{t / steps:>9.1f} {n / steps:>6.1f}x  {name[:90]}")
-    layer = exposed_by_position(spans, "_paged_attention_kernel")
+    layer = exposed_by_position(spans, ATTENTION_KERNELS)
     if layer:
         print(f"\nLAYER decode b={batch} (one decoder layer's ops from the attention on, medians over {layer[0]['units']} "
               f"layers; us: exposed, own span, lead = started before the previous op's end)")

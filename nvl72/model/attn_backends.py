@@ -264,9 +264,13 @@ class TritonBackend(AttentionBackend):
                                                    num_kv_heads, head_dim, eps, zero_centered, gated, kv_cache, meta,
                                                    scale, weight, bias)
         b = meta.batch
-        parts, _ = self.kernels.norm_rope_paged_attention_partials(
-            q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads, head_dim, eps, zero_centered, False, kv_cache,
-            meta.slot_mapping, b.query_start_loc, b.seq_lens, b.page_table, scale, splits, leave)
+        parts = self.smem_gemv.attn_partials(q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads, head_dim, eps,
+                                             zero_centered, kv_cache, meta.slot_mapping, b.seq_lens, b.page_table,
+                                             scale, splits, leave)
+        if parts is None:
+            parts, _ = self.kernels.norm_rope_paged_attention_partials(
+                q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads, head_dim, eps, zero_centered, False,
+                kv_cache, meta.slot_mapping, b.query_start_loc, b.seq_lens, b.page_table, scale, splits, leave)
         return self.smem_gemv.attn_gemv(parts, weight)
 
     def _fused_splits(self, meta: PagedMeta, num_kv_heads: int, head_dim: int, kv_cache) -> int:

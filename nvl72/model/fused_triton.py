@@ -680,7 +680,7 @@ _SM_COUNT: dict[int, int] = {}
 _SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
     """[>= n] int32 zeros kept per device: the arrival counters of the split programs, reset by
     the program that combines (so one zeroing at allocation serves every later launch; launches
     on one device must not overlap, as the decoder's layers on one stream do not)."""
@@ -807,7 +807,7 @@ def paged_attention_partials(q: torch.Tensor, kv_cache: torch.Tensor, query_star
         if splits > 1:
             part_acc = torch.empty(t, hq, splits, d, dtype=q.dtype, device=q.device)  # (vLLM's split decode too)
             part_ml = torch.empty(t, hq, splits, 2, dtype=torch.float32, device=q.device)
-            counters = _split_counters(q.device, b * hkv)
+            counters = split_counters(q.device, b * hkv)
         if norm is None:
             norm_args = (q, q, q, q, q, q, q, 0.0, 0, 0, 0)  # unread
             rot, zc = 0, False

@@ -9,7 +9,8 @@ gate/up (the bundle's gate_up_h2048_timeline: the default kernel plus per-CTA %g
 down (the bundle's down_k8_i768)], Qwen3-30B-A3B shapes (E=128, k=8, H=2048, I=768, FP8 experts, each
 layer its own weights), launched with PDL as the engine launches them. Per layer, from the first CTA
 to pass its wait: when the CTAs passed it, how many started after that (CTAs that found no room: a
-second wave), when their rows arrived, when the last ended; medians over layers and replays. Also
+second wave), when their rows arrived, when the last ended, how long a CTA ran after its rows arrived;
+medians over layers and replays. Also
 checks the timeline kernel's act against the default kernel's (bit for bit).
 """
 from __future__ import annotations
@@ -47,11 +48,13 @@ def summarize(st: torch.Tensor) -> dict[str, float]:
     t0 = wait.min()
     late = start > t0 + 500  # started half a microsecond after the wait was first passed
     arrived = data[data > 0] - t0
+    busy = end[data > 0] - data[data > 0]  # a CTA's rows arrived -> its end: its dot products
     q = lambda v, p: float(torch.quantile(v, p)) / 1e3  # noqa: E731
     return {"first start": float(start.min() - t0) / 1e3, "wait p50": q(wait - t0, 0.5), "wait max": q(wait - t0, 1),
             "late CTAs": float(late.sum()), "late start p50": q(start[late] - t0, 0.5) if late.any() else 0.0,
             "rows first": q(arrived, 0), "rows p50": q(arrived, 0.5), "rows p90": q(arrived, 0.9),
             "rows last": q(arrived, 1), "end last": q(end - t0, 1),
+            "rows->end p50": q(busy, 0.5), "rows->end max": q(busy, 1),
             "CTAs an SM max": float(torch.bincount(sm.long()).max())}
 
 

@@ -15,9 +15,11 @@ def test_exposed_by_position_takes_the_repeating_unit():
     spans = [("q", 0.0, 1.0), ("a", 1.0, 5.0), ("b", 3.0, 6.0),
              ("q", 6.0, 8.0), ("a", 8.0, 11.0), ("b", 9.0, 14.0), ("q", 14.0, 15.0), ("lm", 15.0, 20.0),
              ("q", 21.0, 22.0)]
-    got = exposed_by_position(spans, "q")
+    got = exposed_by_position(spans, ("q",))
     assert [op["name"] for op in got] == ["q", "a", "b"] and got[0]["units"] == 2
     assert [op["exposed"] for op in got] == [1.5, 3.5, 2.0]
     assert [op["span"] for op in got] == [1.5, 3.5, 4.0]
     assert [op["lead"] for op in got] == [0.0, 0.0, 2.0]
-    assert exposed_by_position(spans, "none") == []
+    assert exposed_by_position(spans, ("none",)) == []
+    other_first = [("x" if i == 3 else n, a, b) for i, (n, a, b) in enumerate(spans)]  # either name starts a unit
+    assert [op["name"] for op in exposed_by_position(other_first, ("q", "x"))] == ["q", "a", "b"]

@@ -1,7 +1,7 @@
-"""One-token projections through nvl72.kernels.sm90_gemv (nvl72.model.smem_gemv): which shapes take the
-kernels and the exports' argument contract (on CPU, against torch stand-ins with the same signatures),
-the kernels compiled for sm_90a, and on a Hopper GPU the compiled kernels against fp32 and Triton's
-GEMVs, in a CUDA graph."""
+"""One-token projections through nvl72.kernels.sm90_gemv and the batch-1 attention through
+nvl72.kernels.sm90_attn (nvl72.model.smem_gemv): which shapes take the kernels and the exports' argument
+contract (on CPU, against torch stand-ins with the same signatures), the kernels compiled for sm_90a,
+and on a Hopper GPU the compiled kernels against fp32 and Triton's GEMVs and attention, in a CUDA graph."""
 import importlib
 import logging
 import os
@@ -190,6 +190,54 @@ def test_backend_leaves_the_combine_to_o_proj(monkeypatch):
     assert len(calls) == 1
 
 
+def test_attn_partials_contract(caplog):
+    """attn_partials passes flat rows, the cache, fresh out / acc / ml and (splits, page_size, Hkv, scale,
+    eps, pdl) to attn_one_token_g{G}_d{D} for an ungated bf16 step of one token; other steps get None,
+    logged with the reason (no module, two tokens, another leave, a zero-centred norm, partial RoPE, fp32,
+    a page size not a power of 2)."""
+    calls = []
+    hq, hkv, d, ps, splits = 8, 2, 32, 4, 16
+
+    def export(*a):
+        calls.append(a)
+
+    op = smem_gemv.SmemGemv(SimpleNamespace(), SimpleNamespace(**{f"attn_one_token_g4_d{d}": export}))
+    bf = torch.bfloat16
+    batch, kv, _, _, _ = random_batch([1], [40], ps, hq, hkv, d, bf, "cpu")
+    qkv = torch.randn(1, (hq + 2 * hkv) * d).to(bf)
+    q_raw, k_raw, v = qkv.split([hq * d, hkv * d, hkv * d], 1)
+    rows = [q_raw, k_raw, v.view(1, hkv, d), torch.ones(d, dtype=bf), torch.ones(d, dtype=bf),
+            torch.ones(1, d, dtype=bf), torch.zeros(1, d, dtype=bf)]
+    slots = torch.tensor([40])
+
+    def call(rows=rows, zc=False, cache=kv, leave=smem_gemv.LEAVE, seq_lens=batch.seq_lens, heads=hq):
+        return op.attn_partials(*rows, heads, d, 1e-6, zc, cache, slots, seq_lens, batch.page_table, 0.5, splits,
+                                leave)
+
+    parts = call()
+    assert (parts.out.shape, parts.acc.shape, parts.ml.shape) == ((1, hq, d), (1, hq, splits, d), (1, hq, splits, 2))
+    assert (parts.splits, parts.block_n, parts.leave) == (splits, ft.key_block(d), smem_gemv.LEAVE)
+    (a,) = calls
+    assert [t.data_ptr() for t in a[:7]] == [t.data_ptr() for t in rows] and all(t.dim() == 1 for t in a[:7])
+    assert a[7] is slots and a[8] is batch.seq_lens and a[9].data_ptr() == batch.page_table.data_ptr()
+    assert a[10].data_ptr() == kv.data_ptr() and a[11].data_ptr() == parts.out.data_ptr()
+    assert a[12].data_ptr() == parts.acc.data_ptr() and a[13].data_ptr() == parts.ml.data_ptr()
+    assert a[14].dtype == torch.int32 and a[15:] == (splits, ps, hkv, 0.5, 1e-6, 0)
+    with caplog.at_level(logging.INFO, logger="nvl72.model.smem_gemv"):
+        assert call(zc=True) is None and call(leave=4) is None and call(heads=16) is None
+        assert call(rows=rows[:5] + [torch.ones(1, d // 2, dtype=bf)] * 2) is None
+        assert call(rows=[t.float() for t in rows], cache=kv.float()) is None
+        assert call(seq_lens=torch.tensor([41, 41], dtype=torch.int32)) is None
+        assert call(cache=torch.zeros(kv.shape[:3] + (3, d), dtype=bf)) is None
+        assert smem_gemv.SmemGemv(SimpleNamespace()).attn_partials(*rows, hq, d, 1e-6, False, kv, slots,
+                                                                   batch.seq_lens, batch.page_table, 0.5, splits,
+                                                                   smem_gemv.LEAVE) is None
+    for why in ("zero-centred", "leave 4", "no variant attn_one_token_g8_d32", "RoPE on 16 of 32", "not all bf16",
+                "2 sequences", "page_size 3", "no nvl72.kernels.sm90_attn"):
+        assert why in caplog.text, why
+    assert len(calls) == 1
+
+
 def test_load_reads_the_switch(monkeypatch):
     monkeypatch.setenv(smem_gemv.ENV, "2")
     with pytest.raises(ValueError, match=r"\$NVL72_SMEM_GEMV='2'"):
@@ -222,6 +270,15 @@ def test_kernels_compile_for_sm90a(tmp_path):
             mod.AttnGemvSmem(**bad)
     assert build.compile_module("nvl72.kernels.sm90_gemv", "sm_90a", str(tmp_path)) == [*mod.VARIANTS,
                                                                                        *mod.ATTN_VARIANTS]
+    attn = importlib.import_module("nvl72.kernels.sm90_attn")
+    assert attn.LEAVE == smem_gemv.LEAVE and attn.BLOCK_N == ft.key_block(attn.D)
+    with pytest.raises(ValueError, match="sm_100a"):
+        attn.compile_for_export("sm_100a")
+    for bad in (dict(group=8, heads_per_cta=3), dict(group=8, heads_per_cta=0),
+                dict(group=8, heads_per_cta=2, leave=1)):
+        with pytest.raises(ValueError, match="heads_per_cta="):
+            attn.AttnOneToken(**bad)
+    assert build.compile_module("nvl72.kernels.sm90_attn", "sm_90a", str(tmp_path)) == [*attn.VARIANTS]
 
 
 @pytest.mark.gpu
@@ -328,3 +385,87 @@ def test_gpu_attn_gemv_matches_reference_in_a_graph():
         torch.cuda.synchronize()
         ref, own = reference()
         assert _rel(got, ref) < 1e-2 and _rel(got, own) < 3e-3, n
+
+
+def _norm_rope_ref(x, w, cos, sin, eps):
+    """fp32 rows x [H, D] RMSNorm'd (weight w) and roped over all D dims, rounded to bf16 where
+    fused_triton's _norm_rope_rows rounds."""
+    half = x.shape[1] // 2
+    y = _bf16(_bf16(x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + eps)) * w.float())
+    partner = torch.cat([-y[:, half:], y[:, :half]], 1)
+    return _bf16(_bf16(y * cos.float()) + _bf16(partner * sin.float()))
+
+
+@pytest.mark.gpu
+def test_gpu_attn_partials_match_triton_in_a_graph():
+    """The bundle's attn_one_token_g8_d128 (Qwen3-30B-A3B heads: 32 x 128 over 4 KV heads, page size 16,
+    decode_splits' split count) against Triton's attention with the q/k norm inside, each on its own
+    copy of the cache: contexts whose keys fill 1 split, 2-8 (left to o_proj), 10 and 32 (combined by
+    the last split to arrive) and two blocks a split; the outputs (combined as o_proj combines) against
+    Triton's and the fp32 reference over the normed, roped q, the stored key and value against
+    Triton's, the rest of the cache untouched; then captured in a CUDA graph at the longest context and
+    replayed at each length on fresh q/k/v, outputs NaN-poisoned first."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("sm_90")
+    op = smem_gemv.load()
+    assert op is not None and op.attn_module is not None, "no nvl72.kernels.sm90_attn in the kernel bundle"
+    hq, hkv, d, ps, dev, eps = 32, 4, 128, 16, "cuda", 1e-6
+    lens = (40, 100, 150, 300, 500, 512, 600, 2100, 3000)
+    batch, kv, _, _, _ = random_batch([1], [lens[-1] - 1], ps, hq, hkv, d, torch.bfloat16, dev, seed=4)
+    qkv = torch.empty(1, (hq + 2 * hkv) * d, device=dev, dtype=torch.bfloat16)
+    q_raw, k_raw, v = qkv.split([hq * d, hkv * d, hkv * d], 1)
+    v = v.view(1, hkv, d)
+    qw, kw = ((torch.randn(d, device=dev) * 0.3 + 1).to(torch.bfloat16) for _ in range(2))
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=dev).float() / d))
+    cos, sin = (torch.empty(1, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    slots = torch.empty(1, dtype=torch.int64, device=dev)
+    splits = ft.decode_splits(kv.device, 1, hkv, batch.page_table.shape[1] * ps, ft.key_block(d))
+    args = (q_raw, k_raw, v, qw, kw, cos, sin, hq, d, eps, False)
+
+    def state(n):
+        batch.seq_lens.fill_(n)
+        batch.positions.fill_(n - 1)
+        qkv.copy_(torch.randn_like(qkv))
+        c, s = ft.rope_cos_sin(batch.positions, inv_freq, torch.bfloat16)
+        cos.copy_(c)
+        sin.copy_(s)
+        slots.copy_(ft.slot_mapping(batch.positions, batch.query_start_loc, batch.page_table, ps))
+
+    def ours(cache):
+        return op.attn_partials(*args, cache, slots, batch.seq_lens, batch.page_table, d**-0.5, splits, smem_gemv.LEAVE)
+
+    def check(n, got, cache, before):
+        theirs = before.clone()
+        want, _ = ft.norm_rope_paged_attention_partials(*args, False, theirs, slots, batch.query_start_loc,
+                                                        batch.seq_lens, batch.page_table, d**-0.5, splits,
+                                                        smem_gemv.LEAVE)
+        q = _norm_rope_ref(q_raw.float().view(hq, d), qw, cos, sin, eps)
+        ref = ops.paged_attention(q.view(1, hq, d), theirs.float(), ops.AttentionMetadata.build(batch, ps), d**-0.5)
+        mine, triton = combine_partials(got), combine_partials(want)
+        assert _rel(mine, triton) < 5e-3 and _rel(mine, ref) < 1e-2, (n, _rel(mine, triton), _rel(mine, ref))
+        page, off = divmod(int(slots), ps)
+        assert _rel(cache[page, :, :, off], theirs[page, :, :, off]) < 1e-2, n
+        cache[page, :, :, off] = theirs[page, :, :, off]
+        assert torch.equal(cache, theirs), n
+
+    for n in lens:
+        state(n)
+        before = kv.clone()
+        parts = ours(kv)
+        assert parts is not None and parts.splits == splits
+        check(n, parts, kv, before)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            parts = ours(kv)
+    torch.cuda.current_stream().wait_stream(side)
+    for n in lens:
+        state(n)
+        before = kv.clone()
+        for t in (parts.out, parts.acc, parts.ml):
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(n, parts, kv, before)
