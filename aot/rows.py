@@ -41,6 +41,21 @@ def shared_views(storage_type, scales: cutlass.Constexpr, tidx):
         cute.make_layout(scales))
 
 
+def lanes_reduce(v, lanes: int, op):
+    """`v` reduced by `op` over each aligned group of `lanes` lanes (a power of 2; butterfly shuffles:
+    every lane of the group gets the result)."""
+    off = lanes // 2
+    while off:
+        v = op(v, cute.arch.shuffle_sync_bfly(v, offset=off))
+        off //= 2
+    return v
+
+
+def bf16_round(v):
+    """fp32 `v` rounded to bf16 and back (one torch op in bf16)."""
+    return v.to(cutlass.BFloat16).to(cutlass.Float32)
+
+
 def warp_sum(v):
     """`v` summed over the warp's 32 lanes (butterfly shuffles: every lane gets the sum)."""
     for off in range(5):

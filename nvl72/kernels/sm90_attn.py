@@ -42,7 +42,7 @@ from aot.build import fake_args
 from aot.ptx import (atomic_add_acq_rel, bulk_g2s, fence_proxy_async_shared, ld_global_bf16x4, ld_global_f32,
                      ld_shared_bf16x4, ld_shared_bf16x8, ld_shared_f32, ld_shared_v4f, st_global_bf16x4,
                      st_global_relaxed_i32, st_shared_bf16x4, st_shared_v4f)
-from aot.rows import warp_sum
+from aot.rows import bf16_round, lanes_reduce, warp_sum
 from nvl72.kernels.sm90_gemv import LEAVE
 
 ARCHS = ("sm_90a",)
@@ -55,15 +55,15 @@ VARIANTS = {"attn_one_token_g8_d128": dict(group=8, heads_per_cta=2)}
 
 
 class AttnOneToken:
-    """One compiled variant: the query heads a KV head, the heads a CTA takes (a warp each), LEAVE (the
-    partials the consumer combines) and whether the norm weights are zero-centred. See the module
-    docstring."""
+    """One compiled variant: the query heads a KV head, the heads a CTA takes (a warp each) and LEAVE (the
+    partials the consumer combines). Plain RMSNorm weights only (zero-centred ones come with gated heads,
+    Qwen3-Next, whose steps run Triton's). See the module docstring."""
 
-    def __init__(self, group: int, heads_per_cta: int, leave: int = LEAVE, zero_centered: bool = False):
+    def __init__(self, group: int, heads_per_cta: int, leave: int = LEAVE):
         if group < 1 or heads_per_cta < 1 or group % heads_per_cta or leave < 2:
             raise ValueError(f"group={group}, heads_per_cta={heads_per_cta}, leave={leave}: heads_per_cta must "
                              "divide the query heads a KV head, leave be at least 2")
-        self.group, self.hpc, self.leave, self.zc = group, heads_per_cta, leave, zero_centered
+        self.group, self.hpc, self.leave = group, heads_per_cta, leave
         self.threads = 32 * heads_per_cta
 
     @cute.jit
@@ -159,15 +159,15 @@ class AttnOneToken:
                 s0, s1 = self._scores(q_w_s, k_s, lane)
                 s0 = cutlass.select_(lane < nk, s0 * scale, -cutlass.Float32.inf)
                 s1 = cutlass.select_(lane + 32 < nk, s1 * scale, -cutlass.Float32.inf)
-                m_new = cutlass.max(m_i, _warp_max(cutlass.max(s0, s1)))
+                m_new = cutlass.max(m_i, lanes_reduce(cutlass.max(s0, s1), 32, cutlass.max))
                 alpha = cute.math.exp(m_i - m_new, fastmath=True)
                 p0 = cute.math.exp(s0 - m_new, fastmath=True)
                 p1 = cute.math.exp(s1 - m_new, fastmath=True)
                 l_i = l_i * alpha + warp_sum(p0 + p1)
                 m_i = m_new
                 p_w = storage.p.get_tensor(cute.make_layout(self.hpc * BLOCK_N))
-                p_w[w * BLOCK_N + lane] = _bf16(p0)
-                p_w[w * BLOCK_N + lane + 32] = _bf16(p1)
+                p_w[w * BLOCK_N + lane] = bf16_round(p0)
+                p_w[w * BLOCK_N + lane + 32] = bf16_round(p1)
                 cute.arch.sync_warp()
                 acc = [a * alpha for a in acc]
                 for n0 in cutlass.range(0, nk - PV_KEYS + 1, PV_KEYS, unroll=1):  # whole groups
@@ -208,13 +208,10 @@ class AttnOneToken:
         """RMSNorm (weight wv) then RoPE of lane `lane`'s four dims of a head row, rounded to bf16 where
         fused_triton's _norm_rope_rows rounds; the partner dims (d +- D/2) are lane ^ 16's."""
         rstd = cute.math.rsqrt(warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) / D + eps)
-        if cutlass.const_expr(self.zc):
-            y = [_bf16(x[e] * rstd * (1.0 + wv[e])) for e in range(4)]
-        else:
-            y = [_bf16(_bf16(x[e] * rstd) * wv[e]) for e in range(4)]
+        y = [bf16_round(bf16_round(x[e] * rstd) * wv[e]) for e in range(4)]
         sign = cutlass.select_(lane < 16, cutlass.Float32(-1.0), cutlass.Float32(1.0))
         yp = [cute.arch.shuffle_sync_bfly(y[e], offset=16) for e in range(4)]
-        return [_bf16(_bf16(y[e] * c[e]) + _bf16(sign * yp[e] * s[e])) for e in range(4)]
+        return [bf16_round(bf16_round(y[e] * c[e]) + bf16_round(sign * yp[e] * s[e])) for e in range(4)]
 
     @cute.jit
     def _scores(self, q_w_s, k_s, lane):
@@ -279,18 +276,6 @@ class AttnOneToken:
             st_global_bf16x4(head_out, [o[e] / den for e in range(4)])
             if tidx == 0:
                 st_global_relaxed_i32(cnt, 0)  # ready for the next launch (graph replays included)
-
-
-def _warp_max(v):
-    """`v`'s maximum over the warp's 32 lanes (butterfly shuffles: every lane gets it)."""
-    for off in range(5):
-        v = cutlass.max(v, cute.arch.shuffle_sync_bfly(v, offset=16 >> off))
-    return v
-
-
-def _bf16(v):
-    """fp32 `v` rounded to bf16 and back."""
-    return v.to(cutlass.BFloat16).to(cutlass.Float32)
 
 
 # (q, k, v, q_w, k_w, cos, sin: 8-byte loads; slot; seq_lens; page_row; kv_cache: bulk copies, 8-byte stores;

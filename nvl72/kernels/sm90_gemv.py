@@ -37,7 +37,7 @@ import cutlass.cute as cute
 from aot.build import fake_args
 from aot.ptx import (bulk_g2s, cp_async_16, cp_async_wait_all, ld_global_bf16x4, ld_shared_bf16x4, ld_shared_f32,
                      ld_shared_v4f, st_shared_v4f)
-from aot.rows import allocate_with_bar, shared_storage_type, shared_views, warp_sum
+from aot.rows import allocate_with_bar, bf16_round, lanes_reduce, shared_storage_type, shared_views, warp_sum
 
 ARCHS = ("sm_90a",)
 WARPS = 8  # (4 and 16 measured slower, above)
@@ -145,7 +145,7 @@ class GemvSmem:
         if cutlass.const_expr(self.norm == "delta"):
             d_base = delta.iterator.toint()
             dv = [ld_global_bf16x4(d_base + cutlass.Int64((i * threads + tidx) * 4) * 2) for i in range(steps)]
-            xv = [[_bf16(xv[i][j] + dv[i][j]) for j in range(4)] for i in range(steps)]
+            xv = [[bf16_round(xv[i][j] + dv[i][j]) for j in range(4)] for i in range(steps)]
             if bidx == 0:
                 for i in cutlass.range_constexpr(steps):
                     for j in cutlass.range_constexpr(4):
@@ -163,8 +163,8 @@ class GemvSmem:
             total += red[i]
         rstd = cute.math.rsqrt(total / self.k + eps)
         if cutlass.const_expr(self.zc):
-            return [[_bf16(xv[i][j] * rstd * (1.0 + nw[i][j])) for j in range(4)] for i in range(steps)]
-        return [[_bf16(_bf16(xv[i][j] * rstd) * nw[i][j]) for j in range(4)] for i in range(steps)]
+            return [[bf16_round(xv[i][j] * rstd * (1.0 + nw[i][j])) for j in range(4)] for i in range(steps)]
+        return [[bf16_round(bf16_round(xv[i][j] * rstd) * nw[i][j]) for j in range(4)] for i in range(steps)]
 
 
 class AttnGemvSmem(GemvSmem):
@@ -275,10 +275,10 @@ class AttnGemvSmem(GemvSmem):
         if tidx < self.heads * leave:  # (whole warps: leave divides 32)
             j = tidx % leave
             m = cutlass.select_(j < active, ld_shared_f32(ml_s + tidx * 8), -cutlass.Float32.inf)
-            top = _lanes_reduce(m, leave, cute.arch.fmax)
+            top = lanes_reduce(m, leave, cute.arch.fmax)
             c = cutlass.select_(j < active, cute.math.exp(m - top, fastmath=True) * ld_shared_f32(ml_s + tidx * 8 + 4),
                                 cutlass.Float32(0.0))
-            cw_s[tidx] = c * cute.arch.rcp_approx(_lanes_reduce(c, leave, lambda a, b: a + b))
+            cw_s[tidx] = c * cute.arch.rcp_approx(lanes_reduce(c, leave, lambda a, b: a + b))
         cute.arch.sync_threads()
 
     @cute.jit
@@ -304,22 +304,7 @@ class AttnGemvSmem(GemvSmem):
         for i in cutlass.range_constexpr(self.k // (4 * self.threads)):
             c = (i * self.threads + tidx) * 4
             o = ld_shared_v4f(x_s + c * 4)
-            st_shared_v4f(x_s + c * 4, [_bf16(o[e]) for e in range(4)])
-
-
-def _lanes_reduce(v, lanes: int, op):
-    """`v` reduced by `op` over each aligned group of `lanes` lanes (a power of 2; butterfly shuffles:
-    every lane of the group gets the result)."""
-    off = lanes // 2
-    while off:
-        v = op(v, cute.arch.shuffle_sync_bfly(v, offset=off))
-        off //= 2
-    return v
-
-
-def _bf16(v):
-    """fp32 `v` rounded to bf16 and back (one torch op in bf16)."""
-    return v.to(cutlass.BFloat16).to(cutlass.Float32)
+            st_shared_v4f(x_s + c * 4, [bf16_round(o[e]) for e in range(4)])
 
 
 # (x, delta, norm_w, sum_out: 8-byte loads / 2-byte stores; w: bulk copies; out), then N, eps, pdl
