@@ -14,7 +14,12 @@ writes one value. Handoffs:
   flag: PDL, launch_dependents at the start, then a poll (`ld.acquire.gpu`) of an arrival counter
         the previous kernel's programs bump (`atom.add.release.gpu`) after their stores; no wait;
   flag_sleep: the same with a `nanosleep` of ~100 ns between polls (fewer polls competing with the
-        stores they wait for).
+        stores they wait for);
+  flag_after: as flag, launch_dependents only once the poll passed (flag and flag_sleep trigger first, so
+        every later kernel of the chain may launch and poll at once: up to 16 such grids fit an SM's
+        threads, all polling);
+  flag_one: as flag_after, one thread polling (the others wait at a CTA barrier, then read the counter
+        once for the check).
 Time per boundary = median replay / chain. Every mode's outputs are checked against a torch
 recomputation. Prints a table.
 """
@@ -32,7 +37,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests.moe.gpu_layer_profile import capture, median_us  # noqa: E402
 
-MODES = {"plain": 0, "pdl": 1, "pdl_trigger_first": 2, "flag": 3, "flag_sleep": 4}
+MODES = {"plain": 0, "pdl": 1, "pdl_trigger_first": 2, "flag": 3, "flag_sleep": 4, "flag_after": 5, "flag_one": 6}
 POLL_LIMIT = tl.constexpr(1 << 24)  # polls before a program gives up (writes NaN: the check fails, nothing hangs)
 
 
@@ -40,6 +45,18 @@ POLL_LIMIT = tl.constexpr(1 << 24)  # polls before a program gives up (writes Na
 def _ld_acquire(p):
     return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [p], dtype=tl.int32,
                                      is_pure=False, pack=1)
+
+
+@triton.jit
+def _poll_thread0(p, target):
+    """Thread 0 polls *p (`ld.acquire.gpu`) until it reaches `target` or POLL_LIMIT polls; other threads
+    return at once (a CTA barrier after this makes thread 0's acquire theirs)."""
+    return tl.inline_asm_elementwise(
+        "{\n .reg .pred q;\n .reg .u32 t, n;\n .reg .s32 seen;\n mov.u32 t, %tid.x;\n mov.s32 $0, 0;\n"
+        " setp.ne.u32 q, t, 0;\n @q bra POLL_END;\n mov.u32 n, 0;\n"
+        "POLL_AGAIN:\n ld.acquire.gpu.global.b32 seen, [$1];\n setp.ge.s32 q, seen, $2;\n @q bra POLL_END;\n"
+        " add.u32 n, n, 1;\n setp.lt.u32 q, n, 16777216;\n @q bra POLL_AGAIN;\n"
+        "POLL_END:\n}", "=r,l,r", [p, target], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -64,17 +81,25 @@ def _hop(prev, out, w, cnt_in, cnt_out, ep, w_words, P: tl.constexpr, PB: tl.con
     if MODE == 2:
         gdc_launch_dependents()
         gdc_wait()
-    if MODE >= 3:
+    if MODE == 3 or MODE == 4:
         gdc_launch_dependents()
+    if MODE >= 3:
         target = tl.load(ep) * P
-        seen = _ld_acquire(cnt_in)
-        n = 0
-        while (seen < target) & (n < POLL_LIMIT):
-            if MODE == 4:
-                _nap()
+        if MODE == 6:
+            _poll_thread0(cnt_in, target)
+            tl.debug_barrier()
             seen = _ld_acquire(cnt_in)
-            n += 1
+        else:
+            seen = _ld_acquire(cnt_in)
+            n = 0
+            while (seen < target) & (n < POLL_LIMIT):
+                if MODE == 4:
+                    _nap()
+                seen = _ld_acquire(cnt_in)
+                n += 1
         ok = seen >= target
+    if MODE >= 5:
+        gdc_launch_dependents()
     v = tl.load(prev + tl.arange(0, PB), mask=tl.arange(0, PB) < P, other=0.0, cache_modifier=".cg")
     s = tl.sum(v, 0) * (1.0 / P) + tl.sum(accw, 0) + pid
     tl.store(out + pid, tl.where(ok, s, float("nan")))
