@@ -58,6 +58,4 @@ def bf16_round(v):
 
 def warp_sum(v):
     """`v` summed over the warp's 32 lanes (butterfly shuffles: every lane gets the sum)."""
-    for off in range(5):
-        v += cute.arch.shuffle_sync_bfly(v, offset=16 >> off)
-    return v
+    return lanes_reduce(v, 32, lambda a, b: a + b)

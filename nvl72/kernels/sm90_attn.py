@@ -140,6 +140,7 @@ class AttnOneToken:
             l_i = cutlass.Float32(0.0)
             acc = [cutlass.Float32(0.0) for _ in range(4)]
             p_w_s = p_s + w * BLOCK_N * 4
+            p_w = storage.p.get_tensor(cute.make_layout(self.hpc * BLOCK_N))  # (written here, read at p_w_s)
             phase = cutlass.Int32(0)
             for start in cutlass.range(lo, hi, BLOCK_N, unroll=1):
                 nk = cutlass.min(hi - start, BLOCK_N)
@@ -165,7 +166,6 @@ class AttnOneToken:
                 p1 = cute.math.exp(s1 - m_new, fastmath=True)
                 l_i = l_i * alpha + warp_sum(p0 + p1)
                 m_i = m_new
-                p_w = storage.p.get_tensor(cute.make_layout(self.hpc * BLOCK_N))
                 p_w[w * BLOCK_N + lane] = bf16_round(p0)
                 p_w[w * BLOCK_N + lane + 32] = bf16_round(p1)
                 cute.arch.sync_warp()

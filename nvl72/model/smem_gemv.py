@@ -135,7 +135,6 @@ class SmemGemv:
            weight.shape[0], parts.splits, parts.block_n, int(pdl_enabled(out.device)))
         return out
 
-
     def attn_partials(self, q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads: int, head_dim: int, eps: float,
                       zero_centered: bool, kv_cache, slot_mapping, seq_lens, page_table, scale: float, splits: int,
                       leave: int) -> SplitPartials | None:
