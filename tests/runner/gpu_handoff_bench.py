@@ -19,7 +19,11 @@ writes one value. Handoffs:
         every later kernel of the chain may launch and poll at once: up to 16 such grids fit an SM's
         threads, all polling);
   flag_one: as flag_after, one thread polling (the others wait at a CTA barrier, then read the counter
-        once for the check).
+        once for the check);
+  persistent: no boundary at all: one launch of P programs runs the whole chain, hop i's weight slice
+        loaded before it polls hop i-1's arrival counter (a grid barrier a hop: the cost a persistent
+        decode layer pays instead of a launch);
+  persistent_one: the same, one thread polling.
 Time per boundary = median replay / chain. Every mode's outputs are checked against a torch
 recomputation. Prints a table.
 """
@@ -37,7 +41,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests.moe.gpu_layer_profile import capture, median_us  # noqa: E402
 
-MODES = {"plain": 0, "pdl": 1, "pdl_trigger_first": 2, "flag": 3, "flag_sleep": 4, "flag_after": 5, "flag_one": 6}
+MODES = {"plain": 0, "pdl": 1, "pdl_trigger_first": 2, "flag": 3, "flag_sleep": 4, "flag_after": 5, "flag_one": 6,
+         "persistent": 7, "persistent_one": 8}
+PERSISTENT = 7
 POLL_LIMIT = tl.constexpr(1 << 24)  # polls before a program gives up (writes NaN: the check fails, nothing hangs)
 
 
@@ -108,6 +114,37 @@ def _hop(prev, out, w, cnt_in, cnt_out, ep, w_words, P: tl.constexpr, PB: tl.con
         tl.atomic_add(cnt_out, 1, sem="release", scope="gpu")
 
 
+@triton.jit
+def _chain(outs, w, cnt, ep, chain, w_words, P: tl.constexpr, PB: tl.constexpr, WBLOCK: tl.constexpr,
+           ONE: tl.constexpr):
+    """The whole chain in one launch: outs[0] is the seed, hop i writes outs[i + 1] and bumps cnt[i + 1]."""
+    pid = tl.program_id(0)
+    target = tl.load(ep) * P
+    for i in range(chain):
+        accw = tl.zeros([WBLOCK], tl.float32)
+        if WBLOCK > 1:
+            base = w + i.to(tl.int64) * P * w_words + pid.to(tl.int64) * w_words
+            c = tl.arange(0, WBLOCK)
+            for k0 in range(0, w_words, WBLOCK):
+                accw += tl.load(base + k0 + c)
+        if ONE:
+            _poll_thread0(cnt + i, target)
+            tl.debug_barrier()
+            seen = _ld_acquire(cnt + i)
+        else:
+            seen = _ld_acquire(cnt + i)
+            n = 0
+            while (seen < target) & (n < POLL_LIMIT):
+                seen = _ld_acquire(cnt + i)
+                n += 1
+        ok = seen >= target
+        v = tl.load(outs + i * P + tl.arange(0, PB), mask=tl.arange(0, PB) < P, other=0.0, cache_modifier=".cg")
+        s = tl.sum(v, 0) * (1.0 / P) + tl.sum(accw, 0) + pid
+        tl.store(outs + (i + 1) * P + pid, tl.where(ok, s, float("nan")))
+        tl.debug_barrier()
+        tl.atomic_add(cnt + i + 1, 1, sem="release", scope="gpu")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chain", type=int, default=48)
@@ -124,12 +161,20 @@ def main(argv=None) -> int:
             w = torch.randn(a.chain, max(P * w_words, 1), device="cuda") * 1e-3
             seed = torch.randn(P, device="cuda")
             for mode, code in MODES.items():
-                outs = torch.empty(a.chain, P, device="cuda")
+                buf = torch.empty(a.chain + 1, P, device="cuda")
+                buf[0] = seed
+                outs = buf[1:]
                 cnt = torch.zeros(a.chain + 1, dtype=torch.int32, device="cuda")
                 cnt[0] = 2**31 - 1  # the chain's first input is always complete
                 ep = torch.ones(1, dtype=torch.int32, device="cuda")
 
                 def chain():
+                    if code >= PERSISTENT:
+                        _chain[(P,)](buf, w, cnt, ep, a.chain, w_words, P=P,
+                                     PB=triton.next_power_of_2(P), WBLOCK=WBLOCK, ONE=code == PERSISTENT + 1,
+                                     num_warps=4)
+                        ep.add_(1)
+                        return
                     for i in range(a.chain):
                         _hop[(P,)](seed if i == 0 else outs[i - 1], outs[i], w[i], cnt[i], cnt[i + 1], ep, w_words,
                                    P=P, PB=triton.next_power_of_2(P), WBLOCK=WBLOCK, MODE=code, launch_pdl=code > 0, num_warps=4)
