@@ -6,8 +6,9 @@ Builds a Qwen3-30B-A3B-shaped model with dummy weights (`--layers` of its 48 dec
 default: FP8 experts, ~33 GB, loaded and captured in seconds; the bound below is for the same layer
 count), drives the engine
 directly (no HTTP: `nvl72 bench` is the client for a running server) and reports
-  - decode output tokens/s at batch 1 and 64 (`--batches`; ignore_eos, greedy): triton attention with CUDA
-    graphs, triton eager, and FlashInfer decode eager where it imports (`--modes`); async
+  - decode output tokens/s at batch 1 and 64 (`--batches`; ignore_eos, greedy): the chosen attention
+    backend (`--attention`) with CUDA graphs and eager, and FlashInfer's decode wrapper eager where it
+    imports (`--modes`); async
     scheduling on (the next step prepared while one runs) unless `--no-async`;
   - TTFT of one 1K and one 8K prompt on an idle engine (one prefill forward + first sample);
   - the decode floor: bytes one decode step must read (active weights: attention, router, the
@@ -250,11 +251,12 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=48,
                     help="decoder layers of the 48 (the bound uses the same count; fewer load faster, and their "
                          "ratio flatters: lm_head streams at its bound)")
-    ap.add_argument("--attention", default="triton", help="attention backend for the graphs / eager runs")
+    ap.add_argument("--attention", default="auto",
+                    help="attention backend for the graphs / eager runs and the TTFT rows (auto: the engine's choice)")
     ap.add_argument("--graph-batch-sizes", default="1,2,4,8,16,32,64")
     ap.add_argument("--decode-out", type=int, default=64, help="output tokens per decode request")
     ap.add_argument("--modes", default="graphs,eager,flashinfer",
-                    help="decode modes to time: graphs (triton + CUDA graphs), eager (triton), flashinfer")
+                    help="decode modes to time: graphs (the backend + CUDA graphs), eager, flashinfer (its decode wrapper)")
     ap.add_argument("--batches", default="1,64", help="decode batch sizes to measure (and profile)")
     ap.add_argument("--reps", type=int, default=5, help="decode runs per batch size; the median is reported")
     ap.add_argument("--no-async", action="store_true",
@@ -310,12 +312,12 @@ def main(argv=None) -> int:
     ttft_lens = () if args.no_ttft else (1024, 8192)
     for n in ttft_lens:
         ttft(engine, n, seed=n + 1)  # warm-up of the prefill shapes
-    triton = engine.model.attn_backend
-    modes = [(f"{triton.name}+graphs", triton, graphs)] if graphs is not None and "graphs" in want else []
+    chosen = engine.model.attn_backend
+    modes = [(f"{chosen.name}+graphs", chosen, graphs)] if graphs is not None and "graphs" in want else []
     if "eager" in want:
-        modes.append((triton.name, triton, None))
+        modes.append((chosen.name, chosen, None))
     if "flashinfer" in want and attn_backends.available("flashinfer", model.device) is None:
-        fi = attn_backends.select(attn_backends.AttentionShape.of(model), model.device, "flashinfer")
+        fi = attn_backends.FlashInferBackend(attn_backends.AttentionShape.of(model), model.device, decode=True)
         engine.model.attn_backend = fi
         decode_rate(engine, 4, 64, 8, seed=98)  # warm-up of the FlashInfer decode module
         modes.append(("flashinfer", fi, None))
@@ -333,11 +335,11 @@ def main(argv=None) -> int:
                                 "step_ms_runs": [x["step_ms"] for x in runs], "wait_ms": r["wait_ms"],
                                 "bound_step_ms": floor_step * 1e3, "bound_tok_s": b / floor_step,
                                 "experts_touched": bound["experts_touched"]})
-    engine.model.attn_backend, engine.runner.graphs = triton, graphs
+    engine.model.attn_backend, engine.runner.graphs = chosen, graphs
     if args.fixed:  # twice: the first run also pays for first-time kernel compilations of new shapes
         for i, seed in enumerate((7, 8)):
             r = fixed_rate(engine, args.fixed, 2 * args.fixed, 256, 256, seed=seed)
-            res["rows"].append({"what": f"fixed c={args.fixed} #{i + 1}", "mode": triton.name + ("+graphs" if graphs else ""),
+            res["rows"].append({"what": f"fixed c={args.fixed} #{i + 1}", "mode": chosen.name + ("+graphs" if graphs else ""),
                                 "tok_s": r["tok_s"], "step_ms": r["step_ms"], "steps": r["steps"]})
     if args.profile:
         for b in batches:
@@ -346,7 +348,7 @@ def main(argv=None) -> int:
             profile_prefill(engine, n, args.profile)
     for n in ttft_lens:
         s = ttft(engine, n, seed=n)
-        res["rows"].append({"what": f"TTFT {n // 1024}K", "mode": triton.name, "ms": s * 1e3})
+        res["rows"].append({"what": f"TTFT {n // 1024}K", "mode": chosen.name, "ms": s * 1e3})
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="KV cache size, e.g. 4GiB or 512MiB (default: 90%% of free GPU memory; on CPU enough for max-num-seqs)")
     a("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     a("--attention-backend", default="auto",
-      help="auto (triton on GPU, torch on CPU; $NVL72_ATTN_BACKEND overrides), triton, flashinfer or torch")
+      help="auto (flashinfer where it imports, else triton on GPU; torch on CPU; $NVL72_ATTN_BACKEND "
+           "overrides), flashinfer, triton or torch")
     a("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     a("--no-async-scheduling", action="store_true",
       help="schedule each step after the previous one's tokens are read back (default: the next step is "

@@ -5,11 +5,11 @@
               decode and prefill in one kernel; plan and forward need no host sync, so it is the
               backend CUDA-graph decode captures. It also brings the decoder's fused residual
               add + RMSNorm, q/k norm + RoPE and RoPE-table kernels (`fused_ops`)
-  flashinfer  FlashInfer's paged decode wrapper on the HND cache (sm_90 hosts where `flashinfer`
-              imports), planned once per forward on the host and shared by every layer; batches
-              with prefill rows go to the Triton kernel (FlashInfer's FA3 prefill module is not
-              carried: its ahead-of-time build took over 15 minutes here), or to FlashInfer's
-              prefill wrapper where triton is missing
+  flashinfer  triton's backend with the attention of every batch that has prefill rows in
+              FlashInfer's paged prefill wrapper on the HND cache (FA3 on sm_90 hosts where
+              `flashinfer` imports; planned once per forward on the host, shared by every layer).
+              One-token steps keep triton's fused, graph-safe decode kernels, or (with
+              $NVL72_FLASHINFER_DECODE=1) go to FlashInfer's decode wrapper, eager only
 
 A backend turns a `ForwardBatch` into its metadata once per forward (`plan`) and then, per layer,
 stores the new K/V and attends (`forward`). Every backend reads the same HND cache
@@ -38,6 +38,8 @@ QK_ATTN_ENV = "NVL72_QK_NORM_ATTN"  # the q/k norm, RoPE and K/V store inside de
 ATTN_O_PROJ_ENV = "NVL72_ATTN_O_PROJ"  # batch-1 steps: the attention's split combine inside o_proj's kernel
 DECODE_LAYER_ENV = "NVL72_DECODE_LAYER"
 DECODE_LAYER_DEFAULT = "0"
+FLASHINFER_DECODE_ENV = "NVL72_FLASHINFER_DECODE"  # flashinfer backend: one-token steps in FlashInfer's decode
+FLASHINFER_HEAD_DIMS = (64, 128, 256)  # FlashInfer's FA3 (sm_90) prefill
 
 
 def _flag(env: str, default: str = "1") -> bool:
@@ -161,17 +163,6 @@ class PagedMeta:
     batch: ForwardBatch
     slot_mapping: torch.Tensor  # [T] int64, -1 where a token has no page (padded graph rows)
     max_query_len: int
-
-
-def slot_mapping_on_device(batch: ForwardBatch, page_size: int) -> torch.Tensor:
-    """[T] int64 page * page_size + offset of each new token, computed without a host sync."""
-    t = batch.num_tokens
-    tok = torch.arange(t, device=batch.positions.device)
-    seq_of_token = torch.searchsorted(batch.query_start_loc[1:].long(), tok, right=True)  # [T]
-    seq_of_token = seq_of_token.clamp_max(max(batch.num_seqs - 1, 0))
-    pos = batch.positions.long()
-    pages = batch.page_table.long()[seq_of_token, pos // page_size]  # [T]
-    return torch.where(pages >= 0, pages * page_size + pos % page_size, torch.full_like(pages, -1))
 
 
 class TritonBackend(AttentionBackend):
@@ -306,29 +297,56 @@ class TritonBackend(AttentionBackend):
 
 
 @dataclass
-class FlashInferMeta:
-    slot_mapping: torch.Tensor
-    wrapper: object  # the planned decode or prefill wrapper
+class FlashInferMeta(PagedMeta):
+    """PagedMeta (so triton's fused ops see the step's shape) and the FlashInfer wrapper planned for it."""
+
+    wrapper: object = None
 
 
-class FlashInferBackend(AttentionBackend):
-    """FlashInfer's paged wrappers (kv_layout HND) for all-decode batches. K/V are stored by our
-    Triton kernel and other batches attended by it when triton imports; without triton, the
-    reference store and FlashInfer's prefill wrapper (bottom-right causal mask)."""
+class FlashInferBackend(TritonBackend):
+    """triton's backend with FlashInfer's paged prefill (FA3 on Hopper) for every batch with prefill
+    rows: the q/k norm, RoPE and K/V store stay triton's, the attention is FlashInfer's (bottom-right
+    causal: a chunk's queries see the cached prefix). One-token steps keep triton's fused decode
+    kernels, which CUDA graphs capture; `decode=True` ($NVL72_FLASHINFER_DECODE=1) sends all-decode
+    batches to FlashInfer's decode wrapper instead (planned on the host: eager steps only)."""
 
     name = "flashinfer"
     WORKSPACE_BYTES = 256 << 20
 
-    def __init__(self, shape: AttentionShape, device: torch.device):
+    def __init__(self, shape: AttentionShape, device: torch.device, decode: bool | None = None):
         import flashinfer
 
+        super().__init__()
         self.shape, self.device = shape, device
+        self.flashinfer_decode = _flag(FLASHINFER_DECODE_ENV, "0") if decode is None else decode
+        self.graph_safe = not self.flashinfer_decode
         self.workspace = torch.zeros(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, kv_layout="HND")
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="HND")
-        self.triton = TritonBackend() if importlib.util.find_spec("triton") is not None else None
-        self.fused_qk_norm_rope = self.fused_ops = self.triton is not None
-        self.store = ops.write_kv if self.triton is None else self.triton.kernels.store_kv
+        self.decode = (flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, kv_layout="HND")
+                       if self.flashinfer_decode else None)
+        self._probe()
+        log.info("flashinfer backend: prefill batches in FlashInfer's paged prefill, one-token steps in %s ($%s)",
+                 "FlashInfer's decode wrapper (eager)" if self.flashinfer_decode else "triton's decode kernels",
+                 FLASHINFER_DECODE_ENV)
+
+    def _probe(self) -> None:
+        """Plan and run a two-token prefill (and decode, where asked for) on one scratch page, so that a
+        FlashInfer module that neither is prebuilt nor compiles here fails at selection, not in the
+        first request (and a JIT compile happens now)."""
+        s = self.shape
+        cache = torch.zeros(1, 2, s.num_kv_heads, 16, s.head_dim, dtype=s.dtype, device=self.device)
+        indptr, indices = (torch.tensor(x, dtype=torch.int32, device=self.device) for x in ([0, 1], [0]))
+        common = dict(q_data_type=s.dtype, kv_data_type=s.dtype, sm_scale=s.head_dim**-0.5)
+        try:
+            self.prefill.plan(indptr.mul(2), indptr, indices, indptr[1:] * 2, s.num_heads, s.num_kv_heads,
+                              s.head_dim, 16, causal=True, **common)
+            self.prefill.run(cache.new_zeros(2, s.num_heads, s.head_dim), cache)
+            if self.decode is not None:
+                self.decode.plan(indptr, indices, indptr[1:], s.num_heads, s.num_kv_heads, s.head_dim, 16, **common)
+                self.decode.run(cache.new_zeros(1, s.num_heads, s.head_dim), cache)
+        except Exception as e:  # whatever FlashInfer raises for a module it cannot load or build
+            raise BackendUnavailable(f"FlashInfer could not run {s.dtype} head_dim {s.head_dim}: "
+                                     f"{type(e).__name__}: {e}") from e
 
     @staticmethod
     def page_lists(batch: ForwardBatch, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -345,13 +363,12 @@ class FlashInferBackend(AttentionBackend):
         last = (seq_lens - (npages - 1) * page_size).to(torch.int32)
         return indptr, indices.to(torch.int32), last
 
-    def plan(self, batch: ForwardBatch, page_size: int) -> FlashInferMeta | PagedMeta:
+    def plan(self, batch: ForwardBatch, page_size: int) -> PagedMeta:
+        meta = super().plan(batch, page_size)
+        decode = meta.max_query_len <= 1
+        if decode and not self.flashinfer_decode:
+            return meta
         s = self.shape
-        qlens = batch.query_lens()
-        max_q = batch.max_query_len if batch.max_query_len is not None else int(qlens.max())
-        decode = max_q == 1 and int(qlens.min()) == 1
-        if not decode and self.triton is not None:
-            return self.triton.plan(batch, page_size)
         indptr, indices, last = (x.to(self.device) for x in self.page_lists(batch, page_size))
         common = dict(q_data_type=s.dtype, kv_data_type=s.dtype, sm_scale=s.head_dim**-0.5)
         if decode:
@@ -361,16 +378,18 @@ class FlashInferBackend(AttentionBackend):
             self.prefill.plan(batch.query_start_loc.to(torch.int32), indptr, indices, last, s.num_heads,
                               s.num_kv_heads, s.head_dim, page_size, causal=True, **common)
             wrapper = self.prefill
-        slots = slot_mapping_on_device(batch, page_size)
-        return FlashInferMeta(slots, wrapper)
+        return FlashInferMeta(meta.batch, meta.slot_mapping, meta.max_query_len, wrapper)
 
-    def forward(self, q, k, v, kv_cache, meta: FlashInferMeta | PagedMeta, scale, stored=False):
-        if isinstance(meta, PagedMeta):
-            return self.triton.forward(q, k, v, kv_cache, meta, scale, stored)
+    def _fused_splits(self, meta: PagedMeta, num_kv_heads: int, head_dim: int, kv_cache) -> int:
+        return 0 if isinstance(meta, FlashInferMeta) else super()._fused_splits(meta, num_kv_heads, head_dim, kv_cache)
+
+    def forward(self, q, k, v, kv_cache, meta: PagedMeta, scale, stored=False):
+        if not isinstance(meta, FlashInferMeta):
+            return super().forward(q, k, v, kv_cache, meta, scale, stored)
         if abs(scale - self.shape.head_dim**-0.5) > 1e-12:
             raise ValueError(f"scale {scale} differs from the planned head_dim**-0.5")
         if not stored:
-            self.store(kv_cache, k, v, meta.slot_mapping)
+            self.kernels.store_kv(kv_cache, k, v, meta.slot_mapping)
         return meta.wrapper.run(q, kv_cache)
 
 
@@ -383,11 +402,11 @@ def available(name: str, device: torch.device, shape: AttentionShape | None = No
         return f"unknown attention backend {name!r}; known: {', '.join(NAMES)}"
     if name == "torch":
         return None
-    if importlib.util.find_spec("triton") is None and name == "triton":
+    if importlib.util.find_spec("triton") is None and name in ("triton", "flashinfer"):
         return "the triton package is not importable"
     if device.type != "cuda" and not (name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"):
         return f"needs a CUDA device (got {device})"
-    if name == "triton" and shape is not None:
+    if name in ("triton", "flashinfer") and shape is not None:  # flashinfer keeps triton's decode and fused ops
         from nvl72.model import fused_triton
 
         if not fused_triton.attention_shape_ok(shape.num_heads, shape.num_kv_heads, shape.head_dim):
@@ -398,14 +417,20 @@ def available(name: str, device: torch.device, shape: AttentionShape | None = No
             return "the flashinfer package is not importable"
         major = torch.cuda.get_device_capability(device)[0]
         if major != 9:
-            return f"the carried FlashInfer modules are sm_90a only (device is sm_{major}x)"
+            return f"its prefill runs FlashInfer's FA3 modules, built for sm_90a (device is sm_{major}x)"
+        if shape is not None and (shape.dtype not in (torch.bfloat16, torch.float16) or
+                                  shape.head_dim not in FLASHINFER_HEAD_DIMS):
+            return (f"FlashInfer's FA3 prefill takes bf16 / fp16 with head_dim in {FLASHINFER_HEAD_DIMS} "
+                    f"({shape.dtype}, head_dim {shape.head_dim})")
     return None
 
 
 def default_name(device: torch.device, shape: AttentionShape | None = None) -> str:
-    """triton on CUDA (graph-safe, decode and prefill), else flashinfer, else the torch reference
-    (also for shapes the others do not serve, e.g. the tiny test models' head_dim 8)."""
-    for name in ("triton", "flashinfer"):
+    """flashinfer on CUDA (triton's graph-safe decode, FlashInfer's FA3 prefill: H200, 48-layer
+    Qwen3-30B-A3B shape, TTFT of an 8K prompt 211 -> 137 ms, perf/RESULTS.md), else triton (decode and
+    prefill in its own kernels), else the torch reference (also for shapes the others do not serve,
+    e.g. the tiny test models' head_dim 8)."""
+    for name in ("flashinfer", "triton"):
         if device.type == "cuda" and available(name, device, shape) is None:
             return name
     return "torch"
@@ -421,8 +446,14 @@ def select(shape: AttentionShape, device: torch.device | str, name: str | None =
     reason = available(chosen, device, shape)
     if reason is not None:
         raise BackendUnavailable(f"attention backend {chosen!r}: {reason}")
-    backend = {"torch": TorchBackend, "triton": TritonBackend}[chosen]() if chosen != "flashinfer" \
-        else FlashInferBackend(shape, device)
+    try:
+        backend = {"torch": TorchBackend, "triton": TritonBackend}[chosen]() if chosen != "flashinfer" \
+            else FlashInferBackend(shape, device)
+    except BackendUnavailable as e:
+        if requested:
+            raise
+        log.warning("attention backend: %s; falling back to triton", e)
+        chosen, backend = "triton", TritonBackend()
     log.info("attention backend: %s (%s; device %s, %d/%d heads x %d, %s)", chosen,
              "requested" if requested else "by capability", device, shape.num_heads, shape.num_kv_heads,
              shape.head_dim, shape.dtype)

@@ -3,6 +3,7 @@ here against the torch reference on random ragged paged batches."""
 import importlib.util
 import logging
 import os
+import sys
 
 import pytest
 import torch
@@ -58,15 +59,6 @@ def test_triton_refuses_shapes_its_kernels_do_not_serve(monkeypatch):
     assert ab.default_name(gpu, ab.AttentionShape(4, 2, 8, torch.float32)) == "torch"
 
 
-def test_device_slot_mapping_matches_reference_and_marks_missing_pages():
-    batch, *_ = random_batch([3, 1, 6], [5, 9, 0], 4, 4, 2, 16, torch.float32, "cpu", seed=1)
-    meta = ops.AttentionMetadata.build(batch, 4)
-    assert torch.equal(ab.slot_mapping_on_device(batch, 4), meta.slot_mapping)
-    batch.page_table[1, :] = -1  # a padded row: no pages at all
-    slots = ab.slot_mapping_on_device(batch, 4)
-    assert int(slots[3]) == -1 and bool((slots[:3] >= 0).all())
-
-
 def test_flashinfer_page_lists():
     batch, *_ = random_batch([1, 2, 1], [4, 7, 31], 4, 4, 2, 16, torch.float32, "cpu", seed=2)
     indptr, indices, last = ab.FlashInferBackend.page_lists(batch, 4)
@@ -75,6 +67,120 @@ def test_flashinfer_page_lists():
     assert last.tolist() == [1, 1, 4]
     for i, n in enumerate(lens):
         assert indices[indptr[i]:indptr[i + 1]].tolist() == batch.page_table[i, : -(-n // 4)].tolist()
+
+
+def test_flashinfer_needs_hopper_and_a_shape_fa3_serves(monkeypatch):
+    """Where flashinfer imports: sm_90 only, bf16 / fp16 and head_dim 64 / 128 / 256 (FA3's prefill),
+    and then it is the capability default on a GPU; other shapes fall back to triton with the reason."""
+    monkeypatch.delenv(ab.ENV, raising=False)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "flashinfer" else real(n, *a))
+    cap = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap[0])
+    gpu = torch.device("cuda")
+    good = ab.AttentionShape(32, 4, 128, torch.bfloat16)
+    assert ab.available("flashinfer", gpu, good) is None and ab.default_name(gpu, good) == "flashinfer"
+    assert "head_dim 16" in ab.available("flashinfer", gpu, ab.AttentionShape(8, 2, 16, torch.bfloat16))
+    assert "torch.float32" in ab.available("flashinfer", gpu, SHAPE)
+    assert ab.default_name(gpu, SHAPE) == "triton"
+    cap[0] = (10, 0)
+    assert "sm_90a" in ab.available("flashinfer", gpu, good) and ab.default_name(gpu, good) == "triton"
+
+
+class _FakeFlashInfer:
+    """FlashInfer's paged wrappers as documented (HND pages [P, 2, Hkv, page, D]; kv_indptr / kv_indices /
+    last_page_len; causal bottom-right), computed in torch: a CPU stand-in that checks what our backend
+    plans and hands over, page list by page list."""
+
+    class _Wrapper:
+        def __init__(self, workspace, kv_layout):
+            assert kv_layout == "HND"
+            self.planned = None
+
+        def _plan(self, qo_indptr, indptr, indices, last, hq, hkv, d, page_size, causal, **kw):
+            self.planned = dict(qo=qo_indptr.tolist(), indptr=indptr.tolist(), indices=indices.tolist(),
+                                last=last.tolist(), heads=(hq, hkv, d), page=page_size, causal=causal, **kw)
+
+        def run(self, q, kv_cache):
+            p = self.planned
+            hq, hkv, d = p["heads"]
+            out = torch.empty_like(q)
+            for b in range(len(p["indptr"]) - 1):
+                pages = p["indices"][p["indptr"][b]:p["indptr"][b + 1]]
+                n_kv = (len(pages) - 1) * p["page"] + p["last"][b]
+                kv = kv_cache[pages].float()  # [n, 2, Hkv, page, D]
+                k, v = (kv[:, i].permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :n_kv] for i in (0, 1))
+                q0, q1 = p["qo"][b], p["qo"][b + 1]
+                qs = q[q0:q1].float().transpose(0, 1)  # [Hq, n_q, D]
+                k, v = (x.repeat_interleave(hq // hkv, 0) for x in (k, v))
+                s = qs @ k.transpose(1, 2) * p["sm_scale"]
+                if p["causal"]:  # query i of n_q sits at key n_kv - n_q + i
+                    iq = torch.arange(q1 - q0)[:, None] + n_kv - (q1 - q0)
+                    s = s.masked_fill(torch.arange(n_kv)[None, :] > iq, float("-inf"))
+                out[q0:q1] = (s.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
+            return out
+
+    class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
+        def plan(self, qo_indptr, indptr, indices, last, hq, hkv, d, page_size, causal=False, **kw):
+            self._plan(qo_indptr, indptr, indices, last, hq, hkv, d, page_size, causal, **kw)
+
+    class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
+        def plan(self, indptr, indices, last, hq, hkv, d, page_size, **kw):
+            qo = torch.arange(len(indptr), dtype=torch.int32)
+            self._plan(qo, indptr, indices, last, hq, hkv, d, page_size, False, **kw)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU runs need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("flashinfer_decode", [False, True])
+def test_flashinfer_backend_hands_prefill_batches_to_flashinfer(monkeypatch, flashinfer_decode):
+    """Batches with prefill rows: triton's K/V store, then FlashInfer's prefill wrapper planned with
+    our page lists (causal, the model's scale); one-token batches: triton's graph-safe decode unless
+    FlashInfer's decode is asked for. Each output equals the torch reference."""
+    monkeypatch.setitem(sys.modules, "flashinfer", _FakeFlashInfer)
+    hq, hkv, d, ps = 8, 2, 16, 4
+    backend = ab.FlashInferBackend(ab.AttentionShape(hq, hkv, d, torch.float32), torch.device("cpu"),
+                                   decode=flashinfer_decode)
+    assert backend.graph_safe is not flashinfer_decode
+    for qlens, ctx in (([7, 1, 33], [9, 40, 0]), ([1, 1, 1], [0, 15, 70])):
+        batch, kv, q, k, v = random_batch(qlens, ctx, ps, hq, hkv, d, torch.float32, "cpu", seed=sum(ctx))
+        ref_meta = ops.AttentionMetadata.build(batch, ps)
+        ref_kv = kv.clone()
+        ops.write_kv(ref_kv, k, v, ref_meta.slot_mapping)
+        ref = ops.paged_attention(q, ref_kv, ref_meta, d**-0.5)
+        meta = backend.plan(batch, ps)
+        prefill = max(qlens) > 1
+        assert isinstance(meta, ab.FlashInferMeta) == (prefill or flashinfer_decode)
+        if isinstance(meta, ab.FlashInferMeta):
+            planned = meta.wrapper.planned
+            assert meta.wrapper is (backend.prefill if prefill else backend.decode)
+            assert planned["causal"] == prefill and planned["sm_scale"] == d**-0.5
+            assert planned["indptr"][-1] == sum(-(-(c + n) // ps) for c, n in zip(ctx, qlens))
+        out = backend.forward(q, k, v, kv, meta, d**-0.5)
+        assert torch.equal(kv, ref_kv) and rel_err(out, ref) < 1e-5, qlens
+    batch, kv, q, k, v = random_batch([2], [3], ps, hq, hkv, d, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="scale"):  # FlashInfer's is planned: another one is an error
+        backend.forward(q, k, v, kv, backend.plan(batch, ps), 0.5)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU runs need TRITON_INTERPRET=1")
+def test_flashinfer_that_cannot_run_is_refused_at_selection(monkeypatch, caplog):
+    """A FlashInfer whose prefill module neither loads nor builds fails its start-up probe: the
+    capability default falls back to triton with the reason logged; asking for it by name raises."""
+    class Broken(_FakeFlashInfer.BatchPrefillWithPagedKVCacheWrapper):
+        def run(self, q, kv_cache):
+            raise RuntimeError("no module batch_prefill_..._head_dim_qk_16 (FLASHINFER_DISABLE_JIT)")
+
+    fake = type("FakeFlashInfer", (), {"BatchPrefillWithPagedKVCacheWrapper": Broken,
+                                       "BatchDecodeWithPagedKVCacheWrapper": _FakeFlashInfer._Wrapper})
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.delenv(ab.ENV, raising=False)
+    monkeypatch.setattr(ab, "available", lambda name, device, shape=None: None)
+    monkeypatch.setattr(ab, "default_name", lambda device, shape=None: "flashinfer")
+    with caplog.at_level(logging.WARNING, logger="nvl72.model.attn_backends"):
+        assert ab.select(SHAPE, "cpu").name == "triton"
+    assert "head_dim 16" in caplog.text and "falling back to triton" in caplog.text
+    with pytest.raises(ab.BackendUnavailable, match="FLASHINFER_DISABLE_JIT"):
+        ab.select(SHAPE, "cpu", "flashinfer")
 
 
 def runnable(name, device):

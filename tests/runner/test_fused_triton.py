@@ -161,12 +161,14 @@ def test_store_kv_skips_negative_slots(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", LOW)
-@pytest.mark.parametrize("gated,zero_centered,rot", [(False, False, 16), (True, True, 8), (True, False, 4)])
-def test_qk_norm_rope_matches_layer_math(device, dtype, gated, zero_centered, rot):
-    """Same math as layers.Attention with the references: gate split, q/k RMSNorm, partial RoPE."""
+@pytest.mark.parametrize("gated,zero_centered,rot,t", [(False, False, 16, 7), (True, True, 8, 7), (True, False, 4, 7),
+                                                        (True, False, 8, ft.QK_ROWS_FROM + 19)])
+def test_qk_norm_rope_matches_layer_math(device, dtype, gated, zero_centered, rot, t):
+    """Same math as layers.Attention with the references: gate split, q/k RMSNorm, partial RoPE; past
+    ft.QK_ROWS_FROM tokens (prefill) ft.QK_ROWS tokens a program, the last block partial."""
     skip_interpreted_bf16(device, dtype)
     g = torch.Generator().manual_seed(rot + gated)
-    t, hq, hkv, d = 7, 4, 2, 16
+    hq, hkv, d = 4, 2, 16
     q_raw = torch.randn(t, hq * d * (2 if gated else 1), generator=g).to(dtype)
     k_raw = torch.randn(t, hkv * d, generator=g).to(dtype)
     qw, kw = (torch.randn(d, generator=g).to(dtype) * 0.3 + (0 if zero_centered else 1) for _ in range(2))
@@ -185,12 +187,14 @@ def test_qk_norm_rope_matches_layer_math(device, dtype, gated, zero_centered, ro
     assert rel_err(q.cpu(), q_ref) < tol and rel_err(k.cpu(), k_ref) < tol
     # with the cache: the same outputs, and store_kv's writes (slot -1: none)
     v = torch.randn(t, hkv, d, generator=g).to(dtype).to(device)
-    kv, kv_ref = (torch.zeros(3, 2, hkv, 4, d, dtype=dtype, device=device) for _ in range(2))
-    slots = torch.tensor([5, 0, -1, 11, 2, 7, 9], device=device)
+    pages = -(-(t + 1) // 4)
+    kv, kv_ref = (torch.zeros(pages, 2, hkv, 4, d, dtype=dtype, device=device) for _ in range(2))
+    slots = torch.randperm(pages * 4, generator=g)[:t].to(device)
+    slots[2] = -1
     q2, k2, gate2 = ft.qk_norm_rope(*dev, hq, hkv, d, 1e-6, zero_centered, gated, v, kv, slots)
     assert torch.equal(q2, q) and torch.equal(k2, k)
     ft.store_kv(kv_ref, k, v, slots)
-    assert torch.equal(kv, kv_ref) and int(kv.ne(0).sum()) == 2 * 6 * hkv * d
+    assert torch.equal(kv, kv_ref) and int(kv.ne(0).sum()) == 2 * (t - 1) * hkv * d
     if gated:
         assert torch.equal(gate.cpu(), gate_ref)
     else:
@@ -247,11 +251,21 @@ def test_add_rms_norm_matches_reference(device, dtype, zero_centered, with_delta
     assert logits.dtype == dtype and rel_err(logits.cpu(), ref_logits) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+def slot_mapping_on_device(batch, page_size: int) -> torch.Tensor:
+    """ft.slot_mapping in torch ops: each token's sequence by a search over query_start_loc, -1 where
+    the page table has none."""
+    tok = torch.arange(batch.num_tokens, device=batch.positions.device)
+    seq_of_token = torch.searchsorted(batch.query_start_loc[1:].long(), tok, right=True)
+    seq_of_token = seq_of_token.clamp_max(max(batch.num_seqs - 1, 0))
+    pos = batch.positions.long()
+    pages = batch.page_table.long()[seq_of_token, pos // page_size]
+    return torch.where(pages >= 0, pages * page_size + pos % page_size, torch.full_like(pages, -1))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_slot_mapping_matches_torch_form(device):
-    from nvl72.model.attn_backends import slot_mapping_on_device
-
     batch, *_ = random_batch([3, 1, 6, 1], [5, 9, 0, 30], 4, 4, 2, 16, torch.float32, device, seed=1)
+    assert torch.equal(slot_mapping_on_device(batch, 4), ops.AttentionMetadata.build(batch, 4).slot_mapping.to(device))
     assert torch.equal(ft.slot_mapping(batch.positions, batch.query_start_loc, batch.page_table, 4),
                        slot_mapping_on_device(batch, 4))
     batch.page_table[1, :] = -1  # a padded row: no pages at all
@@ -350,11 +364,12 @@ def test_kernels_compile_for_hopper(pdl):
             "logits": "*bf16", "rms_eps": "fp32", "stride_x": i32, "stride_d": i32, "E": i32},
             {"H": 2048, "BLOCK": 2048, "HAS_DELTA": True, "ZC": False, "BLOCK_E": block_e}, pdl)
     norm_sig = {"q_raw": "*bf16", "k_raw": "*bf16", "qw": "*bf16", "kw": "*bf16", "cos": "*bf16", "sin": "*bf16",
-                "q_out": "*bf16", "k_out": "*bf16", "gate_out": "*bf16", "rms_eps": "fp32", "stride_q": i32,
+                "q_out": "*bf16", "k_out": "*bf16", "gate_out": "*bf16", "rms_eps": "fp32", "T": i32, "stride_q": i32,
                 "stride_k": i32, "stride_cs": i32, "v": "*bf16", "kv_cache": "*bf16", "slots": "*i64",
                 **{n: i64 for n in ("stride_v", "stride_page", "stride_kind", "stride_head", "stride_tok")}}
     compile_pdl(ft._qk_norm_rope_kernel, norm_sig, {
-        "HQ": 32, "HKV": 4, "D": 128, "R": 128, "GATED": False, "ZC": False, "STORE": True, "PAGE_SIZE": 16}, pdl)
+        "HQ": 32, "HKV": 4, "D": 128, "R": 128, "GATED": False, "ZC": False, "STORE": True, "PAGE_SIZE": 16,
+        "BLOCK_T": 1}, pdl)
     compile_pdl(ft._store_kv_kernel, {"k": "*bf16", "v": "*bf16", "kv_cache": "*bf16", "slots": "*i64",
                                       **{n: i64 for n in ("stride_kt", "stride_vt", "stride_page", "stride_kind",
                                                           "stride_head", "stride_tok")}},
