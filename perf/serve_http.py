@@ -40,6 +40,8 @@ def server_command(model_dir: str, args) -> list[str]:
            "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs)]
     if args.kv_cache_memory:
         cmd += ["--kv-cache-memory", args.kv_cache_memory]
+    if args.max_num_batched_tokens:
+        cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.no_async_scheduling:
         cmd += ["--no-async-scheduling"]
     if args.device == "cpu":
@@ -72,6 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=16384)
     ap.add_argument("--max-num-seqs", type=int, default=64, help="also the high decode concurrency")
     ap.add_argument("--kv-cache-memory", default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="the server's chunk size (default: its own)")
     ap.add_argument("--no-async-scheduling", action="store_true", help="serve with the engine's synchronous loop")
     ap.add_argument("--decode-prompt-len", type=int, default=128)
     ap.add_argument("--decode-out", type=int, default=128)
