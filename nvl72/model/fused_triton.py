@@ -328,7 +328,7 @@ def _norm_rope_rows(src, ok, w, cos, sin, rms_eps, D: tl.constexpr, R: tl.conste
     return y
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _qk_norm_rope_kernel(q_raw, k_raw, qw, kw, cos, sin, q_out, k_out, gate_out, rms_eps, T,
                          stride_q, stride_k, stride_cs, v, kv_cache, slots, stride_v, stride_page, stride_kind,
                          stride_head, stride_tok, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
@@ -366,7 +366,7 @@ def _qk_norm_rope_kernel(q_raw, k_raw, qw, kw, cos, sin, q_out, k_out, gate_out,
 
 
 # qk_norm_rope: tokens a program past QK_ROWS_FROM tokens (prefill chunks); one below, as decode steps
-# always ran (H200, 48-layer Qwen3-30B-A3B shape, 8K-token prefill: 205 us a layer at a token a program)
+# always ran (H200, 48-layer Qwen3-30B-A3B shape, 8K-token prefill: 205 us a layer at a token a program, 55 at 16)
 QK_ROWS, QK_ROWS_FROM = 16, 256
 
 
