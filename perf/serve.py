@@ -31,6 +31,7 @@ import torch
 
 from nvl72.config import ModelConfig
 from nvl72.cuda_timing import hbm_copy_bandwidth
+from nvl72.engine.core import freeze_heap
 from nvl72.engine.engine import EngineConfig, LLMEngine
 from nvl72.engine.protocol import AddRequest, SamplingParams
 from nvl72.model import attn_backends
@@ -312,6 +313,7 @@ def main(argv=None) -> int:
     engine = LLMEngine(model, ecfg, eos_token_ids=[])
     if args.server_config:
         engine.warmup()  # as build_engine does for `nvl72 serve`
+        freeze_heap()
     capture_s = time.perf_counter() - t
     graphs = engine.runner.graphs
     moe_backend = model.model.layers[0].mlp._ready().name

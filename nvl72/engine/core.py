@@ -9,6 +9,7 @@ entry point (`python -m nvl72.engine.core`), speaking msgpack over ZeroMQ: it PU
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -53,7 +54,7 @@ def build_engine(model: str | None = None, *, load_format: str = "auto", dtype: 
                  cuda_graph_batch_sizes: tuple[int, ...] | None = None, async_scheduling: bool | None = None,
                  warmup: bool | None = None, parallel=None) -> LLMEngine:
     """An engine from plain arguments. `model=None`: the embedded default config with dummy weights.
-    `warmup` (default: on CUDA, except DP+EP ranks): `LLMEngine.warmup()` before returning.
+    `warmup` (default: on CUDA, except DP+EP ranks): `LLMEngine.warmup()`, then `freeze_heap()`.
     `parallel`: this rank's `ParallelLayout` (TP/EP ranks running one engine in lockstep)."""
     from nvl72.config import ModelConfig
     from nvl72.model.loader import load_model, prepare_experts
@@ -94,7 +95,21 @@ def build_engine(model: str | None = None, *, load_format: str = "auto", dtype: 
         t0 = time.perf_counter()
         n = engine.warmup()
         log.info("engine warm-up (one %d-token prefill + decode) took %.1f s", n, time.perf_counter() - t0)
+        freeze_heap()
     return engine
+
+
+def freeze_heap() -> int:
+    """Once the engine is built and warm: collect what is garbage now, then move every live object
+    (model, engine, imports) to the cyclic collector's permanent generation, so that its full passes
+    scan only what serving allocates. A full pass over a 48-layer Qwen3-30B-A3B model's ~320K objects
+    took 130 ms on a 2-core CPU, a pause that would land inside a step (vLLM and SGLang freeze after
+    start-up too). Returns the objects frozen."""
+    gc.collect()
+    gc.freeze()
+    n = gc.get_freeze_count()
+    log.info("engine: %d objects frozen out of the garbage collector's passes", n)
+    return n
 
 
 class EngineCore:
