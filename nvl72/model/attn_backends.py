@@ -65,7 +65,13 @@ class AttentionShape:
 
     @classmethod
     def of(cls, model) -> "AttentionShape":
+        """This rank's heads (under TP a layer holds its share of them, which FlashInfer's plans must
+        see), from the first attention layer; the config's where the model has none."""
         c = model.config
+        for layer in model.model.layers:
+            a = getattr(layer, "self_attn", None)
+            if a is not None:
+                return cls(a.num_heads, a.num_kv_heads, a.head_dim, model.dtype)
         return cls(c.num_attention_heads, c.num_key_value_heads, c.head_dim, model.dtype)
 
 

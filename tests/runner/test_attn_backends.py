@@ -69,6 +69,22 @@ def test_flashinfer_page_lists():
         assert indices[indptr[i]:indptr[i + 1]].tolist() == batch.page_table[i, : -(-n // 4)].tolist()
 
 
+def test_attention_shape_is_this_ranks_heads():
+    """Under TP a rank's attention layers hold their share of the heads: the backends (FlashInfer's
+    plans) must see those, not the config's totals."""
+    from nvl72.config import ModelConfig
+    from nvl72.model.parallel_layout import ParallelLayout
+    from nvl72.model.qwen import build_model
+
+    cfg = ModelConfig.from_dict(dict(model_type="qwen3_moe", vocab_size=96, hidden_size=64, num_hidden_layers=2,
+                                     num_attention_heads=8, num_key_value_heads=4, head_dim=16, num_experts=4,
+                                     num_experts_per_tok=2, moe_intermediate_size=32, rms_norm_eps=1e-6))
+    assert ab.AttentionShape.of(build_model(cfg, torch.float32, "meta")) == ab.AttentionShape(8, 4, 16, torch.float32)
+    tp = ParallelLayout(1, 2, all_reduce=lambda x: x)
+    assert ab.AttentionShape.of(build_model(cfg, torch.float32, "meta", parallel=tp)) == \
+        ab.AttentionShape(4, 2, 16, torch.float32)
+
+
 def test_flashinfer_needs_hopper_and_a_shape_fa3_serves(monkeypatch):
     """Where flashinfer imports: sm_90 only, bf16 / fp16 and head_dim 64 / 128 / 256 (FA3's prefill),
     and then it is the capability default on a GPU; other shapes fall back to triton with the reason."""
