@@ -171,6 +171,11 @@ class PagedMeta:
     max_query_len: int
 
 
+def capturing(batch: ForwardBatch) -> bool:
+    """Whether this forward is being captured into a CUDA graph: its plan may not read device values back."""
+    return batch.input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class TritonBackend(AttentionBackend):
     name = "triton"
     graph_safe = True
@@ -281,14 +286,14 @@ class TritonBackend(AttentionBackend):
         return splits if splits > 1 else 0
 
     def plan(self, batch: ForwardBatch, page_size: int) -> PagedMeta:
-        capturing = batch.input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
+        in_capture = capturing(batch)
         max_q = batch.max_query_len
         if max_q is None:
-            if capturing:
+            if in_capture:
                 raise ValueError("a captured forward needs batch.max_query_len set on the host")
             max_q = int(batch.query_lens().max()) if batch.num_seqs else 0
         slots = self.kernels.slot_mapping(batch.positions, batch.query_start_loc, batch.page_table, page_size)
-        if not capturing and bool((slots < 0).any()):  # the references' check; graphs pad on purpose
+        if not in_capture and bool((slots < 0).any()):  # the references' check; graphs pad on purpose
             bad = int(torch.nonzero(slots < 0)[0, 0])
             raise ValueError(f"token {bad} at position {int(batch.positions[bad])} has no KV page "
                              "(page_table entry -1) in its sequence")
@@ -312,9 +317,10 @@ class FlashInferMeta(PagedMeta):
 class FlashInferBackend(TritonBackend):
     """triton's backend with FlashInfer's paged prefill (FA3 on Hopper) for every batch with prefill
     rows: the q/k norm, RoPE and K/V store stay triton's, the attention is FlashInfer's (bottom-right
-    causal: a chunk's queries see the cached prefix). One-token steps keep triton's fused decode
-    kernels, which CUDA graphs capture; `decode=True` ($NVL72_FLASHINFER_DECODE=1) sends all-decode
-    batches to FlashInfer's decode wrapper instead (planned on the host: eager steps only)."""
+    causal: a chunk's queries see the cached prefix). One-token steps, and whatever a CUDA graph
+    captures (speculative decoding's 1 + k-token rows), keep triton's kernels, whose plan needs no host
+    sync; `decode=True` ($NVL72_FLASHINFER_DECODE=1) sends all-decode batches to FlashInfer's decode
+    wrapper instead (planned on the host: eager steps only)."""
 
     name = "flashinfer"
     WORKSPACE_BYTES = 256 << 20
@@ -372,7 +378,7 @@ class FlashInferBackend(TritonBackend):
     def plan(self, batch: ForwardBatch, page_size: int) -> PagedMeta:
         meta = super().plan(batch, page_size)
         decode = meta.max_query_len <= 1
-        if decode and not self.flashinfer_decode:
+        if (decode and not self.flashinfer_decode) or capturing(batch):  # (graphs: MTP's 1 + k-token rows)
             return meta
         s = self.shape
         indptr, indices, last = (x.to(self.device) for x in self.page_lists(batch, page_size))

@@ -176,6 +176,15 @@ def test_flashinfer_backend_hands_prefill_batches_to_flashinfer(monkeypatch, fla
     batch, kv, q, k, v = random_batch([2], [3], ps, hq, hkv, d, torch.float32, "cpu")
     with pytest.raises(ValueError, match="scale"):  # FlashInfer's is planned: another one is an error
         backend.forward(q, k, v, kv, backend.plan(batch, ps), 0.5)
+    # what a CUDA graph captures (speculative decoding's 1 + k-token rows) stays on triton: no host plan
+    monkeypatch.setattr(ab, "capturing", lambda b: True)
+    batch, kv, q, k, v = random_batch([3, 3, 3], [5, 20, 0], ps, hq, hkv, d, torch.float32, "cpu", seed=7)
+    meta = backend.plan(batch, ps)
+    assert not isinstance(meta, ab.FlashInferMeta)
+    ref_meta = ops.AttentionMetadata.build(batch, ps)
+    ref_kv = kv.clone()
+    ops.write_kv(ref_kv, k, v, ref_meta.slot_mapping)
+    assert rel_err(backend.forward(q, k, v, kv, meta, d**-0.5), ops.paged_attention(q, ref_kv, ref_meta, d**-0.5)) < 1e-5
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU runs need TRITON_INTERPRET=1")
