@@ -348,17 +348,28 @@ class FlashInferBackend(TritonBackend):
         s = self.shape
         cache = torch.zeros(1, 2, s.num_kv_heads, 16, s.head_dim, dtype=s.dtype, device=self.device)
         indptr, indices = (torch.tensor(x, dtype=torch.int32, device=self.device) for x in ([0, 1], [0]))
-        common = dict(q_data_type=s.dtype, kv_data_type=s.dtype, sm_scale=s.head_dim**-0.5)
         try:
-            self.prefill.plan(indptr.mul(2), indptr, indices, indptr[1:] * 2, s.num_heads, s.num_kv_heads,
-                              s.head_dim, 16, causal=True, **common)
-            self.prefill.run(cache.new_zeros(2, s.num_heads, s.head_dim), cache)
+            self._plan(indptr * 2, indptr, indices, indptr[1:] * 2, 16).run(
+                cache.new_zeros(2, s.num_heads, s.head_dim), cache)
             if self.decode is not None:
-                self.decode.plan(indptr, indices, indptr[1:], s.num_heads, s.num_kv_heads, s.head_dim, 16, **common)
-                self.decode.run(cache.new_zeros(1, s.num_heads, s.head_dim), cache)
+                self._plan(None, indptr, indices, indptr[1:], 16).run(cache.new_zeros(1, s.num_heads, s.head_dim),
+                                                                      cache)
         except Exception as e:  # whatever FlashInfer raises for a module it cannot load or build
             raise BackendUnavailable(f"FlashInfer could not run {s.dtype} head_dim {s.head_dim}: "
                                      f"{type(e).__name__}: {e}") from e
+
+    def _plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, page_size: int):
+        """The decode wrapper (qo_indptr None) or the prefill wrapper (bottom-right causal), planned for
+        this shape and these page lists; returned."""
+        s = self.shape
+        common = dict(q_data_type=s.dtype, kv_data_type=s.dtype, sm_scale=s.head_dim**-0.5)
+        if qo_indptr is None:
+            self.decode.plan(kv_indptr, kv_indices, last_page_len, s.num_heads, s.num_kv_heads, s.head_dim, page_size,
+                             **common)
+            return self.decode
+        self.prefill.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, s.num_heads, s.num_kv_heads, s.head_dim,
+                          page_size, causal=True, **common)
+        return self.prefill
 
     @staticmethod
     def page_lists(batch: ForwardBatch, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -380,16 +391,9 @@ class FlashInferBackend(TritonBackend):
         decode = meta.max_query_len <= 1
         if (decode and not self.flashinfer_decode) or capturing(batch):  # (graphs: MTP's 1 + k-token rows)
             return meta
-        s = self.shape
         indptr, indices, last = (x.to(self.device) for x in self.page_lists(batch, page_size))
-        common = dict(q_data_type=s.dtype, kv_data_type=s.dtype, sm_scale=s.head_dim**-0.5)
-        if decode:
-            self.decode.plan(indptr, indices, last, s.num_heads, s.num_kv_heads, s.head_dim, page_size, **common)
-            wrapper = self.decode
-        else:
-            self.prefill.plan(batch.query_start_loc.to(torch.int32), indptr, indices, last, s.num_heads,
-                              s.num_kv_heads, s.head_dim, page_size, causal=True, **common)
-            wrapper = self.prefill
+        wrapper = self._plan(None if decode else batch.query_start_loc.to(torch.int32), indptr, indices, last,
+                             page_size)
         return FlashInferMeta(meta.batch, meta.slot_mapping, meta.max_query_len, wrapper)
 
     def _fused_splits(self, meta: PagedMeta, num_kv_heads: int, head_dim: int, kv_cache) -> int:
