@@ -44,12 +44,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--attention-backend", default="auto",
       help="auto (flashinfer where it imports, else triton on GPU; torch on CPU; $NVL72_ATTN_BACKEND "
            "overrides), flashinfer, triton or torch")
-    a("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    a("--enforce-eager", action="store_true", help="no CUDA graphs (decode nor prefill)")
     a("--no-async-scheduling", action="store_true",
       help="schedule each step after the previous one's tokens are read back (default: the next step is "
            "prepared while one runs, with CUDA graphs)")
     a("--cuda-graph-sizes", default=None,
       help="decode batch sizes captured in CUDA graphs, comma-separated (default: 1,2,4,8,16,...,max-num-seqs)")
+    a("--prefill-graph-sizes", default=None,
+      help="token counts of prefill / mixed steps captured as piecewise CUDA graphs (the attention eager "
+           "between pieces), comma-separated, or 0 for none (default: 16,32,64,128, every 256 to 2048, "
+           "every 1024 beyond, max-num-batched-tokens)")
     a("--data-parallel-size", default="1",
       help="engines behind this front, one per GPU (cuda:0..N-1), requests routed to the least loaded")
     a("--engine", default="auto",
@@ -84,6 +88,7 @@ class ServeOptions:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
+    prefill_graph_sizes: tuple[int, ...] | None = None
     async_scheduling: bool | None = None  # None: the engine's default (on with CUDA graphs)
 
     def engine_devices(self) -> list[str]:
@@ -100,7 +105,8 @@ class ServeOptions:
                     page_size=self.page_size, num_pages=self.num_pages, kv_cache_bytes=self.kv_cache_bytes,
                     enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
                     attention_backend=self.attention_backend, enforce_eager=self.enforce_eager,
-                    cuda_graph_batch_sizes=self.cuda_graph_sizes, async_scheduling=self.async_scheduling)
+                    cuda_graph_batch_sizes=self.cuda_graph_sizes, prefill_graph_sizes=self.prefill_graph_sizes,
+                    async_scheduling=self.async_scheduling)
 
 
 def _int(name: str, value: str | None, lo: int, hi: int | None = None) -> int | None:
@@ -161,15 +167,19 @@ def _engine_mode(mode: str, device: str) -> str:
     return "process" if device.startswith("cuda") else "thread"
 
 
-def _graph_sizes(text: str | None, max_num_seqs: int) -> tuple[int, ...] | None:
+def _graph_sizes(text: str | None, most: int, option: str = "cuda-graph-sizes", unit: str = "batch sizes",
+                 limit: str = "max-num-seqs") -> tuple[int, ...] | None:
+    """A comma-separated list of sizes in [1, most] (`--prefill-graph-sizes` also takes 0: none)."""
     if text is None:
         return None
+    if option == "prefill-graph-sizes" and text.strip() == "0":
+        return ()
     try:
         sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
     except ValueError:
-        raise CLIError(f"--cuda-graph-sizes={text!r} is not a comma-separated list of batch sizes") from None
-    if not sizes or sizes[0] < 1 or sizes[-1] > max_num_seqs:
-        raise CLIError(f"--cuda-graph-sizes={text!r}: sizes must lie in [1, --max-num-seqs={max_num_seqs}]")
+        raise CLIError(f"--{option}={text!r} is not a comma-separated list of {unit}") from None
+    if not sizes or sizes[0] < 1 or sizes[-1] > most:
+        raise CLIError(f"--{option}={text!r}: sizes must lie in [1, --{limit}={most}]")
     return sizes
 
 
@@ -211,19 +221,22 @@ def options(args: argparse.Namespace) -> ServeOptions:
     if args.attention_backend not in ATTENTION_BACKENDS:
         raise CLIError(f"--attention-backend={args.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     max_num_seqs = _int("max-num-seqs", args.max_num_seqs, 1, 65536)
+    max_tokens = _int("max-num-batched-tokens", args.max_num_batched_tokens, 1)
     return ServeOptions(
         model=model, load_format=args.load_format, host=_check_host(args.host), port=_int("port", args.port, 1, 65535),
         api_key=args.api_key, served_model_name=name, max_model_len=_int("max-model-len", args.max_model_len, 16),
         dtype=args.dtype, device=device,
         num_speculative_tokens=_int("num-speculative-tokens", args.num_speculative_tokens, 0, 16),
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=_int("max-num-batched-tokens", args.max_num_batched_tokens, 1),
+        max_num_batched_tokens=max_tokens,
         page_size=_int("page-size", args.page_size, 1, 4096), num_pages=_int("num-pages", args.num_pages, 1),
         kv_cache_bytes=parse_bytes("kv-cache-memory", args.kv_cache_memory),
         enable_prefix_caching=not args.no_prefix_caching, seed=_int("seed", args.seed, 0, 2**63 - 1),
         max_body_bytes=_int("max-body-bytes", args.max_body_bytes, 1024), engine=_engine_mode(args.engine, device),
         data_parallel_size=dp, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         cuda_graph_sizes=_graph_sizes(args.cuda_graph_sizes, max_num_seqs),
+        prefill_graph_sizes=_graph_sizes(args.prefill_graph_sizes, max_tokens, "prefill-graph-sizes",
+                                         "token counts", "max-num-batched-tokens"),
         async_scheduling=False if args.no_async_scheduling else None)
 
 

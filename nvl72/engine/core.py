@@ -51,7 +51,8 @@ def build_engine(model: str | None = None, *, load_format: str = "auto", dtype: 
                  num_pages: int | None = None, kv_cache_bytes: int | None = None, num_state_slots: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True, seed: int = 0,
                  attention_backend: str | None = None, enforce_eager: bool = False,
-                 cuda_graph_batch_sizes: tuple[int, ...] | None = None, async_scheduling: bool | None = None,
+                 cuda_graph_batch_sizes: tuple[int, ...] | None = None,
+                 prefill_graph_sizes: tuple[int, ...] | None = None, async_scheduling: bool | None = None,
                  warmup: bool | None = None, parallel=None) -> LLMEngine:
     """An engine from plain arguments. `model=None`: the embedded default config with dummy weights.
     `warmup` (default: on CUDA, except DP+EP ranks): `LLMEngine.warmup()`, then `freeze_heap()`.
@@ -87,6 +88,7 @@ def build_engine(model: str | None = None, *, load_format: str = "auto", dtype: 
                        enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
                        seed=seed, attention_backend=attention_backend, enforce_eager=enforce_eager,
                        cuda_graph_batch_sizes=None if cuda_graph_batch_sizes is None else tuple(cuda_graph_batch_sizes),
+                       prefill_graph_sizes=None if prefill_graph_sizes is None else tuple(prefill_graph_sizes),
                        async_scheduling=async_scheduling)
     log.info("engine model %s (%s, %s on %s), drafter %s", model or "<embedded default>", config.model_type, dtype,
              device, type(drafter).__name__ if drafter else "none")

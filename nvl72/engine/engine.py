@@ -23,7 +23,7 @@ import torch
 from nvl72.cache.pool import OutOfCapacity, RefPool
 from nvl72.cache.prefix import PrefixCache
 from nvl72.cache.tensors import num_pages_for_budget, zero_slots
-from nvl72.engine import jit_watch
+from nvl72.engine import jit_watch, prefill_graphs
 from nvl72.engine.protocol import AddRequest, RequestOutput, SamplingParams, TokenLogprob
 from nvl72.engine.runner import ModelRunner, PriorTokens
 from nvl72.engine.sampler import DeviceSample, has_penalty
@@ -138,6 +138,10 @@ class EngineConfig:
     # $NVL72_CUDA_GRAPHS (e.g. "1,2,4,8,16,32,64"), else on CUDA `default_graph_sizes(max_num_seqs)`;
     # () or enforce_eager: eager.
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    # Token counts whose prefill / mixed steps replay piecewise CUDA graphs (the attention eager
+    # between the pieces: nvl72.engine.prefill_graphs). None = $NVL72_PREFILL_GRAPHS, else on CUDA
+    # `default_sizes(max_num_batched_tokens)`; () or enforce_eager: eager.
+    prefill_graph_sizes: tuple[int, ...] | None = None
     enforce_eager: bool = False
     # Schedule step n+1 while step n runs (see the module docstring). None: on when decode runs in
     # CUDA graphs; True also works eagerly and on a CPU (where nothing overlaps: for tests).
@@ -150,6 +154,17 @@ class EngineConfig:
         if self.cuda_graph_batch_sizes is not None:
             return tuple(self.cuda_graph_batch_sizes)
         return graph_sizes_from_env() or (default_graph_sizes(self.max_num_seqs) if device.type == "cuda" else ())
+
+    def prefill_sizes(self, device: torch.device) -> tuple[int, ...]:
+        """Token counts to capture piecewise; asked-for sizes are tried on any device (and refused with a warning)."""
+        if self.enforce_eager:
+            return ()
+        if self.prefill_graph_sizes is not None:
+            return tuple(self.prefill_graph_sizes)
+        env = prefill_graphs.sizes_from_env()
+        if env is not None:
+            return env
+        return prefill_graphs.default_sizes(self.max_num_batched_tokens) if device.type == "cuda" else ()
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
@@ -209,6 +224,12 @@ class LLMEngine:
                 self.pages.decref(scratch_page)
                 if self.hybrid:
                     self.slots.decref(scratch_slot)
+        tokens = config.prefill_sizes(self.device)
+        if tokens and self.dp_ep:
+            log.info("engine: no prefill CUDA graphs on a DP+EP rank (host-synced expert path)")
+        elif tokens:
+            self.runner.prefill_graphs = prefill_graphs.build_prefill_graphs(model, self.caches, config.page_size,
+                                                                             tokens)
         self.drafter = drafter
         if drafter is not None:
             drafter.bind(model, self.caches, config.page_size, self.device)
@@ -226,8 +247,8 @@ class LLMEngine:
         self.counters = dict(generation_tokens=0, spec_decode_num_drafts=0,
                              spec_decode_num_draft_tokens=0, spec_decode_num_accepted_tokens=0, num_steps=0,
                              step_seconds=0.0,  # host time inside step(): a served run's mean step beside its TPOT
-                             # steps whose forward ran outside the CUDA graphs (prefill chunks, mixed
-                             # steps, batches beyond the captured sizes) and their host time
+                             # steps whose forward ran outside every CUDA graph (batches beyond the captured
+                             # sizes; prefill chunks and mixed steps where no prefill graphs) and their host time
                              num_eager_steps=0, eager_step_seconds=0.0,
                              # a step's start to the next's while requests stay in flight: the caller's
                              # loop period (a served batch-1 TPOT); its excess over step_seconds is the

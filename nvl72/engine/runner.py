@@ -27,7 +27,7 @@ class StepResult:
     sample_rows: list[tuple[int, int]]  # (index into scheduled, query offset) per sampled row
     sampled: SampleResult | None  # read back (None without sampled rows or when `readback=False`)
     pending: DeviceSample | None = None  # `readback=False`: the tokens, being copied to the host
-    graphed: bool = False  # the forward replayed a captured CUDA graph (False: ran eagerly)
+    graphed: bool = False  # the forward replayed captured CUDA graphs, decode's or prefill's pieces (False: eager)
 
 
 @dataclass
@@ -175,6 +175,7 @@ class ModelRunner:
         self.ring = HostRing() if cuda else None
         self.readback = HostRing() if cuda else None
         self.graphs = None  # nvl72.engine.cuda_graphs.DecodeGraphs when the engine captured them
+        self.prefill_graphs = None  # nvl72.engine.prefill_graphs.PrefillGraphs: the other steps, piecewise
         self.sync = None  # a DP+EP rank's nvl72.model.dp_ep.PassSync: its forwards in lockstep with the EP group
 
     def _graph_fits(self, scheduled: list[ScheduledSeq]) -> bool:
@@ -215,7 +216,11 @@ class ModelRunner:
             patch_placeholders(batch.input_ids, prior, run, fill_t)
             if self.sync is not None:
                 self.sync.before(MAIN_PASS)
-            hidden = self.model(batch, self.caches)
+            pieces = self.prefill_graphs
+            if pieces is not None and pieces.fits(batch.num_tokens):
+                hidden, graphed = pieces.run(batch), True
+            else:
+                hidden = self.model(batch, self.caches)
         if not rows:
             return StepResult(hidden, batch, rows, None, graphed=graphed)
         greedy = None

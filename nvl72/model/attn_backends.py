@@ -23,6 +23,7 @@ import importlib.util
 import logging
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -102,7 +103,8 @@ class AttentionBackend:
         """`qk_norm_rope` with the K/V store, then `forward`: (out [T, Hq, D], gate [T, Hq, D] or None)."""
         q, k, gate = self.qk_norm_rope(q_raw, k_raw, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, head_dim,
                                        eps, zero_centered, gated, v, kv_cache, meta)
-        out = self.forward(q, k, v, kv_cache, meta, scale, stored=True)
+        attend = meta.attend if isinstance(meta, SplitMeta) else self.forward
+        out = attend(q, k, v, kv_cache, meta, scale, stored=True)
         return out, (None if gate is None else gate.view(out.shape))
 
     def norm_rope_attend_linear(self, q_raw, k_raw, v, q_weight, k_weight, cos, sin, num_heads, num_kv_heads,
@@ -144,9 +146,9 @@ class AttentionBackend:
         raise NotImplementedError
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta,
-                scale: float, stored: bool = False) -> torch.Tensor:
+                scale: float, stored: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         """Store k, v [T, Hkv, D] in their pages (unless `stored`: qk_norm_rope did), then attend:
-        q [T, Hq, D] -> [T, Hq, D]."""
+        q [T, Hq, D] -> [T, Hq, D] (written into `out` when given)."""
         raise NotImplementedError
 
 
@@ -156,10 +158,11 @@ class TorchBackend(AttentionBackend):
     def plan(self, batch: ForwardBatch, page_size: int) -> ops.AttentionMetadata:
         return ops.AttentionMetadata.build(batch, page_size)
 
-    def forward(self, q, k, v, kv_cache, meta, scale, stored=False):
+    def forward(self, q, k, v, kv_cache, meta, scale, stored=False, out=None):
         if not stored:
             ops.write_kv(kv_cache, k, v, meta.slot_mapping)
-        return ops.paged_attention(q, kv_cache, meta, scale)
+        got = ops.paged_attention(q, kv_cache, meta, scale)
+        return got if out is None else out.copy_(got)
 
 
 @dataclass
@@ -169,6 +172,15 @@ class PagedMeta:
     batch: ForwardBatch
     slot_mapping: torch.Tensor  # [T] int64, -1 where a token has no page (padded graph rows)
     max_query_len: int
+
+
+@dataclass
+class SplitMeta(PagedMeta):
+    """The metadata of a forward captured in pieces (`nvl72.engine.prefill_graphs`): each attention is
+    handed to `attend` (`forward`'s arguments), which ends one captured piece and begins the next; the
+    attention itself runs between replays, planned for the step being served."""
+
+    attend: Callable | None = None
 
 
 def capturing(batch: ForwardBatch) -> bool:
@@ -299,12 +311,12 @@ class TritonBackend(AttentionBackend):
                              "(page_table entry -1) in its sequence")
         return PagedMeta(batch, slots, max_q)
 
-    def forward(self, q, k, v, kv_cache, meta: PagedMeta, scale, stored=False):
+    def forward(self, q, k, v, kv_cache, meta: PagedMeta, scale, stored=False, out=None):
         if not stored:
             self.kernels.store_kv(kv_cache, k, v, meta.slot_mapping)
         b = meta.batch
         return self.kernels.paged_attention(q, kv_cache, b.query_start_loc, b.seq_lens, b.page_table,
-                                            meta.max_query_len, scale)
+                                            meta.max_query_len, scale, out)
 
 
 @dataclass
@@ -399,14 +411,14 @@ class FlashInferBackend(TritonBackend):
     def _fused_splits(self, meta: PagedMeta, num_kv_heads: int, head_dim: int, kv_cache) -> int:
         return 0 if isinstance(meta, FlashInferMeta) else super()._fused_splits(meta, num_kv_heads, head_dim, kv_cache)
 
-    def forward(self, q, k, v, kv_cache, meta: PagedMeta, scale, stored=False):
+    def forward(self, q, k, v, kv_cache, meta: PagedMeta, scale, stored=False, out=None):
         if not isinstance(meta, FlashInferMeta):
-            return super().forward(q, k, v, kv_cache, meta, scale, stored)
+            return super().forward(q, k, v, kv_cache, meta, scale, stored, out)
         if abs(scale - self.shape.head_dim**-0.5) > 1e-12:
             raise ValueError(f"scale {scale} differs from the planned head_dim**-0.5")
         if not stored:
             self.kernels.store_kv(kv_cache, k, v, meta.slot_mapping)
-        return meta.wrapper.run(q, kv_cache)
+        return meta.wrapper.run(q, kv_cache, out=out)
 
 
 NAMES = ("torch", "triton", "flashinfer")

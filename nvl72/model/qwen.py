@@ -115,8 +115,11 @@ class QwenMoeForCausalLM(nn.Module):
         input checks, which read device values back (CUDA-graph capture cannot)."""
         if check:
             self._check(batch, caches)
-        ctx = self._context(batch, caches, FULL_ATTENTION in self.config.layer_types)
-        x, delta = self.model.embed_tokens(batch.input_ids), None  # [T, H]
+        return self.forward_context(self._context(batch, caches, FULL_ATTENTION in self.config.layer_types))
+
+    def forward_context(self, ctx: ForwardContext) -> torch.Tensor:
+        """`forward` of a context the caller built (piecewise prefill graphs bring their own metadata)."""
+        x, delta = self.model.embed_tokens(ctx.batch.input_ids), None  # [T, H]
         for layer in self.model.layers:
             x, delta = layer.forward_residual(x, delta, ctx)
         return add_norm(self.model.norm, x, delta, ctx)[1]

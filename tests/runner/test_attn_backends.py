@@ -117,10 +117,10 @@ class _FakeFlashInfer:
             self.planned = dict(qo=qo_indptr.tolist(), indptr=indptr.tolist(), indices=indices.tolist(),
                                 last=last.tolist(), heads=(hq, hkv, d), page=page_size, causal=causal, **kw)
 
-        def run(self, q, kv_cache):
+        def run(self, q, kv_cache, out=None):
             p = self.planned
             hq, hkv, d = p["heads"]
-            out = torch.empty_like(q)
+            out = torch.empty_like(q) if out is None else out
             for b in range(len(p["indptr"]) - 1):
                 pages = p["indices"][p["indptr"][b]:p["indptr"][b + 1]]
                 n_kv = (len(pages) - 1) * p["page"] + p["last"][b]
@@ -171,8 +171,9 @@ def test_flashinfer_backend_hands_prefill_batches_to_flashinfer(monkeypatch, fla
             assert meta.wrapper is (backend.prefill if prefill else backend.decode)
             assert planned["causal"] == prefill and planned["sm_scale"] == d**-0.5
             assert planned["indptr"][-1] == sum(-(-(c + n) // ps) for c, n in zip(ctx, qlens))
-        out = backend.forward(q, k, v, kv, meta, d**-0.5)
-        assert torch.equal(kv, ref_kv) and rel_err(out, ref) < 1e-5, qlens
+        given = torch.full_like(q, float("nan"))  # piecewise prefill graphs hand their own output buffer
+        out = backend.forward(q, k, v, kv, meta, d**-0.5, out=given)
+        assert out.data_ptr() == given.data_ptr() and torch.equal(kv, ref_kv) and rel_err(given, ref) < 1e-5, qlens
     batch, kv, q, k, v = random_batch([2], [3], ps, hq, hkv, d, torch.float32, "cpu")
     with pytest.raises(ValueError, match="scale"):  # FlashInfer's is planned: another one is an error
         backend.forward(q, k, v, kv, backend.plan(batch, ps), 0.5)
@@ -192,7 +193,7 @@ def test_flashinfer_that_cannot_run_is_refused_at_selection(monkeypatch, caplog)
     """A FlashInfer whose prefill module neither loads nor builds fails its start-up probe: the
     capability default falls back to triton with the reason logged; asking for it by name raises."""
     class Broken(_FakeFlashInfer.BatchPrefillWithPagedKVCacheWrapper):
-        def run(self, q, kv_cache):
+        def run(self, q, kv_cache, out=None):
             raise RuntimeError("no module batch_prefill_..._head_dim_qk_16 (FLASHINFER_DISABLE_JIT)")
 
     fake = type("FakeFlashInfer", (), {"BatchPrefillWithPagedKVCacheWrapper": Broken,

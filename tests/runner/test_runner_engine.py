@@ -28,6 +28,8 @@ CONFIGS = {
     "qwen3_moe_sparse": dict(_BASE, model_type="qwen3_moe"),
     # head_dim 128 in bf16: the FlashInfer prefill module the GPU hosts carry
     "qwen3_moe_hd128": dict(_BASE, model_type="qwen3_moe", mlp_only_layers=[0, 1], hidden_size=256, head_dim=128),
+    "qwen3_moe_hd128_sparse": dict(_BASE, model_type="qwen3_moe", hidden_size=256, head_dim=128,
+                                   moe_intermediate_size=128),
     # FP8 expert path (sm90): N and K multiples of 128.
     "qwen3_moe_fp8": dict(_BASE, model_type="qwen3_moe", hidden_size=256, moe_intermediate_size=128, num_experts=8,
                           head_dim=64),
@@ -45,11 +47,14 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(1, 96, (int(m),), generator=g).tolist() for m in torch.randint(3, 40, (n,), generator=g)]
 
 
-def greedy(model, attention: str, graphs=None, **kw) -> tuple[dict[str, list[int]], LLMEngine]:
+def greedy(model, attention: str, graphs=None, setup=None, **kw) -> tuple[dict[str, list[int]], LLMEngine]:
+    """Seven prompts to 10 greedy tokens each; `setup(engine)` before the first request."""
     cfg = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, page_size=16, num_pages=80,
                attention_backend=attention, cuda_graph_batch_sizes=graphs)
     cfg.update(kw)
     engine = LLMEngine(model, EngineConfig(**cfg), eos_token_ids=[])
+    if setup is not None:
+        setup(engine)
     for i, p in enumerate(prompts(7, seed=5)):
         engine.add_request(AddRequest(f"r{i}", p, GREEDY))
     out: dict[str, list[int]] = {}
@@ -197,9 +202,9 @@ def test_flashinfer_prefill_engine_matches_triton(monkeypatch, reference_moe):
     planned = []
     real = attn_backends.FlashInferBackend.forward
 
-    def counting(self, q, k, v, kv_cache, meta, scale, stored=False):
+    def counting(self, q, k, v, kv_cache, meta, scale, stored=False, out=None):
         planned.append(isinstance(meta, attn_backends.FlashInferMeta))
-        return real(self, q, k, v, kv_cache, meta, scale, stored)
+        return real(self, q, k, v, kv_cache, meta, scale, stored, out)
 
     monkeypatch.setattr(attn_backends.FlashInferBackend, "forward", counting)
     model = tiny("qwen3_moe_hd128", "cuda", torch.bfloat16)

@@ -33,6 +33,9 @@ def test_graph_and_backend_options():
     kw = o.engine_kwargs()
     assert (kw["attention_backend"], kw["cuda_graph_batch_sizes"], kw["enforce_eager"]) == ("triton", (1, 4, 8), True)
     assert _opts().engine_kwargs()["cuda_graph_batch_sizes"] is None  # the engine's default sizes
+    assert _opts().engine_kwargs()["prefill_graph_sizes"] is None
+    assert _opts("--prefill-graph-sizes", "512,16").engine_kwargs()["prefill_graph_sizes"] == (16, 512)
+    assert _opts("--prefill-graph-sizes", "0").engine_kwargs()["prefill_graph_sizes"] == ()
     assert _opts().engine_kwargs()["async_scheduling"] is None  # the engine's default: on with graphs
     assert _opts("--no-async-scheduling").engine_kwargs()["async_scheduling"] is False
 
@@ -58,6 +61,8 @@ def test_engine_graph_sizes_default_on_cuda_only():
     (["--attention-backend", "flash"], "'flash'"),
     (["--cuda-graph-sizes", "1,x"], "'1,x'"),
     (["--cuda-graph-sizes", "1,128"], "--max-num-seqs=64"),
+    (["--prefill-graph-sizes", "16,y"], "--prefill-graph-sizes='16,y'"),
+    (["--prefill-graph-sizes", "4096"], "--max-num-batched-tokens=2048"),
     (["--port", "http"], "'http'"),
     (["--model", "/no/such/dir"], "/no/such/dir"),
     (["--load-format", "gguf"], "'gguf'"),

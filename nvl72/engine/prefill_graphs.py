@@ -1,0 +1,222 @@
+"""Prefill and mixed steps replayed from piecewise CUDA graphs, one set per token count.
+
+A step with prefill rows launches ~16 kernels a layer, and below ~2K tokens the host paces it (H200,
+48-layer Qwen3-30B-A3B shape: a 1K-token prefill is 18.6 ms of kernels under 60-160 us of Python a
+launch, perf/RESULTS.md). All of such a forward but its attention depends on the token count alone,
+so (as vLLM's piecewise graphs) for each captured size of N tokens the forward is captured as one
+graph per stretch between two attentions — embedding, RoPE table, layer 0's norm, q/k/v projection,
+q/k norm and K/V store | layer 0's o_proj, MoE, layer 1's ... | ... | the last o_proj, MoE and final
+norm — and a step of n <= N tokens replays them with each attention run eagerly in between, planned
+for that step by the attention backend (FlashInfer's prefill planned once a forward on the host, or
+triton's kernel).
+
+The graphs read the step's token ids, positions and K/V slots from static buffers; rows n..N are
+padding: slot -1 (nothing stored), attention rows left as the last step wrote them, outputs ignored.
+All pieces of all sizes share one memory pool, as replays never overlap. The q an attention reads is
+an output of the piece before it: kept as an alias that does not hold its memory (`alias`), so the
+pool hands that memory on to later pieces, which run after the attention read it (held, 48 layers' q
+a size would cost GBs). Capture is tried once at start-up; where it cannot be used the reason is
+logged and those steps run eagerly. The static buffers and padding are tested on CPU (pieces run
+eagerly), capture and replay by the `gpu` tests.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from nvl72.config import FULL_ATTENTION
+from nvl72.engine.cuda_graphs import GraphUnavailable, end_failed_capture
+from nvl72.model.attn_backends import AttentionShape, SplitMeta
+from nvl72.model.batch import ForwardBatch, ModelCaches
+from nvl72.model.layers import ForwardContext
+
+log = logging.getLogger(__name__)
+
+ENV = "NVL72_PREFILL_GRAPHS"
+
+
+def default_sizes(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """16 .. 256 by doubling, then every 256 to 2048 and every 1024 beyond, and the largest step
+    (`max_num_batched_tokens`): a step pads to the next size, so the gaps bound the padded rows
+    (at most a quarter past 256 tokens)."""
+    m = max_num_batched_tokens
+    sizes = [s for s in (16, 32, 64, 128) if s < m]
+    sizes += list(range(256, min(m, 2048) + 1, 256)) + list(range(3072, m + 1, 1024))
+    return tuple(sorted(set(sizes) | {m}))
+
+
+def sizes_from_env() -> tuple[int, ...] | None:
+    """$NVL72_PREFILL_GRAPHS: token counts, comma-separated, or 0 for none; None when unset."""
+    text = os.environ.get(ENV, "").strip()
+    if not text:
+        return None
+    if text == "0":
+        return ()
+    try:
+        sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"${ENV}={text!r} is not 0 or a comma-separated list of token counts") from None
+    if min(sizes, default=1) < 1:
+        raise ValueError(f"${ENV}={text!r}: token counts must be >= 1")
+    return sizes
+
+
+def alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over t's memory that does not keep it allocated: built from t's CUDA array interface,
+    it holds that interface object, not t's storage (as an integer type of t's width, then viewed as
+    t's dtype: the interface has no bfloat16)."""
+    size = t.element_size()
+
+    class Interface:
+        __cuda_array_interface__ = {"shape": tuple(t.shape), "strides": tuple(s * size for s in t.stride()),
+                                    "typestr": f"<i{size}" if size > 1 else "|i1", "data": (t.data_ptr(), False),
+                                    "version": 3}
+
+    return torch.as_tensor(Interface(), device=t.device).view(t.dtype)
+
+
+@dataclass
+class _Pieces:
+    """One captured size: a graph per stretch, the attention between graphs i and i + 1 reading
+    q_in[i] (and writing the shared output buffer), the final hidden states [N, H]."""
+
+    graphs: list = field(default_factory=list)
+    attends: list[tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=list)  # (q, kv cache, scale)
+    hidden: torch.Tensor | None = None
+
+
+class PrefillGraphs:
+    """Piecewise CUDA graphs of `model.forward_context` for steps of up to `sizes[-1]` tokens."""
+
+    def __init__(self, model, caches: ModelCaches, page_size: int, sizes):
+        self.model, self.caches, self.page_size = model, caches, page_size
+        self.backend = getattr(model, "attn_backend", None)
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"prefill graph sizes {sizes} must be >= 1")
+        self.sizes = sorted(set(int(s) for s in sizes))
+        self._check()
+        device, n = model.device, self.sizes[-1]
+        shape = AttentionShape.of(model)
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slots = torch.full((n,), -1, dtype=torch.long, device=device)
+        # every attention's output, read by the o_proj piece after it (one buffer: they run in turn)
+        self.out = torch.zeros(n, shape.num_heads, shape.head_dim, dtype=model.dtype, device=device)
+        self.batches = {s: self._batch(s) for s in self.sizes}  # made here: a capture cannot copy from the host
+        self.pieces: dict[int, _Pieces] = {}
+        self.pool = None
+        self.replays = 0
+        self._capture_all()
+
+    def _check(self) -> None:
+        """Raise GraphUnavailable naming what this model / device / backend lacks."""
+        m, b = self.model, self.backend
+        if b is None or not (b.fused_qk_norm_rope and b.fused_ops):
+            raise GraphUnavailable(f"attention backend {getattr(b, 'name', 'torch')!r} does not split at the "
+                                   "attention (triton, flashinfer do)")
+        if set(m.config.layer_types) != {FULL_ATTENTION}:
+            raise GraphUnavailable("Gated DeltaNet layers read per-sequence state through the batch (not split)")
+        p = m.parallel
+        if p.tp_size > 1 or p.ep_size > 1:
+            raise GraphUnavailable(f"not verified across ranks (TP {p.tp_size}, EP {p.ep_size})")
+        if m.device.type != "cuda":
+            raise GraphUnavailable(f"CUDA graphs need a CUDA device (model on {m.device})")
+
+    def fits(self, num_tokens: int) -> bool:
+        return 0 < num_tokens <= self.sizes[-1]
+
+    def _batch(self, n: int) -> ForwardBatch:
+        """The static buffers as the forward's batch of n rows. Only the token ids and positions are
+        read inside the pieces (the K/V slots come in the metadata); the rest describes one sequence."""
+        dev = self.input_ids.device
+        return ForwardBatch(input_ids=self.input_ids[:n], positions=self.positions[:n],
+                            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+                            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+                            page_table=torch.full((1, 1), -1, dtype=torch.int32, device=dev), max_query_len=n)
+
+    def _forward(self, n: int, attend) -> torch.Tensor:
+        """The forward over the first n rows of the static buffers, each attention handed to `attend`."""
+        m, b, batch = self.model, self.backend, self.batches[n]
+        cos, sin = b.rope_cos_sin(batch.positions, m.inv_freq, m.dtype)
+        meta = SplitMeta(batch, self.slots[:n], n, attend)
+        return m.forward_context(ForwardContext(batch, self.caches, meta, cos, sin, b))
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        t0 = time.perf_counter()
+        for n in reversed(self.sizes):  # largest first: the smaller sizes fit in the memory it pooled
+            self._forward(n, lambda q, *a, **kw: self.out[:n])  # warm-up: lazy inits, compiles, allocations
+            self.pieces[n] = self._capture(n)
+        torch.cuda.synchronize()
+        log.info("CUDA graphs: prefill / mixed steps captured in %d pieces for %s tokens (%.1f s)",
+                 len(self.pieces[self.sizes[-1]].graphs), self.sizes, time.perf_counter() - t0)
+
+    def _capture(self, n: int) -> _Pieces:
+        pieces = _Pieces()
+        graph = torch.cuda.CUDAGraph()
+
+        def attend(q, k, v, kv_cache, meta, scale, stored=True):
+            nonlocal graph
+            graph.capture_end()
+            pieces.graphs.append(graph)
+            pieces.attends.append((alias(q), kv_cache, scale))
+            self.pool = self.pool or graph.pool()
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=self.pool)
+            return self.out[:n]
+
+        stream = torch.cuda.current_stream()
+        side = torch.cuda.Stream()  # captures run on a stream of their own
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):
+            try:
+                graph.capture_begin(pool=self.pool)
+                pieces.hidden = self._forward(n, attend)
+                graph.capture_end()
+            except RuntimeError as e:
+                with contextlib.suppress(RuntimeError):  # a capture left open would swallow every later launch
+                    graph.capture_end()
+                torch.cuda.set_stream(stream)
+                end_failed_capture()
+                raise GraphUnavailable(f"capturing {n} tokens failed: {str(e).splitlines()[0]}") from e
+        stream.wait_stream(side)
+        pieces.graphs.append(graph)
+        self.pool = self.pool or graph.pool()
+        return pieces
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """The step's final hidden states [n, H] (a view of a static buffer, valid until the next run)."""
+        t = batch.num_tokens
+        if not self.fits(t):
+            raise ValueError(f"a step of {t} tokens does not fit the prefill graphs (up to {self.sizes[-1]})")
+        n = next(s for s in self.sizes if s >= t)
+        meta = self.backend.plan(batch, self.page_size)
+        self.input_ids[:t].copy_(batch.input_ids)
+        self.positions[:t].copy_(batch.positions)
+        self.slots[:t].copy_(meta.slot_mapping)
+        self.slots[t:n].fill_(-1)
+        hidden = self._replay(n, t, meta)
+        self.replays += 1
+        return hidden[:t]
+
+    def _replay(self, n: int, t: int, meta) -> torch.Tensor:
+        pieces = self.pieces[n]
+        for graph, (q, kv_cache, scale) in zip(pieces.graphs, pieces.attends):
+            graph.replay()
+            self.backend.forward(q[:t], None, None, kv_cache, meta, scale, stored=True, out=self.out[:t])
+        pieces.graphs[-1].replay()
+        return pieces.hidden
+
+
+def build_prefill_graphs(model, caches: ModelCaches, page_size: int, sizes) -> PrefillGraphs | None:
+    """`PrefillGraphs`, or None with the reason logged once (those steps then run eagerly)."""
+    try:
+        return PrefillGraphs(model, caches, page_size, sizes)
+    except GraphUnavailable as e:
+        log.warning("prefill CUDA graphs off: %s", e)
+        return None
