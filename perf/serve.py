@@ -320,6 +320,10 @@ def main(argv=None) -> int:
     res: dict = {"gpu": torch.cuda.get_device_name(), "layers": args.layers, "hbm_copy_GBps": bw / 1e9,
                  "attention": engine.model.attn_backend.name, "moe_backend": moe_backend,
                  "graphs": graphs is not None, "async_scheduling": engine.overlap, "load_s": load_s, "engine_init_s": capture_s, "rows": []}
+    pieces = engine.runner.prefill_graphs
+    if pieces is not None:
+        res["prefill_graphs"] = {"sizes": pieces.sizes, "capture_s": pieces.capture_seconds,
+                                 "reserved_MiB": pieces.reserved_bytes / 2**20}
     decode_rate(engine, 4, 64, 8, seed=99)  # warm-up: kernels compiled / autotuned for these shapes
     ttft_lens = () if args.no_ttft else (1024, 8192)
     for n in ttft_lens:
@@ -368,6 +372,9 @@ def main(argv=None) -> int:
     print(f"\nSERVE {res['gpu']}: Qwen3-30B-A3B shape, {args.layers}/48 layers, {model.dtype}, attention {res['attention']}, "
           f"MoE {moe_backend}, HBM copy {bw / 1e9:.0f} GB/s, graphs {'on' if graphs else 'off'}, "
           f"async scheduling {'on' if engine.overlap else 'off'}")
+    pg = res.get("prefill_graphs")
+    print("prefill graphs: " + (f"{len(pg['sizes'])} sizes to {pg['sizes'][-1]} tokens, captured in {pg['capture_s']:.1f} s, "
+                                f"{pg['reserved_MiB']:.0f} MiB reserved" if pg else "off"))
     print(f"{'what':<14} {'mode':<14} {'tok/s':>9} {'step ms':>8} {'bound ms':>9} {'% of bound':>10} {'TTFT ms':>8}")
     for r in res["rows"]:
         if "bound_step_ms" in r:

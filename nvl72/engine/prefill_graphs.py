@@ -2,22 +2,23 @@
 
 A step with prefill rows launches ~16 kernels a layer, and below ~2K tokens the host paces it (H200,
 48-layer Qwen3-30B-A3B shape: a 1K-token prefill is 18.6 ms of kernels under 60-160 us of Python a
-launch, perf/RESULTS.md). All of such a forward but its attention depends on the token count alone,
-so (as vLLM's piecewise graphs) for each captured size of N tokens the forward is captured as one
-graph per stretch between two attentions — embedding, RoPE table, layer 0's norm, q/k/v projection,
-q/k norm and K/V store | layer 0's o_proj, MoE, layer 1's ... | ... | the last o_proj, MoE and final
-norm — and a step of n <= N tokens replays them with each attention run eagerly in between, planned
-for that step by the attention backend (FlashInfer's prefill planned once a forward on the host, or
-triton's kernel).
+launch, perf/RESULTS.md). All of such a forward but its sequence mixing (the attention over each
+sequence's pages, a Gated DeltaNet's conv and delta rule from each sequence's state slots) depends on
+the token count alone, so (as vLLM's piecewise graphs) for each captured size of N tokens the forward
+is captured as one graph per stretch between two mixers — embedding, RoPE table, layer 0's norm,
+projections, q/k norm and K/V store | layer 0's o_proj, MoE, layer 1's ... | ... | the last
+out-projection, MoE and final norm — and a step of n <= N tokens replays them with each mixer run
+eagerly in between on the step's own rows and plan (FlashInfer's prefill planned once a forward on
+the host, or triton's kernel; the GDN layer's `mix`).
 
 The graphs read the step's token ids, positions and K/V slots from static buffers; rows n..N are
-padding: slot -1 (nothing stored), attention rows left as the last step wrote them, outputs ignored.
-All pieces of all sizes share one memory pool, as replays never overlap. The q an attention reads is
-an output of the piece before it: kept as an alias that does not hold its memory (`alias`), so the
-pool hands that memory on to later pieces, which run after the attention read it (held, 48 layers' q
-a size would cost GBs). Capture is tried once at start-up; where it cannot be used the reason is
-logged and those steps run eagerly. The static buffers and padding are tested on CPU (pieces run
-eagerly), capture and replay by the `gpu` tests.
+padding: slot -1 (nothing stored), mixer output rows left as the last step wrote them, outputs
+ignored. All pieces of all sizes share one memory pool, as replays never overlap. A mixer's inputs
+are outputs of the piece before it: kept as aliases that do not hold their memory (`alias`), so the
+pool hands that memory on to later pieces, which run after the mixer read it (held, each size would
+keep every layer's q). Capture is tried once at start-up; where it cannot be used the reason is
+logged and those steps run eagerly. The static buffers, padding and cuts are tested on CPU (pieces
+run eagerly), capture and replay by the `gpu` tests.
 """
 from __future__ import annotations
 
@@ -25,11 +26,11 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from nvl72.config import FULL_ATTENTION
 from nvl72.engine.cuda_graphs import GraphUnavailable, end_failed_capture
 from nvl72.model.attn_backends import AttentionShape, SplitMeta
 from nvl72.model.batch import ForwardBatch, ModelCaches
@@ -82,11 +83,12 @@ def alias(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _Pieces:
-    """One captured size: a graph per stretch, the attention between graphs i and i + 1 reading
-    q_in[i] (and writing the shared output buffer), the final hidden states [N, H]."""
+    """One captured size: graphs[i] replays, then between[i](t, meta, batch) runs what the capture cut out
+    there (an attention or a GDN mixing, on the step's own rows and plan), then graphs[i + 1]; hidden:
+    the final hidden states [N, H]."""
 
     graphs: list = field(default_factory=list)
-    attends: list[tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=list)  # (q, kv cache, scale)
+    between: list[Callable] = field(default_factory=list)
     hidden: torch.Tensor | None = None
 
 
@@ -100,13 +102,16 @@ class PrefillGraphs:
             raise ValueError(f"prefill graph sizes {sizes} must be >= 1")
         self.sizes = sorted(set(int(s) for s in sizes))
         self._check()
-        device, n = model.device, self.sizes[-1]
-        shape = AttentionShape.of(model)
+        device, n, dtype = model.device, self.sizes[-1], model.dtype
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.slots = torch.full((n,), -1, dtype=torch.long, device=device)
-        # every attention's output, read by the o_proj piece after it (one buffer: they run in turn)
-        self.out = torch.zeros(n, shape.num_heads, shape.head_dim, dtype=model.dtype, device=device)
+        # every attention's (GDN mixing's) output, read by the piece after it: one buffer, as they run in turn
+        a = AttentionShape.of(model)
+        self.out = torch.zeros(n, a.num_heads, a.head_dim, dtype=dtype, device=device)
+        gdn = next((layer.linear_attn for layer in model.model.layers if hasattr(layer, "linear_attn")), None)
+        self.mixed = None if gdn is None else torch.zeros(n, gdn.num_v_heads, gdn.head_v_dim, dtype=dtype,
+                                                          device=device)
         self.batches = {s: self._batch(s) for s in self.sizes}  # made here: a capture cannot copy from the host
         self.pieces: dict[int, _Pieces] = {}
         self.pool = None
@@ -119,8 +124,6 @@ class PrefillGraphs:
         if b is None or not (b.fused_qk_norm_rope and b.fused_ops):
             raise GraphUnavailable(f"attention backend {getattr(b, 'name', 'torch')!r} does not split at the "
                                    "attention (triton, flashinfer do)")
-        if set(m.config.layer_types) != {FULL_ATTENTION}:
-            raise GraphUnavailable("Gated DeltaNet layers read per-sequence state through the batch (not split)")
         p = m.parallel
         if p.tp_size > 1 or p.ep_size > 1:
             raise GraphUnavailable(f"not verified across ranks (TP {p.tp_size}, EP {p.ep_size})")
@@ -139,36 +142,53 @@ class PrefillGraphs:
                             seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
                             page_table=torch.full((1, 1), -1, dtype=torch.int32, device=dev), max_query_len=n)
 
-    def _forward(self, n: int, attend) -> torch.Tensor:
-        """The forward over the first n rows of the static buffers, each attention handed to `attend`."""
+    def _forward(self, n: int, cut: Callable, keep: Callable = lambda x: x) -> torch.Tensor:
+        """The forward over the first n rows of the static buffers. At each attention and GDN mixing,
+        `cut(run)` with what runs in its place, `run(t, meta, batch)`, holding its inputs through `keep`
+        (`alias` while capturing)."""
         m, b, batch = self.model, self.backend, self.batches[n]
+
+        def attend(q, k, v, kv_cache, meta, scale, stored=True):
+            q = keep(q)
+            cut(lambda t, meta, batch: b.forward(q[:t], None, None, kv_cache, meta, scale, stored=True,
+                                                 out=self.out[:t]))
+            return self.out[:n]
+
+        def mix(fn, mixed_qkv, g, beta, batch, conv_state, recurrent_state):
+            mixed_qkv, g, beta = keep(mixed_qkv), keep(g), keep(beta)
+            cut(lambda t, meta, batch: self.mixed[:t].copy_(fn(mixed_qkv[:t], g[:t], beta[:t], batch, conv_state,
+                                                                recurrent_state)))
+            return self.mixed[:n]
+
         cos, sin = b.rope_cos_sin(batch.positions, m.inv_freq, m.dtype)
-        meta = SplitMeta(batch, self.slots[:n], n, attend)
+        meta = SplitMeta(batch, self.slots[:n], n, attend, mix)
         return m.forward_context(ForwardContext(batch, self.caches, meta, cos, sin, b))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        t0 = time.perf_counter()
+        t0, reserved = time.perf_counter(), torch.cuda.memory_reserved()
         for n in reversed(self.sizes):  # largest first: the smaller sizes fit in the memory it pooled
-            self._forward(n, lambda q, *a, **kw: self.out[:n])  # warm-up: lazy inits, compiles, allocations
+            self._forward(n, lambda run: None)  # warm-up: lazy inits, compiles, allocations
             self.pieces[n] = self._capture(n)
         torch.cuda.synchronize()
-        log.info("CUDA graphs: prefill / mixed steps captured in %d pieces for %s tokens (%.1f s)",
-                 len(self.pieces[self.sizes[-1]].graphs), self.sizes, time.perf_counter() - t0)
+        self.capture_seconds = time.perf_counter() - t0
+        self.reserved_bytes = torch.cuda.memory_reserved() - reserved  # the pool, buffers, warm-up's cache
+        log.info("CUDA graphs: prefill / mixed steps captured in %d pieces for %s tokens (%.1f s, %.0f MiB)",
+                 len(self.pieces[self.sizes[-1]].graphs), self.sizes, self.capture_seconds,
+                 self.reserved_bytes / 2**20)
 
     def _capture(self, n: int) -> _Pieces:
         pieces = _Pieces()
         graph = torch.cuda.CUDAGraph()
 
-        def attend(q, k, v, kv_cache, meta, scale, stored=True):
+        def cut(run):
             nonlocal graph
             graph.capture_end()
             pieces.graphs.append(graph)
-            pieces.attends.append((alias(q), kv_cache, scale))
+            pieces.between.append(run)
             self.pool = self.pool or graph.pool()
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(pool=self.pool)
-            return self.out[:n]
 
         stream = torch.cuda.current_stream()
         side = torch.cuda.Stream()  # captures run on a stream of their own
@@ -176,7 +196,7 @@ class PrefillGraphs:
         with torch.cuda.stream(side):
             try:
                 graph.capture_begin(pool=self.pool)
-                pieces.hidden = self._forward(n, attend)
+                pieces.hidden = self._forward(n, cut, alias)
                 graph.capture_end()
             except RuntimeError as e:
                 with contextlib.suppress(RuntimeError):  # a capture left open would swallow every later launch
@@ -200,15 +220,15 @@ class PrefillGraphs:
         self.positions[:t].copy_(batch.positions)
         self.slots[:t].copy_(meta.slot_mapping)
         self.slots[t:n].fill_(-1)
-        hidden = self._replay(n, t, meta)
+        hidden = self._replay(n, t, meta, batch)
         self.replays += 1
         return hidden[:t]
 
-    def _replay(self, n: int, t: int, meta) -> torch.Tensor:
+    def _replay(self, n: int, t: int, meta, batch: ForwardBatch) -> torch.Tensor:
         pieces = self.pieces[n]
-        for graph, (q, kv_cache, scale) in zip(pieces.graphs, pieces.attends):
+        for graph, run in zip(pieces.graphs, pieces.between):
             graph.replay()
-            self.backend.forward(q[:t], None, None, kv_cache, meta, scale, stored=True, out=self.out[:t])
+            run(t, meta, batch)
         pieces.graphs[-1].replay()
         return pieces.hidden
 

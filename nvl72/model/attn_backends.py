@@ -177,10 +177,12 @@ class PagedMeta:
 @dataclass
 class SplitMeta(PagedMeta):
     """The metadata of a forward captured in pieces (`nvl72.engine.prefill_graphs`): each attention is
-    handed to `attend` (`forward`'s arguments), which ends one captured piece and begins the next; the
-    attention itself runs between replays, planned for the step being served."""
+    handed to `attend` (`forward`'s arguments), each Gated DeltaNet's sequence mixing to `mix`
+    (`GatedDeltaNet.forward`'s `split`), which end one captured piece and begin the next; those run
+    between replays, planned for the step being served."""
 
     attend: Callable | None = None
+    mix: Callable | None = None
 
 
 def capturing(batch: ForwardBatch) -> bool:

@@ -178,17 +178,9 @@ class GatedDeltaNet(nn.Module):
         return (mixed_qkv, z.reshape(T, self.num_v_heads, Dv), b.reshape(T, self.num_v_heads),
                 a.reshape(T, self.num_v_heads))
 
-    def _check(self, hidden: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor,
-               recurrent_state: torch.Tensor) -> None:
+    def _check(self, hidden: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
             raise ValueError(f"hidden must be [T, {self.hidden_size}], got {tuple(hidden.shape)}")
-        if batch.state_read_slots is None or batch.state_write_slots is None:
-            raise ValueError(f"GatedDeltaNet layer {self.layer_idx} needs state_read_slots and "
-                             "state_write_slots in the ForwardBatch, got None")
-        T, B = hidden.shape[0], batch.query_start_loc.shape[0] - 1
-        if batch.state_write_slots.shape != (T,) or batch.state_read_slots.shape != (B,):
-            raise ValueError(f"state_write_slots must be [{T}] and state_read_slots [{B}], got "
-                             f"{tuple(batch.state_write_slots.shape)} and {tuple(batch.state_read_slots.shape)}")
         conv_shape, rec_shape = (self.conv_dim, self.conv_kernel - 1), (self.num_v_heads, self.head_k_dim,
                                                                          self.head_v_dim)
         if conv_state.dim() != 3 or tuple(conv_state.shape[1:]) != conv_shape:
@@ -201,41 +193,64 @@ class GatedDeltaNet(nn.Module):
             raise TypeError(f"recurrent_state must be float32, got {recurrent_state.dtype}")
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor,
-                recurrent_state: torch.Tensor) -> torch.Tensor:
-        """hidden [T, H] -> [T, H]; reads and writes the state slots named in `batch` in place."""
-        self._check(hidden, batch, conv_state, recurrent_state)
-        T = hidden.shape[0]
-        qsl, read, write = batch.query_start_loc, batch.state_read_slots, batch.state_write_slots
-        ops = gdn_ops_for(hidden.device.type)
+                recurrent_state: torch.Tensor, split: Callable | None = None) -> torch.Tensor:
+        """hidden [T, H] -> [T, H]; reads and writes the state slots named in `batch` in place.
+        `split` (a forward captured in pieces, `nvl72.engine.prefill_graphs`): the per-sequence part,
+        `mix`, is handed to it with `mix`'s arguments instead of run here (the projections before and the
+        norm and out_proj after depend on the token count alone)."""
+        self._check(hidden, conv_state, recurrent_state)
         mixed_qkv, z, b, a = self._project(hidden)
+        g, beta = gdn_gating(self.A_log, a, self.dt_bias, b)
+        if split is None:
+            core = self.mix(mixed_qkv, g, beta, batch, conv_state, recurrent_state)
+        else:
+            core = split(self.mix, mixed_qkv, g, beta, batch, conv_state, recurrent_state)
+        out = self.norm(core, z).reshape(hidden.shape[0], self.value_dim)  # [T, Hv*Dv]
+        return self.out_proj(out)
+
+    def mix(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch,
+            conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> torch.Tensor:
+        """The sequence mixing: causal conv of the projected q | k | v from each sequence's conv state,
+        then the gated delta rule from its recurrent state (both written back through the batch's
+        slots) -> [T, Hv, Dv]. g, beta [T, Hv]: `gdn_gating` of the projections' a and b."""
+        T = mixed_qkv.shape[0]
+        self._check_slots(batch, T)
+        qsl, read, write = batch.query_start_loc, batch.state_read_slots, batch.state_write_slots
+        ops = gdn_ops_for(mixed_qkv.device.type)
         mixed_qkv = ops.causal_conv1d(mixed_qkv, self.conv1d.weight.squeeze(1), conv_state, qsl, read, write)
         q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
         k = k.reshape(T, self.num_k_heads, self.head_k_dim)
         v = v.reshape(T, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
-        g, beta = gdn_gating(self.A_log, a, self.dt_bias, b)
 
         B = read.shape[0]
         max_len = batch.max_query_len
         if max_len is None:
             max_len = int(batch.query_lens().max()) if B else 0
         if max_len <= self.RECURRENT_MAX_TOKENS:  # decode / verify: one call, no host data needed
-            core = ops.recurrent(q, k, v, g, beta, recurrent_state, qsl, read, write)  # [T, Hv, Dv]
-        else:
-            starts = qsl.tolist()
-            long = [i for i in range(B) if starts[i + 1] - starts[i] > self.RECURRENT_MAX_TOKENS]
-            short = sorted(set(range(B)) - set(long))
-            core = torch.empty_like(v)  # [T, Hv, Dv]
-            chunked = functools.partial(ops.chunked, chunk_size=self.CHUNK_SIZE)
-            for seqs, fn in ((short, ops.recurrent), (long, chunked)):
-                if len(seqs) == B:
-                    core = fn(q, k, v, g, beta, recurrent_state, qsl, read, write)
-                elif seqs:
-                    rows, sub_qsl = self._rows(starts, seqs, hidden.device)
-                    core[rows] = fn(q[rows], k[rows], v[rows], g[rows], beta[rows], recurrent_state, sub_qsl,
-                                    read[seqs], write[rows])
-        out = self.norm(core, z).reshape(T, self.value_dim)  # [T, Hv*Dv]
-        return self.out_proj(out)
+            return ops.recurrent(q, k, v, g, beta, recurrent_state, qsl, read, write)  # [T, Hv, Dv]
+        starts = qsl.tolist()
+        long = [i for i in range(B) if starts[i + 1] - starts[i] > self.RECURRENT_MAX_TOKENS]
+        short = sorted(set(range(B)) - set(long))
+        core = torch.empty_like(v)  # [T, Hv, Dv]
+        chunked = functools.partial(ops.chunked, chunk_size=self.CHUNK_SIZE)
+        for seqs, fn in ((short, ops.recurrent), (long, chunked)):
+            if len(seqs) == B:
+                core = fn(q, k, v, g, beta, recurrent_state, qsl, read, write)
+            elif seqs:
+                rows, sub_qsl = self._rows(starts, seqs, mixed_qkv.device)
+                core[rows] = fn(q[rows], k[rows], v[rows], g[rows], beta[rows], recurrent_state, sub_qsl,
+                                read[seqs], write[rows])
+        return core
+
+    def _check_slots(self, batch: ForwardBatch, T: int) -> None:
+        if batch.state_read_slots is None or batch.state_write_slots is None:
+            raise ValueError(f"GatedDeltaNet layer {self.layer_idx} needs state_read_slots and "
+                             "state_write_slots in the ForwardBatch, got None")
+        B = batch.query_start_loc.shape[0] - 1
+        if batch.state_write_slots.shape != (T,) or batch.state_read_slots.shape != (B,):
+            raise ValueError(f"state_write_slots must be [{T}] and state_read_slots [{B}], got "
+                             f"{tuple(batch.state_write_slots.shape)} and {tuple(batch.state_read_slots.shape)}")
 
     @staticmethod
     def _rows(starts: list[int], seqs: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ from torch import nn
 from moe import MoE, SharedExpert
 from nvl72.config import FULL_ATTENTION, ModelConfig
 from nvl72.model import dp_ep, ops
+from nvl72.model.attn_backends import SplitMeta
 from nvl72.model.batch import ForwardBatch, ModelCaches
 from nvl72.model.gdn import GatedDeltaNet
 from nvl72.model.parallel_layout import SINGLE, ParallelLayout
@@ -301,7 +302,8 @@ class DecoderLayer(nn.Module):
         else:
             x, h = add_norm(self.input_layernorm, x, delta, ctx)
             i = self.cache_idx
-            h = self.linear_attn(h, ctx.batch, ctx.caches.conv[i], ctx.caches.recurrent[i])
+            split = ctx.attn.mix if isinstance(ctx.attn, SplitMeta) else None  # piecewise prefill graphs
+            h = self.linear_attn(h, ctx.batch, ctx.caches.conv[i], ctx.caches.recurrent[i], split)
         # all-reduce of the row-parallel o_proj / out_proj, then the residual add and the second norm
         delta, norm = self.parallel.reduce(h), self.post_attention_layernorm
         moe = self.mlp if isinstance(self.mlp, MoE) else None

@@ -39,8 +39,7 @@ def test_sizes_from_env(monkeypatch):
 
 @pytest.mark.parametrize("name, attention, reason", [
     ("qwen3_moe", "torch", "does not split at the attention"),
-    pytest.param("qwen3_next", "triton", "Gated DeltaNet", marks=INTERPRETED),
-    pytest.param("qwen3_moe", "triton", "CUDA device", marks=INTERPRETED),
+    pytest.param("qwen3_next", "triton", "CUDA device", marks=INTERPRETED),
 ])
 def test_refused_with_reason(name, attention, reason, caplog):
     model = tiny(name, "cpu")
@@ -51,9 +50,11 @@ def test_refused_with_reason(name, attention, reason, caplog):
 
 
 class EagerPieces(PrefillGraphs):
-    """PrefillGraphs' static buffers, padding rows and per-step plan with its pieces run eagerly, the
-    attention between them as a replay runs it; the attention rows past the step are NaN (a real row
-    that read a padding row would show)."""
+    """PrefillGraphs' static buffers, padding rows and per-step plan with its pieces run eagerly, what a
+    replay runs between them run where it was cut out; before each, the attention / GDN output rows
+    are NaN (a real row that read a padding row, or a stale output, would show)."""
+
+    cuts = 0
 
     def _check(self):
         pass
@@ -61,23 +62,24 @@ class EagerPieces(PrefillGraphs):
     def _capture_all(self):
         pass
 
-    attends = 0
+    def _replay(self, n, t, meta, batch):
+        def cut(run):
+            self.cuts += 1
+            for buf in (self.out, self.mixed):
+                if buf is not None:
+                    buf[:n].fill_(float("nan"))
+            run(t, meta, batch)
 
-    def _replay(self, n, t, meta):
-        def attend(q, k, v, kv_cache, _, scale, stored=True):
-            self.attends += 1
-            self.out[:n].fill_(float("nan"))
-            self.backend.forward(q[:t], None, None, kv_cache, meta, scale, stored=True, out=self.out[:t])
-            return self.out[:n]
-
-        return self._forward(n, attend)
+        return self._forward(n, cut)
 
 
 @INTERPRETED
-def test_padded_pieces_match_reference_cpu():
+@pytest.mark.parametrize("name, cuts", [("qwen3_moe_sparse", 2), ("qwen3_next", 4)])
+def test_padded_pieces_match_reference_cpu(name, cuts):
     """Every step (prefill chunks of up to 64 tokens, mixed and decode steps of 1-8 rows) runs through
-    the pieces, padded to 16, 32 or 64 rows: the tokens of the torch-reference engine."""
-    model = tiny("qwen3_moe_sparse", "cpu")
+    the pieces, padded to 16, 32 or 64 rows: the tokens of the torch-reference engine. qwen3_next: two
+    Gated DeltaNet layers, their sequence mixing cut out as the attention is."""
+    model = tiny(name, "cpu")
     ref, _ = greedy(model, "torch")
     steps = []
 
@@ -89,7 +91,7 @@ def test_padded_pieces_match_reference_cpu():
     got, engine = greedy(model, "triton", setup=setup)
     assert got == ref and engine.runner.prefill_graphs.replays == len(steps) == engine.counters["num_steps"]
     assert any(t > 16 for t in steps) and any(t < 16 for t in steps)
-    assert engine.runner.prefill_graphs.attends == 2 * len(steps)  # both layers attended between pieces
+    assert engine.runner.prefill_graphs.cuts == cuts * len(steps)  # every layer's mixer between pieces
 
 
 @pytest.mark.gpu
@@ -107,18 +109,32 @@ def test_alias_shares_memory_without_holding_it():
 
 
 def _forward_pair(model, qlens, ctx, sizes, seed):
-    """(eager hidden, kv caches) and (pieces' hidden, kv caches) of one random ragged batch over random
-    cached prefixes."""
+    """(eager hidden, caches) and (pieces' hidden, caches) of one random ragged batch over random cached
+    prefixes (and random GDN states: sequence i reads slot i, its last token writes slot B + i)."""
     a = attn_backends.AttentionShape.of(model)
     batch, kv, *_ = random_batch(qlens, ctx, 16, a.num_heads, a.num_kv_heads, a.head_dim, model.dtype, "cuda",
                                  seed=seed)
     g = torch.Generator().manual_seed(seed)
     batch.input_ids = torch.randint(1, 96, (batch.num_tokens,), generator=g).cuda()
+    b, hybrid = len(qlens), bool(model.cache_spec().state)
+    if hybrid:
+        batch.state_read_slots = torch.arange(b, device="cuda")
+        write = torch.full((batch.num_tokens,), -1, dtype=torch.long)
+        write[torch.tensor(qlens).cumsum(0) - 1] = torch.arange(b, 2 * b)
+        batch.state_write_slots = write.cuda()
+    start = model.allocate_caches(kv.shape[0], 16, 2 * b if hybrid else 0)
+    for c in start.kv:
+        if c is not None:
+            c.copy_(kv)
+    for c in start.conv + start.recurrent:
+        if c is not None:
+            c.copy_(torch.randn(c.shape, generator=g))
     outs = []
     for pieces in (None, PrefillGraphs):
-        caches = model.allocate_caches(kv.shape[0], 16)
-        for c in caches.kv:
-            c.copy_(kv)
+        caches = model.allocate_caches(kv.shape[0], 16, 2 * b if hybrid else 0)
+        for dst, src in zip(caches.kv + caches.conv + caches.recurrent, start.kv + start.conv + start.recurrent):
+            if dst is not None:
+                dst.copy_(src)
         with torch.inference_mode():
             if pieces is None:
                 hidden = model(batch, caches).clone()
@@ -131,30 +147,38 @@ def _forward_pair(model, qlens, ctx, sizes, seed):
     return outs
 
 
+MODELS = [("qwen3_moe_hd128_sparse", "triton"), ("qwen3_moe_hd128_sparse", "flashinfer"),
+          ("qwen3_next_hd128", "triton"), ("qwen3_next_hd128", "flashinfer")]
+
+
+def _skip_unless(attention):
+    why = attn_backends.available(attention, torch.device("cuda"))
+    if why is not None:
+        pytest.skip(why)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("attention", ["triton", "flashinfer"])
-def test_replay_matches_eager_forward(attention, monkeypatch):
-    """Hidden states and stored K/V of a replayed ragged prefill over cached prefixes against the eager
-    forward (bf16, head_dim 128, the GPU's default MoE backend inside the pieces)."""
-    dev = torch.device("cuda")
-    if attn_backends.available(attention, dev) is not None:
-        pytest.skip(attn_backends.available(attention, dev))
-    model = tiny("qwen3_moe_hd128_sparse", "cuda", torch.bfloat16)
-    model.attn_backend = attn_backends.select(attn_backends.AttentionShape.of(model), dev, attention)
+@pytest.mark.parametrize("name, attention", MODELS)
+def test_replay_matches_eager_forward(name, attention):
+    """Hidden states, stored K/V and GDN states of a replayed ragged prefill over cached prefixes against
+    the eager forward (bf16, head_dim 128, the GPU's default MoE backend inside the pieces)."""
+    _skip_unless(attention)
+    model = tiny(name, "cuda", torch.bfloat16)
+    model.attn_backend = attn_backends.select(attn_backends.AttentionShape.of(model), "cuda", attention)
     for qlens, ctx in (([7, 1, 33], [9, 40, 0]), ([20, 3], [0, 70])):
         (ref, ref_caches), (got, caches) = _forward_pair(model, qlens, ctx, (16, 48, 64), seed=sum(ctx))
         assert got.shape == ref.shape and rel_err(got, ref) < 2e-2, (qlens, rel_err(got, ref))
-        for a, b in zip(caches.kv, ref_caches.kv):
-            assert rel_err(a, b) < 1e-2
+        for a, b in zip(caches.kv + caches.conv + caches.recurrent,
+                        ref_caches.kv + ref_caches.conv + ref_caches.recurrent):
+            if a is not None:
+                assert rel_err(a, b) < 1e-2
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("attention", ["triton", "flashinfer"])
-def test_engine_with_prefill_graphs_equals_eager(attention):
-    dev = torch.device("cuda")
-    if attn_backends.available(attention, dev) is not None:
-        pytest.skip(attn_backends.available(attention, dev))
-    model = tiny("qwen3_moe_hd128_sparse", "cuda", torch.bfloat16)
+@pytest.mark.parametrize("name, attention", MODELS)
+def test_engine_with_prefill_graphs_equals_eager(name, attention):
+    _skip_unless(attention)
+    model = tiny(name, "cuda", torch.bfloat16)
     eager, _ = greedy(model, attention, graphs=(1, 2, 4, 8), prefill_graph_sizes=())
     got, engine = greedy(model, attention, graphs=(1, 2, 4, 8), prefill_graph_sizes=(16, 32, 64))
     pieces = engine.runner.prefill_graphs

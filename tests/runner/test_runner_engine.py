@@ -30,6 +30,12 @@ CONFIGS = {
     "qwen3_moe_hd128": dict(_BASE, model_type="qwen3_moe", mlp_only_layers=[0, 1], hidden_size=256, head_dim=128),
     "qwen3_moe_hd128_sparse": dict(_BASE, model_type="qwen3_moe", hidden_size=256, head_dim=128,
                                    moe_intermediate_size=128),
+    # Gated DeltaNet + gated attention (head_dim 128: FlashInfer's), routed and shared experts
+    "qwen3_next_hd128": dict(_BASE, model_type="qwen3_next", num_hidden_layers=4, hidden_size=256, head_dim=128,
+                             moe_intermediate_size=128, shared_expert_intermediate_size=128, linear_num_key_heads=2,
+                             linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                             linear_conv_kernel_dim=4, full_attention_interval=2, mtp_num_hidden_layers=0,
+                             partial_rotary_factor=0.25),
     # FP8 expert path (sm90): N and K multiples of 128.
     "qwen3_moe_fp8": dict(_BASE, model_type="qwen3_moe", hidden_size=256, moe_intermediate_size=128, num_experts=8,
                           head_dim=64),
