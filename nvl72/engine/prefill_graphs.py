@@ -23,6 +23,7 @@ run eagerly), capture and replay by the `gpu` tests.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import time
@@ -190,6 +191,10 @@ class PrefillGraphs:
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(pool=self.pool)
 
+        # as torch.cuda.graph does: garbage collected now, not inside the capture (a pinned host tensor's
+        # free there, e.g. one a FlashInfer plan left behind, breaks it)
+        torch.cuda.synchronize()
+        gc.collect()
         stream = torch.cuda.current_stream()
         side = torch.cuda.Stream()  # captures run on a stream of their own
         side.wait_stream(stream)
