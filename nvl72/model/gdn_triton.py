@@ -208,10 +208,12 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     ct = prepare_chunks(q, k, v, g, beta, plan, use_qk_l2norm)
     o = torch.empty_like(ct.u)  # [N, H, C, Dv]
     B = read_slots.shape[0]
-    BV = min(32, max(16, triton.next_power_of_2(DV)))
+    # 16-wide Dv tiles on 8 warps: twice the programs of 32-wide ones on 4, each with half the state
+    # (H200, a 1K-token prefill, 16 / 32 heads of 128: 8.95 -> 3.34 ms for this function, same numerics)
+    BV = 16
     if B and o.numel():
         _chunk_scan_kernel[(triton.cdiv(DV, BV), B * HV)](
             ct.u, ct.w, ct.q_dec, ct.k, ct.k_dec, ct.attn, ct.decay, ct.gam, o, state, plan.seq_chunks,
             read_slots, plan.write_slots, HV, DK, DV,
-            C=chunk_size, BK=max(16, triton.next_power_of_2(DK)), BV=BV, **launch_args(o.device))
+            C=chunk_size, BK=max(16, triton.next_power_of_2(DK)), BV=BV, num_warps=8, **launch_args(o.device))
     return unchunk(o, plan, v.shape[0]).to(v.dtype)
