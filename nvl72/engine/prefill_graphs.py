@@ -172,8 +172,9 @@ class PrefillGraphs:
             self._forward(n, lambda run: None)  # warm-up: lazy inits, compiles, allocations
             self.pieces[n] = self._capture(n)
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # what the warm-ups cached outside the pool goes back
         self.capture_seconds = time.perf_counter() - t0
-        self.reserved_bytes = torch.cuda.memory_reserved() - reserved  # the pool, buffers, warm-up's cache
+        self.reserved_bytes = torch.cuda.memory_reserved() - reserved  # the pool and the static buffers
         log.info("CUDA graphs: prefill / mixed steps captured in %d pieces for %s tokens (%.1f s, %.0f MiB)",
                  len(self.pieces[self.sizes[-1]].graphs), self.sizes, self.capture_seconds,
                  self.reserved_bytes / 2**20)
