@@ -45,19 +45,18 @@ QWEN3_30B_A3B = dict(
 )
 
 
-def decode_step_bytes(cfg: ModelConfig, batch: int, context: int, expert_bytes: float,
-                      act_bytes: int = 2) -> dict[str, float]:
-    """Bytes one decode step of `batch` sequences at `context` tokens must read from HBM: attention
-    and router weights, the experts the batch touches in expectation under uniform routing
-    (`expert_bytes` each), lm_head, and the KV of every sequence."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    touched = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** batch)
-    attn = (h * cfg.num_attention_heads * d * 2 + h * cfg.num_key_value_heads * d * 2) * act_bytes
-    router = h * cfg.num_experts * act_bytes
-    kv = batch * context * cfg.num_key_value_heads * d * 2 * act_bytes
-    per_layer = attn + router + touched * expert_bytes
-    total = cfg.num_hidden_layers * per_layer + cfg.vocab_size * h * act_bytes + cfg.num_hidden_layers * kv
-    return {"total": total, "per_layer_weights": per_layer, "experts_touched": touched, "kv_per_layer": kv}
+def decode_step_bytes(cfg: dict, batch: int, context: int, expert_bytes: float, act_bytes: int = 2) -> dict[str, float]:
+    """Bytes one decode step of `batch` sequences at `context` tokens must move in HBM, for a config.json
+    dict: the dense weights `nvl72.plan.ModelSpec` counts (attention or Gated DeltaNet projections, router,
+    shared expert, lm_head) at `act_bytes`, the experts the batch touches in expectation under uniform
+    routing (`expert_bytes` each), the KV of every sequence and its GDN states (read and written)."""
+    from nvl72.plan import ModelSpec
+
+    m = ModelSpec.from_config(cfg, "bound")
+    touched = m.num_experts * (1 - (1 - m.num_experts_per_tok / m.num_experts) ** batch)
+    total = (m.dense_params * act_bytes + m.num_hidden_layers * touched * expert_bytes
+             + batch * context * m.kv_bytes_per_token + 2 * batch * m.state_bytes_per_seq)
+    return {"total": total, "experts_touched": touched}
 
 
 def model_expert_bytes(model) -> float:
@@ -297,7 +296,8 @@ def main(argv=None) -> int:
         ap.error(f"--batches={args.batches!r}: comma-separated batch sizes from 1 to 64 (the engine's max_num_seqs)")
     torch.manual_seed(0)
     bw = hbm_copy_bandwidth()
-    cfg = ModelConfig.from_dict(dict(QWEN3_30B_A3B, num_hidden_layers=args.layers))
+    cfg_dict = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
+    cfg = ModelConfig.from_dict(cfg_dict)
     t = time.perf_counter()
     model = load_model(None, config=cfg, dtype=torch.bfloat16, device="cuda", load_format="dummy")
     prepare_experts(model)  # as build_engine does: FP8 experts made, the bf16 ones freed
@@ -344,7 +344,7 @@ def main(argv=None) -> int:
             runs = sorted((decode_rate(engine, b, 128, args.decode_out, seed=b + 1000 * i) for i in range(args.reps)),
                           key=lambda r: r["step_ms"])
             r = runs[len(runs) // 2]
-            bound = decode_step_bytes(cfg, b, 128 + args.decode_out // 2, model_expert_bytes(model),
+            bound = decode_step_bytes(cfg_dict, b, 128 + args.decode_out // 2, model_expert_bytes(model),
                                       model.dtype.itemsize)
             floor_step = bound["total"] / bw
             res["rows"].append({"what": f"decode b={b}", "mode": mode, "tok_s": r["tok_s"], "step_ms": r["step_ms"],

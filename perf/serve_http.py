@@ -6,9 +6,9 @@ Starts `nvl72 serve` on a Qwen3-30B-A3B-shaped dummy-weight model (`--layers` of
 layers; the bound is for the same count) in a child process, drives it with `nvl72 bench`'s client
 (streaming /v1/completions, token counts from usage) and reports
   - decode output tokens/s at concurrency 1 and 64 (per-sequence rate from the median TPOT, times
-    the concurrency), beside the bound: the bytes one decode step must read (perf.serve's
-    decode_step_bytes, experts at one byte per weight as FP8 stores them) / HBM copy bandwidth
-    measured in this process before the server starts;
+    the concurrency), beside the bound: the bytes one decode step must move (perf.serve's
+    decode_step_bytes: Gated DeltaNet layers and their states too, experts at one byte per weight as
+    FP8 stores them) / HBM copy bandwidth measured in this process before the server starts;
   - TTFT of 1K and 8K prompts on an idle server;
   - the agentic workload (long first turn, +`--turn-len` tokens per turn): prefix-cache hit rate
     and TTFT by turn.
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
         row = {"what": f"decode c={c}", "tpot_ms": tpot, "tok_s": c * 1e3 / tpot if tpot else None,
                "output_tok_s_wall": r.output_tok_s}
         if bw:
-            b = decode_step_bytes(cfg, c, args.decode_prompt_len + args.decode_out // 2, expert_bytes)
+            b = decode_step_bytes(cfg_dict, c, args.decode_prompt_len + args.decode_out // 2, expert_bytes)
             row.update(bound_step_ms=b["total"] / bw * 1e3, bound_tok_s=c * bw / b["total"])
         rows.append(row)
     for n, r in res["ttft"].items():

@@ -1,5 +1,33 @@
 """perf.serve's arithmetic that runs without a GPU."""
-from perf.serve import exposed_by_name, exposed_by_position
+from perf.serve import QWEN3_30B_A3B, decode_step_bytes, exposed_by_name, exposed_by_position
+
+# A Qwen3-Next-like config: 8 layers, every 4th full (gated) attention, GDN elsewhere, a shared expert.
+NEXT = dict(model_type="qwen3_next", vocab_size=1000, hidden_size=256, num_hidden_layers=8, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
+            shared_expert_intermediate_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=32, linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=4,
+            rms_norm_eps=1e-6, max_position_embeddings=4096)
+
+
+def test_decode_bound_counts_what_a_step_moves():
+    """The bytes of a decode step, written out by hand: bf16 dense weights (projections, router, shared
+    expert, lm_head), the touched experts, every sequence's KV and (GDN) its states read and written."""
+    e = 3 * 2048 * 768  # one FP8 expert
+    attn = 2048 * (32 * 128 + 2 * 4 * 128) + 32 * 128 * 2048  # q, k, v | o
+    want = (48 * (attn + 2048 * 128) + 151936 * 2048) * 2 + 48 * 8 * e + 192 * 48 * 2 * 4 * 128 * 2
+    got = decode_step_bytes(QWEN3_30B_A3B, 1, 192, e)
+    assert got["total"] == want and got["experts_touched"] == 8
+    h, e = 256, 3 * 256 * 64
+    kd, vd, conv = 2 * 32, 4 * 16, 2 * 2 * 32 + 4 * 16
+    gdn = h * (2 * kd + 2 * vd + 2 * 4) + conv * 4 + vd * h  # in_proj qkvz + ba, conv, out_proj
+    gated = h * (2 * 4 * 64 + 2 * 2 * 64) + 4 * 64 * h  # q with its gate, k, v | o
+    moe = h * 16 + 3 * h * 32  # router, shared expert
+    dense = (2 * gated + 6 * gdn + 8 * moe + 1000 * h) * 2
+    states = 6 * (conv * 3 * 2 + 4 * 32 * 16 * 4)  # conv tail (bf16), recurrent state (fp32)
+    for b in (1, 3):
+        touched = 16 * (1 - (1 - 4 / 16) ** b)
+        got = decode_step_bytes(NEXT, b, 100, e)["total"]
+        assert abs(got - (dense + 8 * touched * e + b * 100 * 2 * 2 * 2 * 64 * 2 + 2 * b * states)) < 1e-3
 
 
 def test_exposed_time_is_the_critical_path_under_overlap():
