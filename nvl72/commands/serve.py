@@ -51,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--cuda-graph-sizes", default=None,
       help="decode batch sizes captured in CUDA graphs, comma-separated (default: 1,2,4,8,16,...,max-num-seqs)")
     a("--prefill-graph-sizes", default=None,
-      help="token counts of prefill / mixed steps captured as piecewise CUDA graphs (the attention eager "
-           "between pieces), comma-separated, or 0 for none (default: 16,32,64,128, every 256 to 2048, "
+      help="token counts of prefill / mixed steps captured as piecewise CUDA graphs (attention and GDN mixing "
+           "eager between pieces), comma-separated, or 0 for none (default: 16,32,64,128, every 256 to 2048, "
            "every 1024 beyond, max-num-batched-tokens)")
     a("--data-parallel-size", default="1",
       help="engines behind this front, one per GPU (cuda:0..N-1), requests routed to the least loaded")

@@ -138,8 +138,8 @@ class EngineConfig:
     # $NVL72_CUDA_GRAPHS (e.g. "1,2,4,8,16,32,64"), else on CUDA `default_graph_sizes(max_num_seqs)`;
     # () or enforce_eager: eager.
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
-    # Token counts whose prefill / mixed steps replay piecewise CUDA graphs (the attention eager
-    # between the pieces: nvl72.engine.prefill_graphs). None = $NVL72_PREFILL_GRAPHS, else on CUDA
+    # Token counts whose prefill / mixed steps replay piecewise CUDA graphs (attention and GDN mixing
+    # eager between the pieces: nvl72.engine.prefill_graphs). None = $NVL72_PREFILL_GRAPHS, else on CUDA
     # `default_sizes(max_num_batched_tokens)`; () or enforce_eager: eager.
     prefill_graph_sizes: tuple[int, ...] | None = None
     enforce_eager: bool = False
