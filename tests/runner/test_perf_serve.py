@@ -1,4 +1,8 @@
 """perf.serve's arithmetic that runs without a GPU."""
+import json
+import pathlib
+
+from nvl72.plan import ModelSpec
 from perf.serve import QWEN3_30B_A3B, decode_step_bytes, exposed_by_name, exposed_by_position
 
 # A Qwen3-Next-like config: 8 layers, every 4th full (gated) attention, GDN elsewhere, a shared expert.
@@ -51,3 +55,11 @@ def test_exposed_by_position_takes_the_repeating_unit():
     assert exposed_by_position(spans, ("none",)) == []
     other_first = [("x" if i == 3 else n, a, b) for i, (n, a, b) in enumerate(spans)]  # either name starts a unit
     assert [op["name"] for op in exposed_by_position(other_first, ("q", "x"))] == ["q", "a", "b"]
+
+
+def test_the_qwen3_next_shape_config_parses():
+    """perf/qwen3_next_shape_24l.json (perf.serve_http --model-config): 6 gated-attention and 18 GDN layers."""
+    cfg = json.loads((pathlib.Path(__file__).parents[2] / "perf" / "qwen3_next_shape_24l.json").read_text())
+    m = ModelSpec.from_config(cfg, "next")
+    assert (m.attn_layers, m.gdn_layers, m.num_experts, m.head_dim) == (6, 18, 512, 256)
+    assert decode_step_bytes(cfg, 1, 192, 3 * 2048 * 512)["experts_touched"] == 10
