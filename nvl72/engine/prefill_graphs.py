@@ -199,8 +199,8 @@ class PrefillGraphs:
         stream = torch.cuda.current_stream()
         # captures run on a stream of their own, one for every size (as torch.cuda.graph's default capture
         # stream): the allocator hands a pool's freed blocks only to the stream that allocated them, so a
-        # stream a size gives every size memory of its own (with one, the 30B shape's 12 sizes held 3.3 GiB;
-        # the shared stream's figure is not measured yet)
+        # stream a size gives every size memory of its own (so captured, the 30B shape's 12 sizes held
+        # 3.3 GiB; with the shared stream: not measured yet)
         if self._side is None:
             self._side = torch.cuda.Stream()
         side = self._side
