@@ -94,6 +94,25 @@ def test_padded_pieces_match_reference_cpu(name, cuts):
     assert engine.runner.prefill_graphs.cuts == cuts * len(steps)  # every layer's mixer between pieces
 
 
+@INTERPRETED
+def test_pieces_under_mtp_speculation_cpu():
+    """MTP drafting reads a step's hidden states (a view of the pieces' static buffer) after the step, and
+    every verify step (1 + 2 tokens a sequence) runs through the pieces too: the tokens of the torch
+    reference engine without speculation."""
+    from nvl72.engine.spec import MTPDrafter
+
+    model = tiny("qwen3_next_mtp", "cpu")
+    ref, _ = greedy(model, "torch", num_prompts=3)
+
+    def setup(engine):
+        engine.runner.prefill_graphs = EagerPieces(engine.model, engine.caches, 16, (16, 32, 64))
+
+    got, engine = greedy(model, "triton", setup=setup, drafter=MTPDrafter(2), num_speculative_tokens=2,
+                         num_prompts=3)
+    assert got == ref and engine.runner.prefill_graphs.replays == engine.counters["num_steps"]
+    assert engine.stats()["spec_decode_num_draft_tokens"] > 0
+
+
 @pytest.mark.gpu
 def test_alias_shares_memory_without_holding_it():
     t = torch.randn(4, 3, 8, device="cuda", dtype=torch.bfloat16)[:, 1]  # strided

@@ -26,6 +26,10 @@ CONFIGS = {
                        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
                        full_attention_interval=2, mtp_num_hidden_layers=0, partial_rotary_factor=0.25),
     "qwen3_moe_sparse": dict(_BASE, model_type="qwen3_moe"),
+    "qwen3_next_mtp": dict(_BASE, model_type="qwen3_next", num_hidden_layers=4, mlp_only_layers=[0, 1, 2, 3],
+                           shared_expert_intermediate_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                           linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                           full_attention_interval=2, mtp_num_hidden_layers=1, partial_rotary_factor=0.25),
     # head_dim 128 in bf16: the FlashInfer prefill module the GPU hosts carry
     "qwen3_moe_hd128": dict(_BASE, model_type="qwen3_moe", mlp_only_layers=[0, 1], hidden_size=256, head_dim=128),
     "qwen3_moe_hd128_sparse": dict(_BASE, model_type="qwen3_moe", hidden_size=256, head_dim=128,
@@ -53,15 +57,16 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(1, 96, (int(m),), generator=g).tolist() for m in torch.randint(3, 40, (n,), generator=g)]
 
 
-def greedy(model, attention: str, graphs=None, setup=None, **kw) -> tuple[dict[str, list[int]], LLMEngine]:
-    """Seven prompts to 10 greedy tokens each; `setup(engine)` before the first request."""
+def greedy(model, attention: str, graphs=None, setup=None, drafter=None, num_prompts: int = 7,
+           **kw) -> tuple[dict[str, list[int]], LLMEngine]:
+    """`num_prompts` prompts to 10 greedy tokens each; `setup(engine)` before the first request."""
     cfg = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, page_size=16, num_pages=80,
                attention_backend=attention, cuda_graph_batch_sizes=graphs)
     cfg.update(kw)
-    engine = LLMEngine(model, EngineConfig(**cfg), eos_token_ids=[])
+    engine = LLMEngine(model, EngineConfig(**cfg), drafter=drafter, eos_token_ids=[])
     if setup is not None:
         setup(engine)
-    for i, p in enumerate(prompts(7, seed=5)):
+    for i, p in enumerate(prompts(num_prompts, seed=5)):
         engine.add_request(AddRequest(f"r{i}", p, GREEDY))
     out: dict[str, list[int]] = {}
     for _ in range(500):
@@ -69,7 +74,7 @@ def greedy(model, attention: str, graphs=None, setup=None, **kw) -> tuple[dict[s
             break
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
-    assert all(len(v) == GREEDY.max_tokens for v in out.values()) and len(out) == 7
+    assert all(len(v) == GREEDY.max_tokens for v in out.values()) and len(out) == num_prompts
     return out, engine
 
 
