@@ -253,7 +253,9 @@ class ProcessEngineClient(_StreamingClient):
     """The engine core in a child process (`python -m nvl72.engine.core`), over ZeroMQ ipc
     sockets this client binds, msgpack messages (`nvl72.engine.protocol`). `engine_module` is the
     child's entry point (its `main` takes `nvl72.engine.core`'s arguments; perf.front swaps in a
-    paced token source to measure the front alone)."""
+    paced token source to measure the front alone). The child's log (its start-up choices: attention
+    backend, CUDA graphs, warm-up; its warnings) is relayed line by line to this process's stderr, where
+    the server's own log goes, and kept in a file for the error messages' tails."""
 
     def __init__(self, engine_args: dict, *, startup_timeout: float = 300.0, heartbeat_timeout: float = 30.0,
                  output_timeout: float = 600.0, report_interval: float = 0.25, engine_module: str = "nvl72.engine.core"):
@@ -278,7 +280,9 @@ class ProcessEngineClient(_StreamingClient):
         self._proc = subprocess.Popen(
             [sys.executable, "-m", engine_module, "--input", inp, "--output", outp,
              "--engine-args", json.dumps(engine_args), "--report-interval", str(report_interval)],
-            stdout=self._log, stderr=subprocess.STDOUT)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self._relay = threading.Thread(target=self._relay_log, name="nvl72-engine-log", daemon=True)
+        self._relay.start()
         self.heartbeat_timeout = heartbeat_timeout
         try:
             self._wait_ready(startup_timeout)
@@ -290,8 +294,21 @@ class ProcessEngineClient(_StreamingClient):
         self._reader = threading.Thread(target=self._read_loop, name="nvl72-engine-reader", daemon=True)
         self._reader.start()
 
+    def _relay_log(self) -> None:
+        """Until the child closes its output: each line to the log file and to this process's stderr.
+        It must keep draining whatever stderr does (a full pipe would block the engine's next log line)."""
+        for line in self._proc.stdout:
+            self._log.write(line)
+            self._log.flush()
+            try:
+                sys.stderr.write(line.decode(errors="replace"))
+                sys.stderr.flush()
+            except (OSError, ValueError):  # stderr closed or replaced by something that refuses
+                pass
+
     def _log_tail(self, n: int = 2000) -> str:
-        self._log.flush()
+        if self._proc.poll() is not None:
+            self._relay.join(10)  # an exited child's last lines (its traceback) first
         with open(self._log_path, "rb") as f:
             return f.read()[-n:].decode(errors="replace")
 
@@ -379,10 +396,13 @@ class ProcessEngineClient(_StreamingClient):
         self._close()
 
     def _close(self) -> None:
-        """Close the sockets and the log, remove the socket folder."""
+        """Close the sockets and the log (once the exited child's last lines are relayed), remove the
+        socket folder."""
         self._push.close()
         self._pull.close()
         self._ctx.term()
+        self._relay.join(10)
+        self._proc.stdout.close()
         self._log.close()
         for name in os.listdir(self._dir):
             os.unlink(os.path.join(self._dir, name))

@@ -72,7 +72,7 @@ def test_thread_client_abort_and_early_close_free_everything():
 
 
 @pytest.mark.mp
-def test_process_client_roundtrip_and_shutdown():
+def test_process_client_roundtrip_and_shutdown(capfd):
     args = dict(max_model_len=64, max_num_seqs=4, page_size=4, num_pages=64, max_num_batched_tokens=32,
                 num_speculative_tokens=2, dtype="float32", device="cpu")
 
@@ -99,6 +99,9 @@ def test_process_client_roundtrip_and_shutdown():
     assert st["generation_tokens"] == sum(len(t) for t, _ in got)
     assert st["spec_decode_num_draft_tokens"] > 0
     assert proc.poll() == 0, "engine process did not exit cleanly"
+    # the engine's start-up choices reach the server's stderr (its log), not only a temporary file
+    err = capfd.readouterr().err
+    assert "engine[0] INFO" in err and "attention backend: torch" in err
 
 
 async def _run_thread(client, ps):
