@@ -44,8 +44,8 @@ ENV = "NVL72_PREFILL_GRAPHS"
 
 def default_sizes(max_num_batched_tokens: int) -> tuple[int, ...]:
     """16 .. 256 by doubling, then every 256 to 2048 and every 1024 beyond, and the largest step
-    (`max_num_batched_tokens`): a step pads to the next size, so the gaps bound the padded rows
-    (at most a quarter past 256 tokens)."""
+    (`max_num_batched_tokens`): a step pads to the next size, so the gaps bound the padded rows (up to
+    as many as the step's own below 512 tokens, where a forward is short; a quarter at most past 1024)."""
     m = max_num_batched_tokens
     sizes = [s for s in (16, 32, 64, 128) if s < m]
     sizes += list(range(256, min(m, 2048) + 1, 256)) + list(range(3072, m + 1, 1024))
