@@ -329,16 +329,23 @@ def main(argv=None) -> int:
     for n in ttft_lens:
         ttft(engine, n, seed=n + 1)  # warm-up of the prefill shapes
     chosen = engine.model.attn_backend
+
+    def use(backend, g) -> None:
+        """Decode through `backend` with the decode graphs `g`; without them every step eager (the prefill
+        pieces too: they hold the backend they were captured with)."""
+        engine.model.attn_backend, engine.runner.graphs = backend, g
+        engine.runner.prefill_graphs = pieces if g is not None else None
+
     modes = [(f"{chosen.name}+graphs", chosen, graphs)] if graphs is not None and "graphs" in want else []
     if "eager" in want:
         modes.append((chosen.name, chosen, None))
     if "flashinfer" in want and attn_backends.available("flashinfer", model.device) is None:
         fi = attn_backends.FlashInferBackend(attn_backends.AttentionShape.of(model), model.device, decode=True)
-        engine.model.attn_backend = fi
+        use(fi, None)
         decode_rate(engine, 4, 64, 8, seed=98)  # warm-up of the FlashInfer decode module
         modes.append(("flashinfer", fi, None))
     for mode, backend, g in modes:
-        engine.model.attn_backend, engine.runner.graphs = backend, g
+        use(backend, g)
         for b in batches:
             # the median of --reps runs: one run of a few dozen steps moves by 10-20% with a host hiccup
             runs = sorted((decode_rate(engine, b, 128, args.decode_out, seed=b + 1000 * i) for i in range(args.reps)),
@@ -351,7 +358,7 @@ def main(argv=None) -> int:
                                 "step_ms_runs": [x["step_ms"] for x in runs], "wait_ms": r["wait_ms"],
                                 "bound_step_ms": floor_step * 1e3, "bound_tok_s": b / floor_step,
                                 "experts_touched": bound["experts_touched"]})
-    engine.model.attn_backend, engine.runner.graphs = chosen, graphs
+    engine.model.attn_backend, engine.runner.graphs, engine.runner.prefill_graphs = chosen, graphs, pieces
     if args.fixed:  # twice: the first run also pays for first-time kernel compilations of new shapes
         for i, seed in enumerate((7, 8)):
             r = fixed_rate(engine, args.fixed, 2 * args.fixed, 256, 256, seed=seed)
