@@ -169,11 +169,9 @@ def _engine_mode(mode: str, device: str) -> str:
 
 def _graph_sizes(text: str | None, most: int, option: str = "cuda-graph-sizes", unit: str = "batch sizes",
                  limit: str = "max-num-seqs") -> tuple[int, ...] | None:
-    """A comma-separated list of sizes in [1, most] (`--prefill-graph-sizes` also takes 0: none)."""
+    """A comma-separated list of sizes in [1, most]."""
     if text is None:
         return None
-    if option == "prefill-graph-sizes" and text.strip() == "0":
-        return ()
     try:
         sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
     except ValueError:
@@ -235,8 +233,8 @@ def options(args: argparse.Namespace) -> ServeOptions:
         max_body_bytes=_int("max-body-bytes", args.max_body_bytes, 1024), engine=_engine_mode(args.engine, device),
         data_parallel_size=dp, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         cuda_graph_sizes=_graph_sizes(args.cuda_graph_sizes, max_num_seqs),
-        prefill_graph_sizes=_graph_sizes(args.prefill_graph_sizes, max_tokens, "prefill-graph-sizes",
-                                         "token counts", "max-num-batched-tokens"),
+        prefill_graph_sizes=() if (args.prefill_graph_sizes or "").strip() == "0" else _graph_sizes(  # 0: none
+            args.prefill_graph_sizes, max_tokens, "prefill-graph-sizes", "token counts", "max-num-batched-tokens"),
         async_scheduling=False if args.no_async_scheduling else None)
 
 
