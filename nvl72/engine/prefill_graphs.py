@@ -115,7 +115,7 @@ class PrefillGraphs:
                                                           device=device)
         self.batches = {s: self._batch(s) for s in self.sizes}  # made here: a capture cannot copy from the host
         self.pieces: dict[int, _Pieces] = {}
-        self.pool, self._side = None, None
+        self.pool = None
         self.replays = 0
         self._capture_all()
 
@@ -168,9 +168,14 @@ class PrefillGraphs:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         t0, reserved = time.perf_counter(), torch.cuda.memory_reserved()
+        # captures run on a stream of their own, one for every size (as torch.cuda.graph's default capture
+        # stream): the allocator hands a pool's freed blocks only to the stream that allocated them, so a
+        # stream a size gives every size memory of its own (so captured, the 30B shape's 12 sizes held
+        # 3.3 GiB; with the shared stream: not measured yet)
+        side = torch.cuda.Stream()
         for n in reversed(self.sizes):  # largest first: the smaller sizes fit in the memory it pooled
             self._forward(n, lambda run: None)  # warm-up: lazy inits, compiles, allocations
-            self.pieces[n] = self._capture(n)
+            self.pieces[n] = self._capture(n, side)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # what the warm-ups cached outside the pool goes back
         self.capture_seconds = time.perf_counter() - t0
@@ -179,16 +184,19 @@ class PrefillGraphs:
                  len(self.pieces[self.sizes[-1]].graphs), self.sizes, self.capture_seconds,
                  self.reserved_bytes / 2**20)
 
-    def _capture(self, n: int) -> _Pieces:
+    def _capture(self, n: int, side: torch.cuda.Stream) -> _Pieces:
         pieces = _Pieces()
         graph = torch.cuda.CUDAGraph()
 
-        def cut(run):
-            nonlocal graph
+        def end_piece():
             graph.capture_end()
             pieces.graphs.append(graph)
+            self.pool = self.pool or graph.pool()  # the first capture's pool serves every later one
+
+        def cut(run):
+            nonlocal graph
+            end_piece()
             pieces.between.append(run)
-            self.pool = self.pool or graph.pool()
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(pool=self.pool)
 
@@ -197,19 +205,12 @@ class PrefillGraphs:
         torch.cuda.synchronize()
         gc.collect()
         stream = torch.cuda.current_stream()
-        # captures run on a stream of their own, one for every size (as torch.cuda.graph's default capture
-        # stream): the allocator hands a pool's freed blocks only to the stream that allocated them, so a
-        # stream a size gives every size memory of its own (so captured, the 30B shape's 12 sizes held
-        # 3.3 GiB; with the shared stream: not measured yet)
-        if self._side is None:
-            self._side = torch.cuda.Stream()
-        side = self._side
         side.wait_stream(stream)
         with torch.cuda.stream(side):
             try:
                 graph.capture_begin(pool=self.pool)
                 pieces.hidden = self._forward(n, cut, alias)
-                graph.capture_end()
+                end_piece()
             except RuntimeError as e:
                 with contextlib.suppress(RuntimeError):  # a capture left open would swallow every later launch
                     graph.capture_end()
@@ -217,8 +218,6 @@ class PrefillGraphs:
                 end_failed_capture()
                 raise GraphUnavailable(f"capturing {n} tokens failed: {str(e).splitlines()[0]}") from e
         stream.wait_stream(side)
-        pieces.graphs.append(graph)
-        self.pool = self.pool or graph.pool()
         return pieces
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
