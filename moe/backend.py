@@ -318,8 +318,8 @@ class ExpertBackend:
     def prepare(self, w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
         return ExpertWeights(w13, w2)
 
-    def route(self, router_logits, top_k, renormalize):
-        return reference.route(router_logits, top_k, renormalize)
+    def route(self, router_logits, top_k, renormalize, num_shared=0):
+        return reference.route(router_logits, top_k, renormalize, num_shared)
 
     def run(
         self,
@@ -371,8 +371,8 @@ class Fp8PipelineBackend(ExpertBackend):
             log.info("moe: %s: fused decode path at 1..%d tokens ($%s, 0 = off)", name, self.fused_tokens,
                      ENV_FUSED_DECODE_TOKENS)
 
-    def route(self, router_logits, top_k, renormalize):
-        return self.ops.route(router_logits, top_k, renormalize)
+    def route(self, router_logits, top_k, renormalize, num_shared=0):
+        return self.ops.route(router_logits, top_k, renormalize, num_shared)
 
     def prepare(self, w13, w2):
         for nm, w in (("w13", w13), ("w2", w2)):

@@ -13,16 +13,46 @@ communication between routing and the expert GEMMs.
 The compute runs on a backend from moe/backend.py, chosen once per layer from the weights' device
 (or `backend=` / $NVL72_MOE_BACKEND) and logged; `prepare()` converts the expert weights for it
 (FP8 on GPU) and must be called again if the weights are reloaded (the first call does it
-otherwise). On CUDA the shared expert runs on a second stream, overlapping the routed experts, and
-`sigmoid(x . w_gate) * shared(x)` is added inside the un-permute kernel.
+otherwise). The shared expert is, where the layer holds all of it (no EP) and its intermediate size
+is a multiple of the experts', held as `num_shared` more experts (`prepare`, $NVL72_MOE_FUSE_SHARED)
+that every token picks with weight sigmoid(x . w_gate): its gate logit is one more row of the router,
+its slices run in the same expert kernels (and format: FP8 on GPU) as the routed experts, so a decode
+layer pays no launches of its own for it (the Qwen3-Next shape at batch 1 spent ~19 us a layer on the
+shared expert's five GEMVs and elementwise kernels: perf/RESULTS.md). Otherwise it runs beside them, on
+a second stream on CUDA, and `sigmoid(x . w_gate) * shared(x)` is added inside the un-permute kernel.
 """
 from __future__ import annotations
+
+import functools
+import logging
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moe import backend as backends
+
+log = logging.getLogger("moe.layer")
+ENV_FUSE_SHARED = "NVL72_MOE_FUSE_SHARED"  # "1" (default): the shared expert as experts where it can be; "0": beside
+
+
+def shared_slots(shared_inter: int, inter: int, ep_size: int = 1) -> tuple[int, str | None]:
+    """(experts a shared expert of intermediate `shared_inter` becomes, or 0; why not): all of it on
+    this rank (no EP), a multiple m of the experts' intermediate `inter` (m slices), and
+    ${ENV_FUSE_SHARED} not "0"."""
+    flag = os.environ.get(ENV_FUSE_SHARED, "1")
+    if flag not in ("0", "1"):
+        raise ValueError(f"${ENV_FUSE_SHARED}={flag!r}: expected 0 or 1")
+    why = (f"${ENV_FUSE_SHARED}=0" if flag == "0" else f"EP size {ep_size}" if ep_size > 1
+           else f"its intermediate {shared_inter} is not a multiple of the experts' {inter}"
+           if shared_inter % inter else None)
+    return (0, why) if why else (shared_inter // inter, None)
+
+
+@functools.cache
+def _log_once(msg: str) -> None:
+    log.info(msg)
 
 
 class SharedExpert(nn.Module):
@@ -89,6 +119,8 @@ class MoE(nn.Module):
         self._weights: backends.ExpertWeights | None = None
         self._side_stream = None
         self.masters_released = False  # see prepare
+        self.num_shared = 0  # experts past the routed ones holding the shared expert (set by prepare)
+        self._router: torch.Tensor | None = None  # [E + 1, H] with num_shared: gate, then shared_expert_gate
 
     def prepare(self, release_masters: bool = False) -> "MoE":
         """Choose the backend (once) and convert the expert weights for it; call after loading.
@@ -102,14 +134,57 @@ class MoE(nn.Module):
                                "and their loaded copies freed; reload the model to convert them again")
         if self._backend is None:
             self._backend = backends.select(self.w13.device, self.backend_name)
+        self.num_shared = self._shared_slots()
+        masters = [self.w13, self.w2]
         with torch.no_grad():
-            self._weights = self._backend.prepare(self.w13, self.w2)
+            w13, w2 = self.w13, self.w2
+            if self.num_shared:
+                w13, w2 = self._with_shared(w13, w2)
+                self._pack_router()
+                masters += [lin.weight for lin in (self.shared_expert.gate_proj, self.shared_expert.up_proj,
+                                                   self.shared_expert.down_proj)]
+            self._weights = self._backend.prepare(w13, w2)
         if release_masters and not any(_shares_storage(c, m) for c, m in ((self._weights.w13, self.w13),
                                                                            (self._weights.w2, self.w2))):
-            for p in (self.w13, self.w2):
+            for p in masters:
                 p.data = p.data.new_empty((0,) * p.dim())
             self.masters_released = True
         return self
+
+    def _shared_slots(self) -> int:
+        """How many experts this layer's shared expert becomes (`shared_slots`; 0 when it has none here)."""
+        if self.shared_expert is None or not self.add_shared:
+            return 0
+        n, why = shared_slots(self.shared_expert.gate_proj.out_features, self.intermediate, self.ep_size)
+        _log_once(f"moe: shared expert {'beside the experts (' + why + ')' if why else 'held as experts'}")
+        return n
+
+    def _with_shared(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """w13 [E, 2I, H] and w2 [E, H, I] with the shared expert's num_shared slices appended as experts
+        (slice j: gate/up rows and down columns [j I, (j + 1) I): down is linear, so they sum to it)."""
+        se, inter = self.shared_expert, self.intermediate
+        gate, up, down = se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight
+        sl = [slice(j * inter, (j + 1) * inter) for j in range(self.num_shared)]
+        w13 = torch.cat([w13, torch.stack([torch.cat([gate[j], up[j]]) for j in sl])])
+        w2 = torch.cat([w2, torch.stack([down[:, j] for j in sl])])
+        return w13, w2
+
+    def _pack_router(self) -> None:
+        """The router and the shared expert's gate as one [E + 1, H] weight (one GEMV gives all the
+        logits route needs); the parameters become views of it, so loaders still write them in place."""
+        gate, sgate = self.gate.weight, self.shared_expert_gate.weight
+        self._router = torch.cat([gate.detach(), sgate.detach()])
+        gate.data, sgate.data = self._router[: self.num_experts], self._router[self.num_experts :]
+
+    def router_weight(self) -> torch.Tensor:
+        """The weight whose logits `route` takes: the gate's [E, H], or [E + 1, H] with the shared
+        expert's gate when it is held as experts. Prepares the layer first (the choice is made there)."""
+        self._ready()
+        if not self.num_shared:
+            return self.gate.weight
+        if self.gate.weight.data_ptr() != self._router.data_ptr():  # given its own storage (`.to()`)
+            self._pack_router()
+        return self._router
 
     def _ready(self) -> backends.ExpertBackend:
         if self._weights is None:
@@ -131,8 +206,9 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64). `router_logits` [T, E]:
         self.gate(x) computed by the caller (the service folds it into its norm kernel)."""
-        logits = self.gate(x) if router_logits is None else router_logits
-        return self._ready().route(logits, self.top_k, self.norm_topk_prob)
+        backend = self._ready()
+        logits = F.linear(x, self.router_weight()) if router_logits is None else router_logits
+        return backend.route(logits, self.top_k, self.norm_topk_prob, self.num_shared)
 
     def run_experts(
         self,
@@ -163,7 +239,7 @@ class MoE(nn.Module):
     def _shared_parts(self, x: torch.Tensor):
         """(shared_expert(x), gate logit, ready event): on a side stream on CUDA (event set), inline
         elsewhere (event None); all None when this rank adds no shared expert."""
-        if self.shared_expert is None or not self.add_shared:
+        if self.shared_expert is None or not self.add_shared or self.num_shared:
             return None, None, None
         if x.device.type != "cuda":
             return self.shared_expert(x), self.shared_expert_gate(x), None
@@ -183,6 +259,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The MoE of x [T, H]; `routing` (topk_weights, topk_ids) as `route` gives it, when the caller
         has it (the service computes it beside its norm kernel), else `route(x)`."""
+        self._ready()  # decides num_shared
         s, g, ready = self._shared_parts(x)
         topk_weights, topk_ids = self.route(x) if routing is None else routing
         return self.run_experts(x, topk_weights, topk_ids, s, g, ready)

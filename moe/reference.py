@@ -5,14 +5,25 @@ import torch
 import torch.nn.functional as F
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+          num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax router in fp32, top-k, optional renormalisation.
 
-    router_logits [T, E] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64)."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    router_logits [T, E] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64). With `num_shared` > 0
+    the logits are [T, E + 1], the last column a shared expert's gate logit, and the shared expert is
+    held as experts E .. E + num_shared - 1 (`moe.MoE`'s fused shared expert): every token also picks
+    those, each with weight sigmoid(gate logit), in columns k .. k + num_shared - 1."""
+    routed = router_logits[:, : router_logits.shape[1] - 1] if num_shared else router_logits
+    probs = torch.softmax(routed, dim=-1, dtype=torch.float32)
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    if num_shared:
+        t, e = routed.shape
+        shared_w = torch.sigmoid(router_logits[:, e:].float()).expand(t, num_shared)
+        shared_ids = torch.arange(e, e + num_shared, device=routed.device).expand(t, num_shared)
+        topk_weights = torch.cat([topk_weights, shared_w], dim=1)
+        topk_ids = torch.cat([topk_ids, shared_ids], dim=1)
     return topk_weights, topk_ids
 
 

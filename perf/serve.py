@@ -45,17 +45,23 @@ QWEN3_30B_A3B = dict(
 )
 
 
-def decode_step_bytes(cfg: dict, batch: int, context: int, expert_bytes: float, act_bytes: int = 2) -> dict[str, float]:
+def decode_step_bytes(cfg: dict, batch: int, context: int, expert_bytes: float, act_bytes: int = 2,
+                      shared_as_experts: bool = False) -> dict[str, float]:
     """Bytes one decode step of `batch` sequences at `context` tokens must move in HBM, for a config.json
     dict: the dense weights `nvl72.plan.ModelSpec` counts (attention or Gated DeltaNet projections, router,
     shared expert, lm_head) at `act_bytes`, the experts the batch touches in expectation under uniform
-    routing (`expert_bytes` each), the KV of every sequence and its GDN states (read and written)."""
+    routing (`expert_bytes` each), the KV of every sequence and its GDN states (read and written).
+    `shared_as_experts`: the shared expert is held in the experts' format (moe.MoE's `num_shared`), its
+    weights at their bytes per weight."""
     from nvl72.plan import ModelSpec
 
     m = ModelSpec.from_config(cfg, "bound")
     touched = m.num_experts * (1 - (1 - m.num_experts_per_tok / m.num_experts) ** batch)
     total = (m.dense_params * act_bytes + m.num_hidden_layers * touched * expert_bytes
              + batch * context * m.kv_bytes_per_token + 2 * batch * m.state_bytes_per_seq)
+    if shared_as_experts:
+        shared = m.num_hidden_layers * 3 * m.hidden_size * m.shared_expert_intermediate_size
+        total += shared * (expert_bytes / (3 * m.hidden_size * m.moe_intermediate_size) - act_bytes)
     return {"total": total, "experts_touched": touched}
 
 
@@ -64,7 +70,12 @@ def model_expert_bytes(model) -> float:
     w = model.model.layers[0].mlp._weights
     return (w.w13.numel() * w.w13.element_size() + w.w2.numel() * w.w2.element_size()
             + sum(t.numel() * t.element_size() for t in (w.w13_scale, w.w2_scale) if t is not None)
-            ) / model.config.num_experts
+            ) / w.w13.shape[0]
+
+
+def shared_as_experts(model) -> bool:
+    """Whether the model's MoE layers hold their shared expert as experts (moe.MoE.prepare decided)."""
+    return any(getattr(layer.mlp, "num_shared", 0) for layer in model.model.layers)
 
 
 def _drain(engine: LLMEngine, on_token=None) -> None:
@@ -258,9 +269,11 @@ def profile_prefill(engine: LLMEngine, prompt_len: int, out_dir: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=48,
-                    help="decoder layers of the 48 (the bound uses the same count; fewer load faster, and their "
-                         "ratio flatters: lm_head streams at its bound)")
+    ap.add_argument("--model-config", default=None, metavar="JSON",
+                    help="a config.json to measure instead of the Qwen3-30B-A3B shape (dummy weights)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers to build (default: the config's; the bound uses the same count; fewer load "
+                         "faster, and their ratio flatters: lm_head streams at its bound)")
     ap.add_argument("--attention", default="auto",
                     help="attention backend for the graphs / eager runs and the TTFT rows (auto: the engine's choice)")
     ap.add_argument("--graph-batch-sizes", default="1,2,4,8,16,32,64")
@@ -296,7 +309,13 @@ def main(argv=None) -> int:
         ap.error(f"--batches={args.batches!r}: comma-separated batch sizes from 1 to 64 (the engine's max_num_seqs)")
     torch.manual_seed(0)
     bw = hbm_copy_bandwidth()
-    cfg_dict = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
+    if args.model_config:
+        with open(args.model_config) as f:
+            base, shape = json.load(f), os.path.basename(args.model_config)
+    else:
+        base, shape = QWEN3_30B_A3B, "Qwen3-30B-A3B shape"
+    full_layers = base["num_hidden_layers"]
+    cfg_dict = dict(base, num_hidden_layers=args.layers or full_layers)
     cfg = ModelConfig.from_dict(cfg_dict)
     t = time.perf_counter()
     model = load_model(None, config=cfg, dtype=torch.bfloat16, device="cuda", load_format="dummy")
@@ -317,7 +336,7 @@ def main(argv=None) -> int:
     capture_s = time.perf_counter() - t
     graphs = engine.runner.graphs
     moe_backend = model.model.layers[0].mlp._ready().name
-    res: dict = {"gpu": torch.cuda.get_device_name(), "layers": args.layers, "hbm_copy_GBps": bw / 1e9,
+    res: dict = {"gpu": torch.cuda.get_device_name(), "model": shape, "layers": cfg_dict["num_hidden_layers"], "hbm_copy_GBps": bw / 1e9,
                  "attention": engine.model.attn_backend.name, "moe_backend": moe_backend,
                  "graphs": graphs is not None, "async_scheduling": engine.overlap, "load_s": load_s, "engine_init_s": capture_s, "rows": []}
     pieces = engine.runner.prefill_graphs
@@ -352,7 +371,7 @@ def main(argv=None) -> int:
                           key=lambda r: r["step_ms"])
             r = runs[len(runs) // 2]
             bound = decode_step_bytes(cfg_dict, b, 128 + args.decode_out // 2, model_expert_bytes(model),
-                                      model.dtype.itemsize)
+                                      model.dtype.itemsize, shared_as_experts(model))
             floor_step = bound["total"] / bw
             res["rows"].append({"what": f"decode b={b}", "mode": mode, "tok_s": r["tok_s"], "step_ms": r["step_ms"],
                                 "step_ms_runs": [x["step_ms"] for x in runs], "wait_ms": r["wait_ms"],
@@ -376,7 +395,7 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
-    print(f"\nSERVE {res['gpu']}: Qwen3-30B-A3B shape, {args.layers}/48 layers, {model.dtype}, attention {res['attention']}, "
+    print(f"\nSERVE {res['gpu']}: {shape}, {cfg_dict['num_hidden_layers']}/{full_layers} layers, {model.dtype}, attention {res['attention']}, "
           f"MoE {moe_backend}, HBM copy {bw / 1e9:.0f} GB/s, graphs {'on' if graphs else 'off'}, "
           f"async scheduling {'on' if engine.overlap else 'off'}")
     pg = res.get("prefill_graphs")

@@ -25,6 +25,7 @@ import pathlib
 import sys
 import tempfile
 
+from moe.layer import shared_slots
 from nvl72.commands.bench import Bench, BenchConfig, table, turn_table
 from nvl72.commands.bench_plots import plot_dir_problem, write_plots
 from nvl72.config import ModelConfig
@@ -124,12 +125,16 @@ def main(argv=None) -> int:
 
     rows = []
     expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size  # FP8: one byte per weight
+    # the server (one rank, this environment) holds the shared expert as experts where moe.MoE can
+    fused = bool(cfg.shared_expert_intermediate_size
+                 and shared_slots(cfg.shared_expert_intermediate_size, cfg.moe_intermediate_size)[0])
     for c, r in res["decode"].items():
         tpot = r.tpot_ms["median"]
         row = {"what": f"decode c={c}", "tpot_ms": tpot, "tok_s": c * 1e3 / tpot if tpot else None,
                "output_tok_s_wall": r.output_tok_s}
         if bw:
-            b = decode_step_bytes(cfg_dict, c, args.decode_prompt_len + args.decode_out // 2, expert_bytes)
+            b = decode_step_bytes(cfg_dict, c, args.decode_prompt_len + args.decode_out // 2, expert_bytes,
+                                      shared_as_experts=fused)
             row.update(bound_step_ms=b["total"] / bw * 1e3, bound_tok_s=c * bw / b["total"])
         rows.append(row)
     for n, r in res["ttft"].items():

@@ -58,7 +58,8 @@ ROWS = 16  # down: output rows per CTA (the grid is H / ROWS)
 # down a row a warp (its lanes then 4-way bank-conflicted) 2.134 ms, two 2.027, four 2.097-2.105;
 # gate/up a row a warp 2.023-2.030, two 2.013-2.020, four 2.068-2.075
 DOWN_ROWS_PER_WARP = 2
-DOWN_VARIANTS = {"down_k8_i768": dict(k=8, inter=768)}  # Qwen3-30B-A3B
+# Qwen3-30B-A3B; Qwen3-Next-80B-A3B (10 experts + its shared expert held as one more: moe.MoE)
+DOWN_VARIANTS = {"down_k8_i768": dict(k=8, inter=768), "down_k11_i512": dict(k=11, inter=512)}
 # gate/up: rows of gate (and of up) per CTA. 16 rows (8 warps) 2.007 ms a step, 8 rows (4 warps, twice the CTAs)
 # 1.991-1.992; 8 rows with x kept in bf16 in shared memory (6 CTAs an SM: one wave) 2.023-2.025 (H200, RESULTS)
 GU_ROWS = 8
@@ -82,13 +83,18 @@ def ld_shared_e4m3x4(addr, *, loc=None, ip=None):
 
 
 def stage_f32(dst, src, count, tidx, threads):
-    """Copy `count` fp32 (a multiple of 4 x `threads`) from global `src` (past L1) to shared `dst`, 16
-    bytes a thread a step: all loads issued before the first store (the inline asm's memory clobbers
-    would otherwise make each load wait for the previous store, one L2 round trip a step)."""
-    steps = count // (4 * threads)
-    vals = [ld_global_v4f(src + cutlass.Int64((i * threads + tidx) * 4) * 4) for i in range(steps)]
-    for i in range(steps):
-        st_shared_v4f(dst + (i * threads + tidx) * 16, vals[i])
+    """Copy `count` fp32 (a multiple of 4) from global `src` (past L1) to shared `dst`, 16 bytes a thread
+    a step: all loads issued before the first store (the inline asm's memory clobbers would otherwise
+    make each load wait for the previous store, one L2 round trip a step). In a last, partial step the
+    threads past its pieces copy one of them again (index modulo its size: the same bytes to the same
+    place, no branch)."""
+    pieces = count // 4
+    steps = -(-pieces // threads)
+    last = pieces - (steps - 1) * threads  # pieces in the last step
+    idx = [i * threads + tidx for i in range(steps - 1)] + [(steps - 1) * threads + tidx % last]
+    vals = [ld_global_v4f(src + cutlass.Int64(i) * 16) for i in idx]
+    for i, v in zip(idx, vals):
+        st_shared_v4f(dst + i * 16, v)
 
 
 class GateUpOneToken:
@@ -189,11 +195,10 @@ class DownOneToken:
 
     def __init__(self, k: int, inter: int, rows_per_warp: int = DOWN_ROWS_PER_WARP):
         self.threads = 32 * ROWS // rows_per_warp
-        if (inter % 128 or k * inter % (4 * self.threads) or ROWS % rows_per_warp
-                or k * (inter // 128) > self.threads):
+        if inter % 128 or ROWS % rows_per_warp or k * (inter // 128) > self.threads:
             raise ValueError(f"I={inter}, k={k}, rows_per_warp={rows_per_warp}: I must be a multiple of 128, k x I "
-                             f"of {4 * self.threads} (act is staged 16 bytes a thread), k x I / 128 (the block "
-                             f"scales, a thread each) at most {self.threads}, rows_per_warp divide {ROWS}")
+                             f"/ 128 (the block scales, a thread each) at most {self.threads}, rows_per_warp "
+                             f"divide {ROWS}")
         self.k, self.inter, self.rpw = k, inter, rows_per_warp
         self.slot_bytes = ROWS * inter  # one slot's rows of w2: contiguous
 

@@ -205,14 +205,24 @@ def _unpermute_kernel(
 
 @triton.jit
 def _topk_softmax_kernel(logit_ptr, w_ptr, id_ptr, E, K: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr,
-                         BLOCK_E: tl.constexpr, PDL: tl.constexpr):
-    """One token per program."""
+                         NS: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    """One token per program; NS > 0: rows of E + 1 logits, the last a shared expert's gate, the shared
+    expert held as experts E .. E + NS - 1 (reference.route's `num_shared`)."""
     wait_prior(PDL)
-    t = tl.program_id(0)
-    wv, iv = topk_softmax(logit_ptr + t.to(tl.int64) * E, E, K, KP, BLOCK_E, RENORM)
+    t = tl.program_id(0).to(tl.int64)
+    stride = E
+    if NS > 0:
+        stride = E + 1
+    wv, iv = topk_softmax(logit_ptr + t * stride, E, K, KP, BLOCK_E, RENORM)
     kk = tl.arange(0, KP)
-    tl.store(w_ptr + t * K + kk, wv, mask=kk < K)
-    tl.store(id_ptr + t * K + kk, iv, mask=kk < K)
+    out = t * (K + NS)
+    tl.store(w_ptr + out + kk, wv, mask=kk < K)
+    tl.store(id_ptr + out + kk, iv, mask=kk < K)
+    if NS > 0:
+        sw = tl.sigmoid(tl.load(logit_ptr + t * stride + E).to(tl.float32))
+        for j in tl.static_range(NS):
+            tl.store(w_ptr + out + K + j, sw)
+            tl.store(id_ptr + out + K + j, (E + j).to(tl.int64))
 
 
 @triton.jit
@@ -246,15 +256,19 @@ def topk_softmax(row, E, K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexp
     return wv, iv
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+          num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of reference.route (`num_shared` included), one token per program."""
     t, e = router_logits.shape
-    w = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int64, device=router_logits.device)
+    e -= 1 if num_shared else 0
+    w = torch.empty(t, top_k + num_shared, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(t, top_k + num_shared, dtype=torch.int64, device=router_logits.device)
     if t:
         block_e = triton.next_power_of_2(e)
         _topk_softmax_kernel[(t,)](  # one warp: the reductions stay in shuffles (no shared memory)
             router_logits.contiguous(), w, ids, e, K=top_k, KP=triton.next_power_of_2(top_k), RENORM=renormalize,
-            BLOCK_E=block_e, num_warps=1 if block_e <= 1024 else 4, **launch_args(router_logits.device)
+            NS=num_shared, BLOCK_E=block_e, num_warps=1 if block_e <= 1024 else 4,
+            **launch_args(router_logits.device)
         )
     return w, ids
 

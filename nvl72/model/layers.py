@@ -21,7 +21,7 @@ from nvl72.model.attn_backends import SplitMeta
 from nvl72.model.batch import ForwardBatch, ModelCaches
 from nvl72.model.gdn import GatedDeltaNet
 from nvl72.model.parallel_layout import SINGLE, ParallelLayout
-from nvl72.model.weights import expert_weight_loader, first_rank_loader, shard_loader
+from nvl72.model.weights import PackedRows, expert_weight_loader, first_rank_loader, shard_loader
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,8 @@ def add_norm(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None, ctx: Fo
     if b is not None and b.fused_ops and x.dim() == 2:
         if moe is None:
             return b.add_rms_norm(x, delta, norm.weight, norm.eps, norm.zero_centered)
-        s, h, logits = b.add_rms_norm(x, delta, norm.weight, norm.eps, norm.zero_centered, moe.gate.weight)
+        s, h, logits = b.add_rms_norm(x, delta, norm.weight, norm.eps, norm.zero_centered,
+                                          moe.router_weight())
         return s, h, moe.route(h, logits)
     s = x if delta is None else x + delta
     h = norm(s)
@@ -107,7 +108,7 @@ class Attention(nn.Module):
         zc = config.zero_centered_norm
         self.q_norm = RMSNorm(d, config.rms_norm_eps, zc, dtype=dtype, device=device)
         self.k_norm = RMSNorm(d, config.rms_norm_eps, zc, dtype=dtype, device=device)
-        self._packed_ptrs, self._qkv_weight, self._qkv_bias = None, None, None  # see _qkv
+        self.packed_qkv = PackedRows(self.q_proj, self.k_proj, self.v_proj)  # at batch 1: one GEMV, not three
         if parallel.tp_size > 1:
             hq, hkv = config.num_attention_heads, config.num_key_value_heads
             columns = [(self.q_proj, q0 * q_rows, self.num_heads * q_rows, hq * q_rows)]
@@ -118,27 +119,6 @@ class Attention(nn.Module):
             self.o_proj.weight.weight_loader = shard_loader(1, [(q0 * d, self.num_heads * d)], hq * d)
             if self.o_proj.bias is not None:
                 self.o_proj.bias.weight_loader = first_rank_loader(parallel.tp_rank)
-
-    def packed_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(weight [q + k + v rows, H], bias or None): q_proj, k_proj and v_proj packed into one
-        tensor (at batch 1 three GEMVs were three launches). The first call packs them and makes
-        the parameters views of it, so loaders still write them in place; a later `.to()` that
-        gives them their own storage again is noticed and packed anew."""
-        lins = (self.q_proj, self.k_proj, self.v_proj)
-        if self._packed_ptrs != tuple(p.data_ptr() for lin in lins for p in lin.parameters()):
-            with torch.inference_mode(False), torch.no_grad():
-                for name in ("weight", "bias"):
-                    parts = [getattr(lin, name) for lin in lins]
-                    if parts[0] is None:
-                        continue
-                    packed = torch.cat([p.detach() for p in parts])
-                    setattr(self, f"_qkv_{name}", packed)
-                    start = 0
-                    for p in parts:
-                        p.data = packed[start : start + p.shape[0]]
-                        start += p.shape[0]
-            self._packed_ptrs = tuple(p.data_ptr() for lin in lins for p in lin.parameters())
-        return self._qkv_weight, self._qkv_bias
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         backend = ctx.backend

@@ -143,3 +143,37 @@ def attach_default_loaders(module: nn.Module) -> None:
     for p in module.parameters():
         if not hasattr(p, "weight_loader"):
             p.weight_loader = default_weight_loader
+
+
+class PackedRows:
+    """Several projections of one input as one: their weights (and biases) stacked by rows in one tensor,
+    so a step runs one GEMM (at batch 1 one GEMV launch) instead of one a projection. Calling it packs
+    them the first time and makes the parameters views of the packed tensor, so loaders still write
+    them in place; a later `.to()` that gives them their own storage again is noticed and packed anew.
+    Not an nn.Module: the linears stay registered where they are."""
+
+    def __init__(self, *linears: nn.Linear):
+        self.linears = linears
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self._ptrs: tuple[int, ...] | None = None
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight [sum of out_features, in_features], bias or None)."""
+        if self._ptrs != self._param_ptrs():
+            with torch.inference_mode(False), torch.no_grad():
+                for name in ("weight", "bias"):
+                    parts = [getattr(lin, name) for lin in self.linears]
+                    if parts[0] is None:
+                        continue
+                    packed = torch.cat([p.detach() for p in parts])
+                    setattr(self, name, packed)
+                    start = 0
+                    for p in parts:
+                        p.data = packed[start : start + p.shape[0]]
+                        start += p.shape[0]
+            self._ptrs = self._param_ptrs()
+        return self.weight, self.bias
+
+    def _param_ptrs(self) -> tuple[int, ...]:
+        return tuple(p.data_ptr() for lin in self.linears for p in lin.parameters())

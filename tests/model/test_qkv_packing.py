@@ -1,4 +1,4 @@
-"""Attention.packed_qkv: the q/k/v projections as one GEMM over weights packed into one tensor."""
+"""Attention.packed_qkv (weights.PackedRows): the q/k/v projections as one GEMM over weights packed into one tensor."""
 import torch
 
 from nvl72.config import ModelConfig
@@ -21,13 +21,13 @@ def test_packed_qkv_equals_the_three_projections_and_follows_weight_changes():
 
     with torch.inference_mode():
         check()
-    w = att._qkv_weight
+    w = att.packed_qkv.weight
     assert att.q_proj.weight.data_ptr() == w.data_ptr() and att.v_proj.weight.untyped_storage().data_ptr() == \
         w.untyped_storage().data_ptr()
     init_dummy_weights(model, seed=2, std=0.3)  # loaders write the parameters in place: through the views
     check()
-    assert att._qkv_weight is w
+    assert att.packed_qkv.weight is w
     model.to(torch.float64)  # own storage again: packed anew
     x = x.double()
     check()
-    assert att._qkv_weight.dtype == torch.float64 and att._qkv_weight is not w
+    assert att.packed_qkv.weight.dtype == torch.float64 and att.packed_qkv.weight is not w

@@ -183,3 +183,46 @@ def test_release_masters_frees_the_loaded_experts_only_when_converted():
     ref.prepare(release_masters=True)
     assert not ref.masters_released and ref.w13.shape == (4, 16, 16)
     assert torch.equal(ref(torch.ones(2, 16)), want)
+
+
+@pytest.mark.parametrize("shared_i", [16, 32])  # one I-slice, two
+def test_shared_expert_held_as_experts(shared_i):
+    """The shared expert held as num_shared more experts (an I-slice each, weight sigmoid(gate logit))
+    gives the layer it gave beside them; every route names them last; the packed router's logits (what
+    the service's norm kernel computes) route the same; released masters include it."""
+    m = MoE(32, 8, 2, 16, shared_intermediate=shared_i, backend="reference")
+    _init(m, 3)
+    x = torch.randn(12, 32)
+    want = _dense(x, m.gate.weight, m.w13, m.w2, 2, m.shared(x))
+    m.prepare()
+    n = shared_i // 16
+    assert m.num_shared == n and m._weights.w13.shape[0] == m._weights.w2.shape[0] == 8 + n
+    w, ids = m.route(x)
+    assert ids.shape == (12, 2 + n)
+    assert torch.equal(ids[:, 2:], torch.arange(8, 8 + n).expand(12, n))
+    assert torch.allclose(w[:, 2:], torch.sigmoid(x @ m.shared_expert_gate.weight.t()).expand(12, n))
+    router = m.router_weight()
+    assert router.shape == (9, 32) and router[8].data_ptr() == m.shared_expert_gate.weight.data_ptr()
+    w2_, ids2 = m.route(x, x @ router.t())
+    assert torch.equal(ids2, ids) and torch.allclose(w2_, w)
+    assert torch.allclose(m(x), want, rtol=1e-4, atol=1e-5)
+    m.prepare(release_masters=True)
+    assert m.masters_released and m.shared_expert.down_proj.weight.numel() == 0
+    assert torch.allclose(m(x), want, rtol=1e-4, atol=1e-5)
+
+
+def test_shared_expert_stays_beside_when_it_cannot_be_experts(monkeypatch):
+    """Not an I multiple, under EP, or $NVL72_MOE_FUSE_SHARED=0: beside the experts, the same layer;
+    a bad value of the variable is named."""
+    x = torch.randn(6, 32)
+    for kw, env in ((dict(shared_intermediate=24), "1"), (dict(shared_intermediate=16, ep_size=2), "1"),
+                    (dict(shared_intermediate=16), "0")):
+        monkeypatch.setenv("NVL72_MOE_FUSE_SHARED", env)
+        m = MoE(32, 8, 2, 16, backend="reference", **kw)
+        _init(m, 4)
+        want = m.shared(x) + reference.experts(x, *m.route(x), m.w13, m.w2, m.expert_offset)
+        assert torch.allclose(m(x), want, rtol=1e-4, atol=1e-5)
+        assert m.num_shared == 0 and m.route(x)[1].shape == (6, 2) and m.router_weight() is m.gate.weight
+    monkeypatch.setenv("NVL72_MOE_FUSE_SHARED", "yes")
+    with pytest.raises(ValueError, match="NVL72_MOE_FUSE_SHARED='yes'"):
+        MoE(32, 8, 2, 16, shared_intermediate=16).prepare()

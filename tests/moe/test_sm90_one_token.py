@@ -122,20 +122,22 @@ def test_gate_up_leaves_other_ranks_rows_and_checks_its_input():
 
 
 @pytest.mark.gpu
-def test_gpu_kernels_match_reference_in_a_graph():
+@pytest.mark.parametrize("k,inter", [(8, 768), (11, 512)])
+def test_gpu_kernels_match_reference_in_a_graph(k, inter):
     """The compiled gate/up and down (from the bundle, or JIT with CuTeDSL) at the Qwen3-30B-A3B shape
-    (16 of its experts, 8 of them on this rank: remote slots skipped): gate/up's act against Triton's
-    (other ranks' rows left NaN), the op against the fp32 reference and Triton's kernels, NaN-poisoned
-    outputs overwritten, PDL launches in a CUDA graph replaying bit for bit."""
+    and Qwen3-Next's (10 experts + the shared one held as an expert: k x I not a whole number of act
+    staging steps) (16 experts, 8 of them on this rank: remote slots skipped): gate/up's act against
+    Triton's (other ranks' rows left NaN), the op against the fp32 reference and Triton's kernels,
+    NaN-poisoned outputs overwritten, PDL launches in a CUDA graph replaying bit for bit."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("sm_90")
     from moe.backend import load_sm90_module
 
     op = fused_decode.FusedDecode(load_sm90_module(fused_decode.MODULE))
     for offset, num_local in ((0, 16), (8, 8)):
-        c = _case(1, 8, 16, num_local, offset, 2048, 768, seed=offset + 1)
-        assert op.variants(c.x, c.ids, c.w[2], None) == ("gate_up_h2048", "down_k8_i768")
-        act = torch.full((8, 768), float("nan"), device="cuda")
+        c = _case(1, k, 16, num_local, offset, 2048, inter, seed=offset + 1)
+        assert op.variants(c.x, c.ids, c.w[2], None) == ("gate_up_h2048", f"down_k{k}_i{inter}")
+        act = torch.full((k, inter), float("nan"), device="cuda")
         op.gate_up(c.x, c.ids, c.w[0], c.w[1], offset, "gate_up_h2048", act)
         local = (c.ids[0] >= offset) & (c.ids[0] < offset + num_local)
         assert torch.isfinite(act[local]).all() and act[~local].isnan().all()

@@ -158,6 +158,22 @@ def test_fp8_pipeline_with_triton_ops_matches_emulated(tokens, ep):
     assert torch.isfinite(got).all() and _rel(got, want) < DEQ_TOL
 
 
+@pytest.mark.parametrize("num_shared", [1, 2])
+def test_route_kernel_with_shared_experts_matches_reference(num_shared):
+    """Rows of E + 1 logits (the last a shared expert's gate): the routed columns as without it, then
+    experts E .. E + num_shared - 1 with weight sigmoid(last logit) in every row."""
+    gen = torch.Generator().manual_seed(num_shared)
+    logits = (torch.randn(5, 61, generator=gen) * 2).to(DEV)
+    w, ids = triton_moe.route(logits, 7, True, num_shared)
+    rw, rids = reference.route(logits, 7, True, num_shared)
+    assert w.shape == ids.shape == (5, 7 + num_shared)
+    assert torch.equal(ids, rids) and torch.allclose(w, rw, rtol=1e-6, atol=1e-7)
+    pw, pids = reference.route(logits[:, :60], 7, True)
+    assert torch.equal(ids[:, :7], pids) and torch.allclose(w[:, :7], pw, rtol=1e-6, atol=1e-7)
+    assert torch.equal(ids[:, 7:].cpu(), torch.arange(60, 60 + num_shared).expand(5, num_shared))
+    assert torch.allclose(w[:, 7:], torch.sigmoid(logits[:, 60:]).expand(5, num_shared), rtol=1e-6)
+
+
 @pytest.mark.parametrize("t,e,k,renorm", [(1, 128, 8, True), (7, 512, 10, True), (3, 8, 1, False), (2, 60, 3, True)])
 def test_route_kernel_matches_reference(t, e, k, renorm):
     """Ids equal to torch.topk on the fp32 softmax, weights within fp32 rounding; non-power-of-two

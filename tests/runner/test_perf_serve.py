@@ -32,6 +32,9 @@ def test_decode_bound_counts_what_a_step_moves():
         touched = 16 * (1 - (1 - 4 / 16) ** b)
         got = decode_step_bytes(NEXT, b, 100, e)["total"]
         assert abs(got - (dense + 8 * touched * e + b * 100 * 2 * 2 * 2 * 64 * 2 + 2 * b * states)) < 1e-3
+    # the shared expert held as experts (moe.MoE.num_shared): its weights at the experts' bytes per weight
+    fused = decode_step_bytes(NEXT, 1, 100, e, shared_as_experts=True)["total"]
+    assert abs(fused - (decode_step_bytes(NEXT, 1, 100, e)["total"] - 8 * 3 * h * 32 * (2 - 1))) < 1e-3
 
 
 def test_exposed_time_is_the_critical_path_under_overlap():
