@@ -492,14 +492,16 @@ REGISTRY: dict[str, Callable[[], ExpertBackend]] = {
 _chosen: dict[str, ExpertBackend] = {}
 
 
-def select(device: torch.device | str | None, name: str | None = None) -> ExpertBackend:
-    """The backend for `device` (or the named one / $NVL72_MOE_BACKEND), built once and logged."""
+def select(device: torch.device | str | None, name: str | None = None, fp8_shape: bool = True) -> ExpertBackend:
+    """The backend for `device` (or the named one / $NVL72_MOE_BACKEND), built once and logged.
+    `fp8_shape` False (an expert's H or I not a multiple of 128, as in the embedded tiny model): the
+    automatic choice on a GPU is the reference loop, which takes any shape."""
     name = name or os.environ.get("NVL72_MOE_BACKEND")
     if name is not None and name not in REGISTRY:
         raise ValueError(f"unknown MoE backend {name!r}; known: {sorted(REGISTRY)}")
     if name is None:
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        if dev.type != "cuda":
+        if dev.type != "cuda" or not fp8_shape:
             name = "reference"
         else:
             name = "sm90-fp8" if torch.cuda.get_device_capability(dev)[0] == 9 else "torch-grouped"

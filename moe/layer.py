@@ -133,7 +133,8 @@ class MoE(nn.Module):
             raise RuntimeError("MoE.prepare: the expert weights were converted with release_masters=True "
                                "and their loaded copies freed; reload the model to convert them again")
         if self._backend is None:
-            self._backend = backends.select(self.w13.device, self.backend_name)
+            fp8_shape = self.hidden % 128 == 0 and self.intermediate % 128 == 0
+            self._backend = backends.select(self.w13.device, self.backend_name, fp8_shape)
         self.num_shared = self._shared_slots()
         masters = [self.w13, self.w2]
         with torch.no_grad():

@@ -680,15 +680,19 @@ def _combine4(acc_rows, ml_rows, j0, active, row_ok, o, den, mx, D: tl.constexpr
 
 _SM_COUNT: dict[int, int] = {}
 _SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED_COUNTERS: list[torch.Tensor] = []  # outgrown buffers: CUDA graphs captured with them still use them
 
 
 def split_counters(device: torch.device, n: int) -> torch.Tensor:
     """[>= n] int32 zeros kept per device: the arrival counters of the split programs, reset by
     the program that combines (so one zeroing at allocation serves every later launch; launches
-    on one device must not overlap, as the decoder's layers on one stream do not)."""
+    on one device must not overlap, as the decoder's layers on one stream do not). A larger n later
+    gets a new buffer; the old one is kept alive, not freed, for the graphs that captured it."""
     c = _SPLIT_COUNTERS.get(device)
     if c is None or c.numel() < n:
-        c = _SPLIT_COUNTERS[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+        if c is not None:
+            _RETIRED_COUNTERS.append(c)
+        c = _SPLIT_COUNTERS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
     return c
 
 

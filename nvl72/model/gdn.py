@@ -35,7 +35,7 @@ from nvl72.model.batch import ForwardBatch
 from nvl72.model.gdn_ops import (causal_conv1d, chunk_gated_delta_rule, gated_rmsnorm, gdn_gating,
                                  recurrent_gated_delta_rule)
 from nvl72.model.parallel_layout import SINGLE, ParallelLayout
-from nvl72.model.weights import shard_loader
+from nvl72.model.weights import PackedRows, shard_loader
 
 _MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 log = logging.getLogger(__name__)
@@ -124,6 +124,9 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads, **kw).uniform_(0.01, 16).log())
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, **kw)
         self.out_proj = nn.Linear(self.value_dim, H, bias=False, **kw)
+        projs = ((self.in_proj_qkvz, self.in_proj_ba) if self.fused_qkvz
+                 else (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
+        self.packed_in_proj = PackedRows(*projs)  # `mix_packed`'s input: one GEMV at batch 1
         if parallel.tp_size > 1:
             self._shard_loaders(k0, hk, hv)
 
@@ -242,6 +245,40 @@ class GatedDeltaNet(nn.Module):
                 core[rows] = fn(q[rows], k[rows], v[rows], g[rows], beta[rows], recurrent_state, sub_qsl,
                                 read[seqs], write[rows])
         return core
+
+    def mix_packed(self, proj: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor,
+                   recurrent_state: torch.Tensor) -> torch.Tensor:
+        """What `forward` does between its projections and out_proj, for sequences of at most
+        RECURRENT_MAX_TOKENS tokens, in one kernel (`gdn_triton.fused_recurrent_mix`: a decode layer's
+        cat, gating, conv, delta rule and gated norm were ~20 launches). proj [T, rows of
+        `packed_in_proj`] (the projections of the normed input) -> [T, Hv*Dv], out_proj's input."""
+        from nvl72.model import gdn_triton
+
+        self._check_slots(batch, proj.shape[0])  # the kernel's wrapper checks the states
+        return gdn_triton.fused_recurrent_mix(
+            *self._packed_views(proj), self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias, self.norm.weight,
+            self.norm.eps, conv_state, recurrent_state, batch.query_start_loc, batch.state_read_slots,
+            batch.state_write_slots)
+
+    def _packed_views(self, proj: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k [T, Hk, Dk], v, z [T, Hk, r, Dv], b, a [T, Hk, r]: views into the packed projections' output
+        in either checkpoint layout (`_project` says which)."""
+        if proj.dim() != 2 or proj.shape[1] != self.packed_in_proj()[0].shape[0]:
+            raise ValueError(f"proj must be [T, {self.packed_in_proj()[0].shape[0]}] (packed_in_proj's rows), "
+                             f"got {tuple(proj.shape)}")
+        Hk, Dk, Dv = self.num_k_heads, self.head_k_dim, self.head_v_dim
+        r = self.num_v_heads // Hk
+        if self.fused_qkvz:  # per key head [q, k, v (r heads), z (r heads)], then per key head [b (r), a (r)]
+            group = 2 * Dk + 2 * r * Dv
+            qkvz = proj[:, : Hk * group].unflatten(1, (Hk, group))
+            ba = proj[:, Hk * group :].unflatten(1, (Hk, 2 * r))
+            v, z = (qkvz[..., 2 * Dk + i * r * Dv : 2 * Dk + (i + 1) * r * Dv].unflatten(-1, (r, Dv)) for i in (0, 1))
+            return qkvz[..., :Dk], qkvz[..., Dk : 2 * Dk], v, z, ba[..., :r], ba[..., r:]
+        kd, vd, hv = self.key_dim, self.value_dim, self.num_v_heads  # [q | k | v | z | b | a]
+        cuts = (0, kd, 2 * kd, 2 * kd + vd, 2 * kd + 2 * vd, 2 * kd + 2 * vd + hv, 2 * kd + 2 * vd + 2 * hv)
+        q, k, v, z, b, a = (proj[:, lo:hi] for lo, hi in zip(cuts, cuts[1:]))
+        return (q.unflatten(1, (Hk, Dk)), k.unflatten(1, (Hk, Dk)), v.unflatten(1, (Hk, r, Dv)),
+                z.unflatten(1, (Hk, r, Dv)), b.unflatten(1, (Hk, r)), a.unflatten(1, (Hk, r)))
 
     def _check_slots(self, batch: ForwardBatch, T: int) -> None:
         if batch.state_read_slots is None or batch.state_write_slots is None:

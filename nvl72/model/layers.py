@@ -268,6 +268,22 @@ class DecoderLayer(nn.Module):
                 log.info("layer %d: one-token steps not in one kernel: %s", self.cache_idx, self._one_kernel_reason)
         return not self._one_kernel_reason
 
+    def _gdn_block(self, x: torch.Tensor, delta: torch.Tensor | None,
+                   ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s, linear_attn(norm(s))) with s = x + delta. Steps whose sequences are all short (decode,
+        speculative verify: `max_query_len` known) on a backend with the fused ops run three kernels at
+        batch 1: the input norm inside the packed projections' GEMV, `mix_packed`, out_proj's GEMV."""
+        gdn, b, i = self.linear_attn, ctx.backend, self.cache_idx
+        conv, rec = ctx.caches.conv[i], ctx.caches.recurrent[i]
+        short = ctx.batch.max_query_len is not None and ctx.batch.max_query_len <= gdn.RECURRENT_MAX_TOKENS
+        if b is not None and b.fused_ops and short and not isinstance(ctx.attn, SplitMeta) and x.dim() == 2:
+            norm = self.input_layernorm
+            s, proj = b.norm_linear(x, delta, norm.weight, norm.eps, norm.zero_centered, *gdn.packed_in_proj())
+            return s, b.linear(gdn.mix_packed(proj, ctx.batch, conv, rec), gdn.out_proj.weight)
+        s, h = add_norm(self.input_layernorm, x, delta, ctx)
+        split = ctx.attn.mix if isinstance(ctx.attn, SplitMeta) else None  # piecewise prefill graphs
+        return s, gdn(h, ctx.batch, conv, rec, split)
+
     def forward_residual(self, x: torch.Tensor, delta: torch.Tensor | None,
                          ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer on x + delta, where delta (or None) is the previous layer's MLP output not yet
@@ -280,10 +296,7 @@ class DecoderLayer(nn.Module):
         if self.layer_type == FULL_ATTENTION:
             x, h = self.self_attn.forward_block(x, delta, self.input_layernorm, ctx)
         else:
-            x, h = add_norm(self.input_layernorm, x, delta, ctx)
-            i = self.cache_idx
-            split = ctx.attn.mix if isinstance(ctx.attn, SplitMeta) else None  # piecewise prefill graphs
-            h = self.linear_attn(h, ctx.batch, ctx.caches.conv[i], ctx.caches.recurrent[i], split)
+            x, h = self._gdn_block(x, delta, ctx)
         # all-reduce of the row-parallel o_proj / out_proj, then the residual add and the second norm
         delta, norm = self.parallel.reduce(h), self.post_attention_layernorm
         moe = self.mlp if isinstance(self.mlp, MoE) else None

@@ -1,5 +1,7 @@
 """GatedDeltaNet against transformers' Qwen3-Next and Qwen3.5-MoE modules (same weights, CPU, fp32),
 driven through state slots: whole and chunked prefill, decode, mixed batches, speculative verify."""
+import os
+
 import pytest
 import torch
 from transformers import DynamicCache, Qwen3NextConfig
@@ -13,6 +15,8 @@ from nvl72.model.gdn import GatedDeltaNet
 KINDS = {"qwen3_next": (Qwen3NextConfig, Qwen3NextGatedDeltaNet),
          "qwen3_5_moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeGatedDeltaNet)}
 NUM_SLOTS = 8
+INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1")
 LAYER = 1
 
 
@@ -47,9 +51,10 @@ class Pair:
         self.rec[slot] = 0
 
     @torch.no_grad()
-    def run(self, seqs, hint=False):
+    def run(self, seqs, hint=False, packed=False):
         """seqs: list of (hidden [L, H], read_slot, write_slots [L]) -> our outputs, one per sequence;
-        hint: pass the host-side max_query_len."""
+        hint: pass the host-side max_query_len; packed: through `packed_in_proj` and `mix_packed` (the
+        decode path of the fused backends: Triton's kernel, interpreted on CPU)."""
         lens = [h.shape[0] for h, _, _ in seqs]
         qsl = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
         T = int(qsl[-1])
@@ -59,7 +64,12 @@ class Pair:
                              state_read_slots=torch.tensor([r for _, r, _ in seqs]),
                              state_write_slots=torch.tensor([w for _, _, ws in seqs for w in ws]),
                              max_query_len=max(lens) if hint else None)
-        out = self.ours(torch.cat([h for h, _, _ in seqs]), batch, self.conv, self.rec)
+        x = torch.cat([h for h, _, _ in seqs])
+        if packed:
+            proj = torch.nn.functional.linear(x, self.ours.packed_in_proj()[0])
+            out = self.ours.out_proj(self.ours.mix_packed(proj, batch, self.conv, self.rec))
+        else:
+            out = self.ours(x, batch, self.conv, self.rec)
         return list(out.split(lens))
 
     @torch.no_grad()
@@ -162,6 +172,35 @@ def test_spec_verify_writes_each_position(kind, recurrent_max):
     assert rel_err(out, torch.cat(refs[1:])) < 1e-4
     for slot, state in zip(slots, states[1:]):
         p.assert_state(slot, state)
+
+
+@INTERPRETED
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_mix_decode_and_verify(kind):
+    """`mix_packed` (one kernel reading q, k, v, z, b, a out of the packed projections, either checkpoint
+    layout): token-by-token decode and a 4-token verify writing a state per position against transformers;
+    a batch of short sequences (one writing its own read slot, one position not written) against the
+    unfused layer from the same slots, every slot compared."""
+    p = Pair(kind, seed=5)
+    h = torch.randn(24, 32)
+    p.fresh(4)
+    outs = p.run([(h[:16], 4, writes(16, 4))])
+    for t in range(16, 20):
+        outs += p.run([(h[t:t + 1], 4, [4])], hint=True, packed=True)
+    slots = [4, 6, 7, 1]
+    outs += p.run([(h[20:], 4, slots)], hint=True, packed=True)
+    refs, states = p.hf_run([h[:16]] + [h[t:t + 1] for t in range(16, 24)])
+    assert rel_err(torch.cat(outs), torch.cat(refs)) < 1e-4
+    for slot, state in zip(slots, states[5:]):
+        p.assert_state(slot, state)
+    seqs = [(torch.randn(3, 32), 6, [2, 2, 2]), (torch.randn(1, 32), 7, [7]), (torch.randn(2, 32), 1, [-1, 0])]
+    conv, rec = p.conv.clone(), p.rec.clone()
+    want = p.run(seqs, hint=True)
+    want_conv, want_rec, p.conv, p.rec = p.conv, p.rec, conv, rec
+    got = p.run(seqs, hint=True, packed=True)
+    assert rel_err(torch.cat(got), torch.cat(want)) < 1e-4
+    assert rel_err(p.conv, want_conv) < 1e-5 and rel_err(p.rec, want_rec) < 1e-5
+    assert torch.equal(p.rec[3], want_rec[3]) and torch.equal(p.conv[5], want_conv[5])  # slots nobody wrote
 
 
 def test_state_shapes_match_transformers_cache():

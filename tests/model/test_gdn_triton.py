@@ -144,13 +144,104 @@ def test_layer_with_triton_ops_matches_reference(device, prefill, monkeypatch):
     assert rel_err(dev_rec.cpu(), rec) < 1e-4 and rel_err(dev_conv.cpu(), conv) < 1e-5
 
 
+# Ragged decode/verify batch: a decode token writing its read slot, a verify writing its read slot first
+# and skipping one position, sequences writing nothing; slots 5, 6, 8 are only read.
+MIX_LENS, MIX_READ = [1, 4, 2, 3, 1], [3, 0, 5, 6, 8]
+MIX_WRITE = [3] + [0, -1, 7, 2] + [-1, 1] + [9, -1, 4] + [-1]
+
+
+def _mix_views(layout, q, k, v, z, b, a, hk):
+    """The logical q [T, Hk, Dk], k, v [T, Hv, Dv], z, b [T, Hv], a laid out as a checkpoint's projections
+    put them, inside wider rows (as column slices of a packed output) -> the kernel's grouped views."""
+    T, _, dk = q.shape
+    hv, dv = v.shape[1:]
+    r = hv // hk
+    grp = lambda x: x.reshape(T, hk, -1)  # noqa: E731  [T, Hk, r*...] per key-head group
+    if layout == "qwen3_next":
+        qkvz = torch.cat([q, k, grp(v), grp(z)], -1).reshape(T, -1)  # in_proj_qkvz rows
+        ba = torch.cat([grp(b), grp(a)], -1).reshape(T, -1)  # in_proj_ba rows
+        row = torch.cat([qkvz, ba, torch.randn(T, 3).to(q.dtype)], 1)  # both in one row, then padding
+        g = row[:, :qkvz.shape[1]].unflatten(1, (hk, -1))
+        ba = row[:, qkvz.shape[1]:qkvz.shape[1] + ba.shape[1]].unflatten(1, (hk, 2 * r))
+        return (g[..., :dk], g[..., dk:2 * dk], g[..., 2 * dk:2 * dk + r * dv].unflatten(-1, (r, dv)),
+                g[..., 2 * dk + r * dv:].unflatten(-1, (r, dv)), ba[..., :r], ba[..., r:])
+    qkv = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), torch.randn(T, 5).to(q.dtype)], 1)
+    n = hk * dk
+    return (qkv[:, :n].unflatten(1, (hk, dk)), qkv[:, n:2 * n].unflatten(1, (hk, dk)),
+            qkv[:, 2 * n:2 * n + hv * dv].unflatten(1, (hk, r, dv)), z.reshape(T, hk, r, dv), b.reshape(T, hk, r),
+            a.reshape(T, hk, r))
+
+
+def _mix_reference(q, k, v, z, b, a, w, A_log, dt_bias, norm_w, eps, conv_state, state, qsl, read, write):
+    """The layer's torch ops composed, all fp32 (states updated in place)."""
+    T = q.shape[0]
+    f = [x.float() for x in (q, k, v, z, b, a, w, A_log, dt_bias, norm_w)]
+    q, k, v, z, b, a, w, A_log, dt_bias, norm_w = f
+    x = gdn_ops.causal_conv1d(torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], 1), w, conv_state,
+                              qsl, read, write)
+    qc, kc, vc = x.split([q[0].numel(), k[0].numel(), v[0].numel()], 1)
+    g, beta = gdn_ops.gdn_gating(A_log, a, dt_bias, b)
+    o = gdn_ops.recurrent_gated_delta_rule(qc.view(q.shape), kc.view(k.shape), vc.view(v.shape), g, beta, state,
+                                           qsl, read, write)
+    return gdn_ops.gated_rmsnorm(o, z, norm_w, eps).reshape(T, -1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("hk,hv,dk,dv,K,sms", [(2, 4, 16, 64, 4, 1), (2, 4, 16, 64, 4, 10**6),
+                                                (1, 3, 24, 48, 3, 10**6)])
+def test_fused_recurrent_mix_matches_reference(device, dtype, layout, hk, hv, dk, dv, K, sms, monkeypatch):
+    """conv + gating + delta rule + gated norm in one kernel against the torch ops composed in fp32, reading
+    q/k/v/z/b/a in place from either layout, ragged 1-4-token sequences, the output NaN-poisoned first;
+    written state slots compared, the others untouched. `sms`: whole heads a program, or (more SMs than
+    programs) 32-wide Dv tiles; the last shape: a masked second tile, masked head dims, 3 value heads a
+    key head, a 3-tap conv."""
+    monkeypatch.setattr(triton_mod, "_num_sms", lambda dev: sms)
+    gen = torch.Generator().manual_seed(hv * dk + K)
+    T, cd, eps = sum(MIX_LENS), 2 * hk * dk + hv * dv, 1e-6
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
+    q, k, v, z, b, a = rnd(T, hk, dk), rnd(T, hk, dk), rnd(T, hv, dv), rnd(T, hv, dv), rnd(T, hv), rnd(T, hv)
+    w, dt_bias, norm_w = rnd(cd, K), rnd(hv), (1 + 0.3 * torch.randn(dv, generator=gen)).to(dtype)
+    A_log = torch.empty(hv).uniform_(0.01, 4, generator=gen).log()
+    conv_state, state = rnd(10, cd, K - 1), torch.randn(10, hv, dk, dv, generator=gen)
+    qsl, read, write = _batch(MIX_LENS, MIX_READ, MIX_WRITE, "cpu")
+    ref_conv, ref_state = conv_state.to(torch.float32, copy=True), state.clone()
+    ref = _mix_reference(q, k, v, z, b, a, w, A_log, dt_bias, norm_w, eps, ref_conv, ref_state, qsl, read, write)
+
+    views = [x.to(device) for x in _mix_views(layout, q, k, v, z, b, a, hk)]  # .to keeps the strides
+    dev = [x.to(device) for x in (w, A_log, dt_bias, norm_w, conv_state, state, qsl, read, write)]
+    out = torch.full((T, hv * dv), float("nan"), dtype=dtype, device=device)
+    assert triton_mod.fused_recurrent_mix(*views, *dev[:4], eps, *dev[4:], out=out) is out
+    assert rel_err(out.cpu(), ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+    written = torch.tensor(sorted({s for s in MIX_WRITE if s >= 0}))
+    kept = torch.tensor([s for s in range(10) if s not in written])
+    got_conv, got_state = dev[4].cpu(), dev[5].cpu()
+    assert torch.equal(got_conv.float()[written], ref_conv[written])  # tails are copies of inputs: exact
+    assert rel_err(got_state[written], ref_state[written]) < 1e-5
+    assert torch.equal(got_conv[kept], conv_state[kept]) and torch.equal(got_state[kept], state[kept])
+    assert not triton_mod.split_counters(out.device, 0).any()  # the arrival counters are reset
+
+
+def test_fused_recurrent_mix_rejects_bad_state():
+    q = torch.randn(1, 1, 16)
+    v = torch.randn(1, 1, 2, 16)
+    ab = torch.randn(1, 1, 2)
+    qsl, read, write = _batch([1], [0], [0], "cpu")
+    with pytest.raises(ValueError, match="float32"):
+        triton_mod.fused_recurrent_mix(q, q, v, v, ab, ab, torch.randn(64, 4), torch.zeros(2), torch.zeros(2),
+                                       torch.ones(16), 1e-6, torch.zeros(1, 64, 3),
+                                       torch.zeros(1, 2, 16, 16, dtype=torch.bfloat16), qsl, read, write)
+
+
 @COMPILES
 @pytest.mark.parametrize("arch,pdl", [(90, True), (90, False), (100, True)])
 def test_kernels_compile_for_hopper_and_blackwell(arch, pdl):
     """Ahead-of-time compile to cubin (no GPU needed) with the bf16 / fp32 signatures the layer uses,
     with programmatic dependent launch (griddepcontrol in the PTX) and without."""
 
-    ints = {"i32": ("T", "D", "stride_x", "stride_o", "stride_q", "stride_k", "stride_v", "HK", "HV", "DK", "DV")}
+    ints = {"i32": ("T", "D", "stride_x", "stride_o", "stride_q", "stride_k", "stride_v", "HK", "HV", "DK", "DV", "R",
+                    *(f"s{x}_{d}" for x in "qkvzba" for d in "tgr"))}
     kernels = [
         (triton_mod._causal_conv1d_kernel, {"x": "*bf16", "w": "*bf16", "tails": "*bf16", "conv_state": "*bf16",
                                             "out": "*bf16", "tok_seq": "*i64", "qsl": "*i32", "write_slots": "*i64"},
@@ -163,6 +254,11 @@ def test_kernels_compile_for_hopper_and_blackwell(arch, pdl):
                                                                   "gam", "o", "state")},
                                          "seq_chunks": "*i64", "read_slots": "*i64", "wslots": "*i64"},
          {"C": 64, "BK": 128, "BV": 32}),
+        (triton_mod._fused_recurrent_mix_kernel,
+         {**{n: "*bf16" for n in ("q", "k", "v", "z", "b", "a", "conv_w", "dt_bias", "norm_w", "conv_state", "out")},
+          "A_log": "*fp32", "state": "*fp32", "o_raw": "*fp32", "counters": "*i32", "qsl": "*i32",
+          "read_slots": "*i64", "write_slots": "*i64", "scale": "fp32", "eps": "fp32"},
+         {"K": 4, "BK": 128, "BV": 32, "BD": 128, "BC": 4}),
     ]
     for fn, sig, constexprs in kernels:
         compile_pdl(fn, {**sig, **{n: "i32" for n in ints["i32"] if n in fn.arg_names}}, constexprs, pdl, arch)

@@ -217,12 +217,17 @@ def test_moe_layer_sm90_matches_reference(tokens, kernels, monkeypatch):
         prm.data.normal_(0, 0.05)
     ref = MoE(512, 16, 4, 256, backend="reference", **kw)
     ref.load_state_dict(fast.state_dict())
+    emulated = MoE(512, 16, 4, 256, backend="mxfp8-emulated", **kw)  # the same quantization in torch
+    emulated.load_state_dict(fast.state_dict())
     x = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
-    got, want = fast(x), ref(x)
-    assert fast._backend.name == "sm90-fp8"
+    got, want, same_fp8 = fast(x), ref(x), emulated(x)
+    assert fast._backend.name == "sm90-fp8" and fast.num_shared == 1  # the shared expert in FP8 too
     masked_default = fast._backend.ops.grouped_gemm.defaults[(True, True)]
     assert masked_default.startswith("ws_") == (kernels != "classic")
-    assert _rel(got, want) < 5e-2
+    assert _rel(got, same_fp8) < 2e-2
+    # against bf16 weights: every expert's e4m3 rounding (0.064-0.066 on these Gaussian weights since the
+    # shared expert is FP8 too, H200 2026-11-29; the CPU emulation test allows 0.08 as well)
+    assert _rel(got, want) < 8e-2
 
 
 def test_triton_gather_quant_mx_matches_reference():

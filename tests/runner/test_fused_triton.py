@@ -374,3 +374,15 @@ def test_kernels_compile_for_hopper(pdl):
                                       **{n: i64 for n in ("stride_kt", "stride_vt", "stride_page", "stride_kind",
                                                           "stride_head", "stride_tok")}},
                 {"PAGE_SIZE": 16, "D": 128}, pdl)
+
+
+def test_split_counters_keep_outgrown_buffers_alive():
+    """A larger request gets a new zeroed buffer; the old one stays referenced (CUDA graphs captured with
+    it keep using it: freed, its memory could be handed to another tensor under a replay)."""
+    dev = torch.device("cpu")
+    ft._SPLIT_COUNTERS.pop(dev, None)
+    small = ft.split_counters(dev, 10)
+    assert ft.split_counters(dev, small.numel()) is small
+    big = ft.split_counters(dev, small.numel() + 1)
+    assert big is not small and big.numel() > small.numel() and not big.any()
+    assert any(c is small for c in ft._RETIRED_COUNTERS)
