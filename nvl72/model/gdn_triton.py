@@ -16,9 +16,10 @@ Every kernel takes `PDL` (programmatic dependent launch, `aot.pdl`): with it, it
 previous kernel first thing and then lets the next one launch.
 
 Verified in Triton's interpreter (TRITON_INTERPRET=1) on CPU and compiled for sm_90 / sm_100 with
-Triton 3.9; the cuda cases of tests/model/test_gdn_triton.py passed on one H200 (Triton 3.6, torch 2.11).
-There `fused_recurrent_mix` took 7.7 us at batch 1 and 196 us at 128 decodes (CUDA graphs, bf16, 16 key /
-32 value heads of 128, every token writing a state), against 61 and 301 us for the op chain it replaces.
+Triton 3.9; the cuda cases of tests/model/test_gdn_triton.py pass on an H200 (Triton 3.6, torch 2.11).
+`fused_recurrent_mix` alone (a graph of launches, bf16, 16 key / 32 value heads of 128, every token
+writing a state): 7.7 us at batch 1, 196 us at 128 decodes, against 61 and 301 us for the op chain it
+replaced; in a Qwen3-Next-shaped batch-1 decode step it exposes ~12 us a layer (perf/RESULTS.md).
 """
 from __future__ import annotations
 
