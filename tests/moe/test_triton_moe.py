@@ -239,4 +239,4 @@ def test_kernels_compile_for_hopper(pdl):
         "y_ptr": "*bf16", "row_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*bf16", "sh_ptr": "*bf16", "g_ptr": "*bf16",
         "H": i32}, {"K": 8, "HAS_SHARED": True, "BLOCK": 256}, pdl)
     compile_pdl(triton_moe._topk_softmax_kernel, {"logit_ptr": "*bf16", "w_ptr": "*fp32", "id_ptr": "*i64", "E": i32},
-                {"K": 8, "KP": 8, "RENORM": True, "BLOCK_E": 128}, pdl)
+                {"K": 8, "KP": 8, "RENORM": True, "NS": 1, "BLOCK_E": 128}, pdl)
