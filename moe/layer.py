@@ -18,7 +18,7 @@ is a multiple of the experts', held as `num_shared` more experts (`prepare`, $NV
 that every token picks with weight sigmoid(x . w_gate): its gate logit is one more row of the router,
 its slices run in the same expert kernels (and format: FP8 on GPU) as the routed experts, so a decode
 layer pays no launches of its own for it (the Qwen3-Next shape at batch 1 spent ~19 us a layer on the
-shared expert's five GEMVs and elementwise kernels: perf/RESULTS.md). Otherwise it runs beside them, on
+shared expert's five cuBLAS and two elementwise kernels: perf/RESULTS.md). Otherwise it runs beside them, on
 a second stream on CUDA, and `sigmoid(x . w_gate) * shared(x)` is added inside the un-permute kernel.
 """
 from __future__ import annotations
@@ -205,8 +205,9 @@ class MoE(nn.Module):
         return getattr(self._ready(), "name", type(self._backend).__name__)
 
     def route(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64). `router_logits` [T, E]:
-        self.gate(x) computed by the caller (the service folds it into its norm kernel)."""
+        """x [T, H] -> (topk_weights [T, k'] fp32, topk_ids [T, k'] int64), k' = top_k + num_shared (the
+        shared expert's slots last). `router_logits` [T, rows of `router_weight()`]: its logits computed by
+        the caller (the service folds them into its norm kernel)."""
         backend = self._ready()
         logits = F.linear(x, self.router_weight()) if router_logits is None else router_logits
         return backend.route(logits, self.top_k, self.norm_topk_prob, self.num_shared)
