@@ -168,10 +168,10 @@ class PrefillGraphs:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         t0, reserved = time.perf_counter(), torch.cuda.memory_reserved()
-        # captures run on a stream of their own, one for every size (as torch.cuda.graph's default capture
-        # stream): the allocator hands a pool's freed blocks only to the stream that allocated them, so a
-        # stream a size gives every size memory of its own (so captured, the 30B shape's 12 sizes held
-        # 3.3 GiB; with the shared stream: not measured yet)
+        # every size is captured on one side stream (as torch.cuda.graph's default capture stream): the
+        # allocator hands a pool's freed blocks only to the stream that allocated them, so a stream a size
+        # gave every size memory of its own (the 30B shape's 12 sizes to 2048 tokens held 3.3 GiB; with one
+        # stream its 18 sizes to 8192 hold 1340 MiB, H200, perf/RESULTS.md)
         side = torch.cuda.Stream()
         for n in reversed(self.sizes):  # largest first: the smaller sizes fit in the memory it pooled
             self._forward(n, lambda run: None)  # warm-up: lazy inits, compiles, allocations

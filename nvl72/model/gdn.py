@@ -263,9 +263,9 @@ class GatedDeltaNet(nn.Module):
     def _packed_views(self, proj: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q, k [T, Hk, Dk], v, z [T, Hk, r, Dv], b, a [T, Hk, r]: views into the packed projections' output
         in either checkpoint layout (`_project` says which)."""
-        if proj.dim() != 2 or proj.shape[1] != self.packed_in_proj()[0].shape[0]:
-            raise ValueError(f"proj must be [T, {self.packed_in_proj()[0].shape[0]}] (packed_in_proj's rows), "
-                             f"got {tuple(proj.shape)}")
+        rows = sum(lin.out_features for lin in self.packed_in_proj.linears)
+        if proj.dim() != 2 or proj.shape[1] != rows:
+            raise ValueError(f"proj must be [T, {rows}] (packed_in_proj's rows), got {tuple(proj.shape)}")
         Hk, Dk, Dv = self.num_k_heads, self.head_k_dim, self.head_v_dim
         r = self.num_v_heads // Hk
         if self.fused_qkvz:  # per key head [q, k, v (r heads), z (r heads)], then per key head [b (r), a (r)]
