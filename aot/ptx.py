@@ -1,7 +1,8 @@
 """Inline PTX for the CuTeDSL kernels of `comms`, `moe` and `nvl72` (all may import `aot`): the asm builder
 and value converters their raw-address helpers share, and the bulk copy and 16- / 8-byte loads and
 stores of the one-token row kernels (moe.kernels.sm90_one_token, nvl72.kernels.sm90_gemv) and the batch-1
-attention (nvl72.kernels.sm90_attn: also its arrival atomic and proxy fence). Imports
+attention (nvl72.kernels.sm90_attn: also its arrival atomic and proxy fence), the grid counter's add and
+polls of the layer-stream measurement (nvl72.kernels.sm90_layer_stream). Imports
 CuTeDSL, so only kernel modules (compiled where CuTeDSL is installed, never imported on a GPU host)
 import it."""
 import cutlass
@@ -41,6 +42,30 @@ def bulk_g2s(dst, src, nbytes, mbar, *, loc=None, ip=None):
     asm(None, [i32(dst, loc, ip), i64(src, loc, ip), i32(nbytes, loc, ip), i32(mbar, loc, ip)],
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
         "r,l,r,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def l2_policy(evict_last, *, loc=None, ip=None):
+    """A `createpolicy` L2 cache policy for all of an access's lines: evict_last (Python True) or
+    evict_first (False), as the Int64 operand of the `...L2::cache_hint` forms below."""
+    kind = "evict_last" if evict_last else "evict_first"
+    return cutlass.Int64(asm(T.i64(), [], f"createpolicy.fractional.L2::{kind}.b64 $0, 1.0;", "=l", loc, ip))
+
+
+@dsl_user_op
+def bulk_g2s_hint(dst, src, nbytes, mbar, policy, *, loc=None, ip=None):
+    """`bulk_g2s` with an L2 cache policy (`l2_policy`)."""
+    asm(None, [i32(dst, loc, ip), i64(src, loc, ip), i32(nbytes, loc, ip), i32(mbar, loc, ip), i64(policy, loc, ip)],
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [$0], [$1], $2, [$3], $4;",
+        "r,l,r,r,l,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def bulk_prefetch_l2(src, nbytes, policy, *, loc=None, ip=None):
+    """`cp.async.bulk.prefetch.L2` of `nbytes` (a multiple of 16) at global address `src` (Int64) into L2
+    under an L2 cache policy (`l2_policy`); nothing to wait for."""
+    asm(None, [i64(src, loc, ip), i32(nbytes, loc, ip), i64(policy, loc, ip)],
+        "cp.async.bulk.prefetch.L2.global.L2::cache_hint [$0], $1, $2;", "l,r,l,~{memory}", loc, ip)
 
 
 @dsl_user_op
@@ -147,6 +172,27 @@ def atomic_add_acq_rel(addr, v, *, loc=None, ip=None):
     barrier before it, it publishes the CTA's earlier stores to the thread that reads the last count."""
     return cutlass.Int32(asm(T.i32(), [i64(addr, loc, ip), i32(v, loc, ip)], "atom.add.acq_rel.gpu.s32 $0, [$1], $2;",
                              "=r,l,r,~{memory}", loc, ip))
+
+
+@dsl_user_op
+def ld_acquire_gpu_i32(addr, *, loc=None, ip=None):
+    """`ld.acquire.gpu` of the Int32 at global address `addr` (Int64): a grid-wide counter's poll."""
+    return cutlass.Int32(asm(T.i32(), [i64(addr, loc, ip)], "ld.acquire.gpu.global.b32 $0, [$1];", "=r,l,~{memory}",
+                             loc, ip))
+
+
+@dsl_user_op
+def ld_relaxed_gpu_i32(addr, *, loc=None, ip=None):
+    """`ld.relaxed.gpu` of the Int32 at global address `addr` (Int64)."""
+    return cutlass.Int32(asm(T.i32(), [i64(addr, loc, ip)], "ld.relaxed.gpu.global.b32 $0, [$1];", "=r,l,~{memory}",
+                             loc, ip))
+
+
+@dsl_user_op
+def red_add_relaxed_gpu(addr, v, *, loc=None, ip=None):
+    """`red.relaxed.gpu.add` of Int32 `v` at global address `addr` (Int64): no ordering, no result."""
+    asm(None, [i64(addr, loc, ip), i32(v, loc, ip)], "red.relaxed.gpu.global.add.s32 [$0], $1;", "l,r,~{memory}", loc,
+        ip)
 
 
 @dsl_user_op
