@@ -194,7 +194,8 @@ def _fused_recurrent_mix_kernel(q, k, v, z, b, a, conv_w, A_log, dt_bias, norm_w
                                 sb_t, sb_g, sb_r, sa_t, sa_g, sa_r, stride_o, HK, R, DK, DV,
                                 K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr,
                                 BC: tl.constexpr, PDL: tl.constexpr):
-    wait_prior(PDL)
+    # Before the PDL wait, everything the projections (the previous kernel) do not write: the step's slots
+    # and the state tile and conv tails of the last step (aot.pdl's rule: written two kernels back or more)
     i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // R
     HV = HK * R
@@ -218,6 +219,7 @@ def _fused_recurrent_mix_kernel(q, k, v, z, b, a, conv_w, A_log, dt_bias, norm_w
     s_off = (i_h * DK + ok[:, None]) * DV + ov[None, :]  # [BK, BV] inside one slot [HV, DK, DV]
     s_mask = mk[:, None] & mv[None, :]
     S = tl.load(state + rs * slot_size + s_off, mask=s_mask, other=0.0)
+    wait_prior(PDL)
     for t in range(start, end):
         j = t - start
         ws = tl.load(write_slots + t).to(tl.int64)
