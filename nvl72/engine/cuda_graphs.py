@@ -83,7 +83,7 @@ class _Buffers:
             seq_lens=self.seq_lens[:bs], page_table=self.page_table[:bs],
             state_read_slots=None if self.state_read_slots is None else self.state_read_slots[:bs],
             state_write_slots=None if self.state_write_slots is None else self.state_write_slots[:t],
-            max_query_len=query_len)
+            max_query_len=query_len, decode=True)
 
 
 class Staging:

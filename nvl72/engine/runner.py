@@ -101,11 +101,13 @@ def flatten(scheduled: list[ScheduledSeq], hybrid: bool) -> StepArrays:
     logits_idx: list[int] = []
     rows: list[tuple[int, int]] = []
     max_q = 0
+    decode = bool(scheduled)
     t = 0
     for i, s in enumerate(scheduled):
         seq = s.seq
         n, drafts, start = s.num_new, s.drafts, seq.num_computed
         known = n - len(drafts)
+        decode = decode and known == 1
         all_ids = seq.all_ids
         if n == 1:  # a plain decode token
             ids.append(all_ids[start])
@@ -130,7 +132,7 @@ def flatten(scheduled: list[ScheduledSeq], hybrid: bool) -> StepArrays:
         cu.append(t)
     return StepArrays(
         array.array("q", ids), array.array("q", pos), array.array("i", cu), array.array("i", seq_lens),
-        [s.seq.pages for s in scheduled], array.array("q", logits_idx), rows, max_q,
+        [s.seq.pages for s in scheduled], array.array("q", logits_idx), rows, max_q, decode,
         array.array("q", [s.seq.state_slot for s in scheduled]) if hybrid else None,
         array.array("q", write) if hybrid else None)
 
@@ -157,7 +159,7 @@ def build_batch(scheduled: list[ScheduledSeq], page_size: int, hybrid: bool, dev
         input_ids=f[0], positions=f[1], logits_indices=f[2],
         query_start_loc=f[-3], seq_lens=f[-2], page_table=f[-1].view(len(scheduled), max_pages),
         state_read_slots=f[3] if hybrid else None, state_write_slots=f[4] if hybrid else None,
-        max_query_len=a.max_query_len)
+        max_query_len=a.max_query_len, decode=a.decode)
     return batch, a.rows, f[-4].view(2, -1) if has_fill else None
 
 

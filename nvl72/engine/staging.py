@@ -30,6 +30,7 @@ class StepArrays:
     logits_indices: array.array  # "q" [N]
     rows: list[tuple[int, int]]  # (index into scheduled, query offset) per sampled row
     max_query_len: int
+    decode: bool  # every sequence feeds its next token and its drafts only (ForwardBatch.decode)
     state_read_slots: array.array | None = None  # "q" [B] (hybrid models)
     state_write_slots: array.array | None = None  # "q" [T]
 

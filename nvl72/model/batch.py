@@ -33,6 +33,11 @@ class ForwardBatch:
     # Host-side max of the query lengths, if the engine knows it: lets layers pick kernels (e.g. GDN
     # recurrent vs chunked rule) without a device sync, as CUDA-graph decode needs.
     max_query_len: int | None = None
+    # Every sequence feeds its next token and its drafts only (a decode or verify step, as the decode
+    # graphs run it; the engine knows it on the host). Layers take their few-token paths, whose rounding
+    # differs from prefill's (the fused GDN mixer is fp32 throughout), only for such steps, so a prompt's
+    # states do not depend on whether its prefill ran eagerly or in prefill graphs' pieces.
+    decode: bool = False
 
     @property
     def num_seqs(self) -> int:

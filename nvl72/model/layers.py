@@ -270,12 +270,13 @@ class DecoderLayer(nn.Module):
 
     def _gdn_block(self, x: torch.Tensor, delta: torch.Tensor | None,
                    ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """(s, linear_attn(norm(s))) with s = x + delta. Steps whose sequences are all short (decode,
-        speculative verify: `max_query_len` known) on a backend with the fused ops run three kernels at
+        """(s, linear_attn(norm(s))) with s = x + delta. Decode and verify steps (`ForwardBatch.decode`,
+        their `max_query_len` known and short) on a backend with the fused ops run three kernels at
         batch 1: the input norm inside the packed projections' GEMV, `mix_packed`, out_proj's GEMV."""
         gdn, b, i = self.linear_attn, ctx.backend, self.cache_idx
         conv, rec = ctx.caches.conv[i], ctx.caches.recurrent[i]
-        short = ctx.batch.max_query_len is not None and ctx.batch.max_query_len <= gdn.RECURRENT_MAX_TOKENS
+        short = (ctx.batch.decode and ctx.batch.max_query_len is not None
+                 and ctx.batch.max_query_len <= gdn.RECURRENT_MAX_TOKENS)
         if b is not None and b.fused_ops and short and not isinstance(ctx.attn, SplitMeta) and x.dim() == 2:
             norm = self.input_layernorm
             s, proj = b.norm_linear(x, delta, norm.weight, norm.eps, norm.zero_centered, *gdn.packed_in_proj())

@@ -275,7 +275,7 @@ def test_staging_write_pads_past_the_step(hybrid):
         return StepArrays(
             array.array("q", range(base, base + b * q)), array.array("q", range(base + 1, base + 1 + b * q)),
             array.array("i", range(0, (b + 1) * q, q)), array.array("i", range(base, base + b)), cols,
-            array.array("q"), [], q, array.array("q", range(b)) if hybrid else None,
+            array.array("q"), [], q, True, array.array("q", range(b)) if hybrid else None,
             array.array("q", range(b * q)) if hybrid else None)
 
     st.write(step(6, 100), 8)
@@ -319,3 +319,22 @@ def test_staging_moves_as_one_prefix_copy(hybrid):
     before = {name: getattr(src, name).clone() for name in src.names()}
     src.seq_lens.fill_(-7)
     assert all(torch.equal(getattr(src, name), before[name]) for name in src.names() if name != "seq_lens")
+
+
+def test_flatten_marks_decode_steps():
+    """ForwardBatch.decode (the few-token layer paths) is set for decode and verify steps only: a step
+    holding a prefill chunk runs the prefill paths, as the prefill graphs' pieces would."""
+    from types import SimpleNamespace
+
+    from nvl72.engine.runner import flatten
+    from nvl72.engine.scheduler import ScheduledSeq
+
+    def seq(n_ids, computed):
+        return SimpleNamespace(all_ids=list(range(n_ids)), num_computed=computed, pages=[0], state_slot=3)
+
+    decode = ScheduledSeq(seq(10, 9), 1, [])
+    verify = ScheduledSeq(seq(10, 9), 3, [7, 8])
+    chunk = ScheduledSeq(seq(10, 2), 5, [])
+    assert flatten([decode, verify], True).decode
+    assert not flatten([decode, chunk], True).decode and not flatten([chunk], True).decode
+    assert not flatten([], True).decode
