@@ -338,3 +338,34 @@ def test_flatten_marks_decode_steps():
     assert flatten([decode, verify], True).decode
     assert not flatten([decode, chunk], True).decode and not flatten([chunk], True).decode
     assert not flatten([], True).decode
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_gdn_layer_takes_the_fused_path_only_for_decode_steps(monkeypatch, decode):
+    """A short step on a backend with the fused ops: the fused GDN block (norm inside the packed GEMV)
+    only when the batch says decode / verify; a short prefill takes the layer's prefill ops, as the
+    prefill graphs' pieces do (else greedy outputs depended on the prefill graphs, GPU-measured)."""
+    from types import SimpleNamespace
+
+    from nvl72.model import layers
+    from nvl72.model.batch import ForwardBatch
+
+    class Took(Exception):
+        pass
+
+    def took(path):
+        def raise_(*args, **kwargs):
+            raise Took(path)
+        return raise_
+
+    model = tiny("qwen3_next", "cpu")
+    layer = next(m for m in model.modules() if isinstance(m, layers.DecoderLayer) and hasattr(m, "linear_attn"))
+    monkeypatch.setattr(layers, "add_norm", took("prefill ops"))
+    t = 3
+    batch = ForwardBatch(torch.zeros(t, dtype=torch.long), torch.zeros(t, dtype=torch.long),
+                         torch.tensor([0, t], dtype=torch.int32), torch.tensor([t], dtype=torch.int32),
+                         torch.zeros(1, 1, dtype=torch.int32), max_query_len=t, decode=decode)
+    ctx = layers.ForwardContext(batch, SimpleNamespace(conv=[None] * 8, recurrent=[None] * 8), None, None, None,
+                                backend=SimpleNamespace(fused_ops=True, norm_linear=took("fused")))
+    with pytest.raises(Took, match="fused" if decode else "prefill ops"):
+        layer._gdn_block(torch.zeros(t, model.config.hidden_size), None, ctx)
