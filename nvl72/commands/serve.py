@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nvl72.cli import CLIError
+from nvl72.engine.sizes import parse_sizes
 
 HELP = "start the OpenAI-compatible HTTP server (embedded tiny default model if --model is not given)"
 log = logging.getLogger(__name__)
@@ -169,14 +170,14 @@ def _engine_mode(mode: str, device: str) -> str:
 
 def _graph_sizes(text: str | None, most: int, option: str = "cuda-graph-sizes", unit: str = "batch sizes",
                  limit: str = "max-num-seqs") -> tuple[int, ...] | None:
-    """A comma-separated list of sizes in [1, most]."""
+    """A comma-separated list of sizes in [1, most] (`parse_sizes`)."""
     if text is None:
         return None
     try:
-        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
-    except ValueError:
-        raise CLIError(f"--{option}={text!r} is not a comma-separated list of {unit}") from None
-    if not sizes or sizes[0] < 1 or sizes[-1] > most:
+        sizes = parse_sizes(text, f"--{option}", unit)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    if not sizes or sizes[-1] > most:
         raise CLIError(f"--{option}={text!r}: sizes must lie in [1, --{limit}={most}]")
     return sizes
 

@@ -29,6 +29,7 @@ from nvl72.engine.runner import ModelRunner, PriorTokens
 from nvl72.engine.sampler import DeviceSample, has_penalty
 from nvl72.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from nvl72.engine.sequence import PENDING_TOKEN, Sequence, Status
+from nvl72.engine.sizes import parse_sizes
 from nvl72.engine.spec import DraftInput, Drafter
 from nvl72.model import attn_backends
 
@@ -99,11 +100,8 @@ WARMUP_REQUEST_ID = "nvl72-warmup"
 
 
 def graph_sizes_from_env() -> tuple[int, ...]:
-    text = os.environ.get("NVL72_CUDA_GRAPHS", "")
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"NVL72_CUDA_GRAPHS={text!r} is not a comma-separated list of batch sizes") from None
+    """$NVL72_CUDA_GRAPHS: decode batch sizes, comma-separated; () when unset."""
+    return parse_sizes(os.environ.get("NVL72_CUDA_GRAPHS", ""), "NVL72_CUDA_GRAPHS", "batch sizes")
 
 
 def default_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:

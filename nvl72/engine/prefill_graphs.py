@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nvl72.engine.cuda_graphs import GraphUnavailable, end_failed_capture
+from nvl72.engine.sizes import parse_sizes
 from nvl72.model.attn_backends import AttentionShape, SplitMeta
 from nvl72.model.batch import ForwardBatch, ModelCaches
 from nvl72.model.layers import ForwardContext
@@ -57,15 +58,7 @@ def sizes_from_env() -> tuple[int, ...] | None:
     text = os.environ.get(ENV, "").strip()
     if not text:
         return None
-    if text == "0":
-        return ()
-    try:
-        sizes = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"${ENV}={text!r} is not 0 or a comma-separated list of token counts") from None
-    if min(sizes, default=1) < 1:
-        raise ValueError(f"${ENV}={text!r}: token counts must be >= 1")
-    return sizes
+    return () if text == "0" else parse_sizes(text, f"${ENV}", "token counts")
 
 
 def alias(t: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ def test_sizes_from_env(monkeypatch):
     monkeypatch.setenv(pg.ENV, "0")
     assert pg.sizes_from_env() == () and EngineConfig().prefill_sizes(torch.device("cuda")) == ()
     monkeypatch.setenv(pg.ENV, "64, 16")
-    assert pg.sizes_from_env() == (64, 16)
+    assert pg.sizes_from_env() == (16, 64)
     assert EngineConfig(enforce_eager=True).prefill_sizes(torch.device("cuda")) == ()
     for bad in ("16,x", "-4"):
         monkeypatch.setenv(pg.ENV, bad)

@@ -56,6 +56,24 @@ def test_engine_graph_sizes_default_on_cuda_only():
     assert EngineConfig(cuda_graph_batch_sizes=(2, 4)).graph_sizes(cuda) == (2, 4)
 
 
+def test_size_lists_parse_alike(monkeypatch):
+    """One parser behind the env variables and the serve options: sorted, duplicates and blanks dropped,
+    a non-number or a size below 1 refused by name."""
+    from nvl72.engine.engine import graph_sizes_from_env
+    from nvl72.engine.sizes import parse_sizes
+
+    assert parse_sizes("8, 1,4,,8", "X", "batch sizes") == (1, 4, 8) and parse_sizes(" ", "X", "batch sizes") == ()
+    with pytest.raises(ValueError, match="X='1,a' is not a comma-separated list of token counts"):
+        parse_sizes("1,a", "X", "token counts")
+    monkeypatch.setenv("NVL72_CUDA_GRAPHS", "4,0")
+    with pytest.raises(ValueError, match="NVL72_CUDA_GRAPHS='4,0': batch sizes must be >= 1"):
+        graph_sizes_from_env()
+    monkeypatch.setenv("NVL72_CUDA_GRAPHS", "4,2")
+    assert graph_sizes_from_env() == (2, 4)
+    with pytest.raises(CLIError, match="--cuda-graph-sizes='0,2': batch sizes must be >= 1"):
+        _opts("--cuda-graph-sizes", "0,2")
+
+
 @pytest.mark.parametrize("argv,named", [
     (["--port", "70000"], "70000"),
     (["--attention-backend", "flash"], "'flash'"),
