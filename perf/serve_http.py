@@ -134,7 +134,7 @@ def main(argv=None) -> int:
                "output_tok_s_wall": r.output_tok_s}
         if bw:
             b = decode_step_bytes(cfg_dict, c, args.decode_prompt_len + args.decode_out // 2, expert_bytes,
-                                      shared_as_experts=fused)
+                                  shared_as_experts=fused)
             row.update(bound_step_ms=b["total"] / bw * 1e3, bound_tok_s=c * bw / b["total"])
         rows.append(row)
     for n, r in res["ttft"].items():

@@ -131,20 +131,28 @@ class LayerStream:
                 cute.arch.mbarrier_wait(full + first + m % slots, (m // slots) % 2)
 
     @cute.jit
-    def produce(self, ring, full, empty, slots: cutlass.Constexpr, first: cutlass.Constexpr, n, src, c, ctas,
-                cnt, stride, trace):
-        """Ask for this CTA's `cnt` pages of a phase (page j at src + (c + j * ctas) * stride ... as PAGE
-        bytes) into the ring's next slots; `n` counts the ring's pages so far. Returns the new count."""
+    def issue(self, ring, full, empty, slots: cutlass.Constexpr, first: cutlass.Constexpr, n, src, c, trace):
+        """Ask for the PAGE bytes at `src` into the ring's next slot, once it is free (and, with
+        `inflight`, once page n - inflight has landed); `n` counts the ring's pages so far. Returns n + 1."""
+        s = n % slots
+        cute.arch.mbarrier_wait(empty + first + s, ((n // slots) % 2) ^ 1)
+        self.throttle(full, slots, first, n)
+        row = (n + (0 if first == 0 else TRACE)) * 4 + 3  # (a ternary inside the traced `if` does not compile)
+        if c == 0 and n < TRACE:
+            trace[row] = globaltimer()
+        cute.arch.mbarrier_arrive_and_expect_tx(full + first + s, PAGE)
+        if cutlass.const_expr(first != 0 and self.l2):  # expert pages, streamed once: L2 is the dense pages'
+            bulk_g2s_hint(ring + (first + s) * PAGE, src, PAGE, (full + first + s).toint(), l2_policy(False))
+        else:
+            bulk_g2s(ring + (first + s) * PAGE, src, PAGE, (full + first + s).toint())
+        return n + 1
+
+    @cute.jit
+    def produce(self, ring, full, empty, n, src, c, ctas, cnt, trace):
+        """Ask for this CTA's `cnt` pages of a dense phase starting at `src` (pages c, c + ctas, ...) into
+        ring A. Returns the ring's new page count."""
         for j in cutlass.range(cnt):
-            s = n % slots
-            cute.arch.mbarrier_wait(empty + first + s, ((n // slots) % 2) ^ 1)
-            self.throttle(full, slots, first, n)
-            if c == 0 and n < TRACE:
-                trace[n * 4 + 3] = globaltimer()
-            cute.arch.mbarrier_arrive_and_expect_tx(full + first + s, PAGE)
-            bulk_g2s(ring + (first + s) * PAGE, src + cutlass.Int64(c + j * ctas) * stride, PAGE,
-                     (full + first + s).toint())
-            n += 1
+            n = self.issue(ring, full, empty, self.na, 0, n, src + cutlass.Int64(c + j * ctas) * PAGE, c, trace)
         return n
 
     @cute.jit
@@ -199,8 +207,8 @@ class LayerStream:
     @cute.kernel
     def kernel(self, dense: cute.Tensor, experts_w: cute.Tensor, ids: cute.Tensor, ctr: cute.Tensor,
                out: cute.Tensor, stamps: cute.Tensor, trace: cute.Tensor, layers: cutlass.Int32,
-               qkv: cutlass.Int32, o: cutlass.Int32, r: cutlass.Int32, gu: cutlass.Int32, dn: cutlass.Int32, attn_ns: cutlass.Int32,
-               route_ns: cutlass.Int32, experts: cutlass.Int32, k: cutlass.Int32, ctas: cutlass.Int32,
+               qkv: cutlass.Int32, o: cutlass.Int32, r: cutlass.Int32, gu: cutlass.Int32, dn: cutlass.Int32,
+               attn_ns: cutlass.Int32, route_ns: cutlass.Int32, experts: cutlass.Int32, k: cutlass.Int32, ctas: cutlass.Int32,
                timeout_ms: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         c, _, _ = cute.arch.block_idx()
@@ -229,15 +237,15 @@ class LayerStream:
                     b0 = layer * BARRIERS
                     if cutlass.const_expr(self.gated):  # q/k/v once the last layer's routing is known
                         self.wait_count(ctr_addr, (b0 - BARRIERS + ROUTED + 1) * ctas, t0, limit, err_addr)
-                    n = self.produce(ring, full, empty, na, 0, n, base, c, ctas, self.mine(qkv, c, ctas), PAGE, trace)
+                    n = self.produce(ring, full, empty, n, base, c, ctas, self.mine(qkv, c, ctas), trace)
                     if cutlass.const_expr(self.gated):  # o_proj once q/k/v is done
                         self.wait_count(ctr_addr, (b0 + 1) * ctas, t0, limit, err_addr)
-                    n = self.produce(ring, full, empty, na, 0, n, base + cutlass.Int64(qkv) * PAGE, c, ctas,
-                                     self.mine(o, c, ctas), PAGE, trace)
+                    n = self.produce(ring, full, empty, n, base + cutlass.Int64(qkv) * PAGE, c, ctas,
+                                     self.mine(o, c, ctas), trace)
                     if cutlass.const_expr(self.gated):  # the router once the attention is done
                         self.wait_count(ctr_addr, (b0 + 2) * ctas, t0, limit, err_addr)
-                    n = self.produce(ring, full, empty, na, 0, n, base + cutlass.Int64(qkv + o) * PAGE, c, ctas,
-                                     self.mine(r, c, ctas), PAGE, trace)
+                    n = self.produce(ring, full, empty, n, base + cutlass.Int64(qkv + o) * PAGE, c, ctas,
+                                     self.mine(r, c, ctas), trace)
         elif warp == CONSUMER_WARPS + 1:
             if tidx % 32 == 0:  # ring B: a layer's expert pages once its routing is known
                 n = cutlass.Int32(0)
@@ -251,18 +259,7 @@ class LayerStream:
                             e = cutlass.Int64(ids[layer * k + p // per])
                             src = (experts_w.iterator.toint() + (cutlass.Int64(layer) * experts + e) * expert_bytes
                                    + skip + cutlass.Int64(p % per) * PAGE)
-                            s = n % nb
-                            cute.arch.mbarrier_wait(empty + na + s, ((n // nb) % 2) ^ 1)
-                            self.throttle(full, nb, na, n)
-                            if c == 0 and n < TRACE:
-                                trace[(TRACE + n) * 4 + 3] = globaltimer()
-                            cute.arch.mbarrier_arrive_and_expect_tx(full + na + s, PAGE)
-                            if cutlass.const_expr(self.l2):  # streamed once: leave L2 to the prefetched dense pages
-                                bulk_g2s_hint(ring + (na + s) * PAGE, src, PAGE, (full + na + s).toint(),
-                                              l2_policy(False))
-                            else:
-                                bulk_g2s(ring + (na + s) * PAGE, src, PAGE, (full + na + s).toint())
-                            n += 1
+                            n = self.issue(ring, full, empty, nb, na, n, src, c, trace)
         elif warp == CONSUMER_WARPS + 2:
             if tidx % 32 == 0:  # (l2) the next layer's q/k/v into L2 while this layer's attention runs
                 for layer in cutlass.range(layers - 1):

@@ -13,13 +13,15 @@ A delta-rule program reads its state tile once before writing anything, so a seq
 own read slot; unlike the references, different sequences are not ordered: a slot one sequence writes
 must not be another's read slot in the same call (the engine never schedules that).
 Every kernel takes `PDL` (programmatic dependent launch, `aot.pdl`): with it, it waits for the
-previous kernel first thing and then lets the next one launch.
+previous kernel first thing and then lets the next one launch (`fused_recurrent_mix` first reads what
+earlier steps wrote: its slots, state tile and conv tails).
 
 Verified in Triton's interpreter (TRITON_INTERPRET=1) on CPU and compiled for sm_90 / sm_100 with
 Triton 3.9; the cuda cases of tests/model/test_gdn_triton.py pass on an H200 (Triton 3.6, torch 2.11).
 `fused_recurrent_mix` alone (a graph of launches, bf16, 16 key / 32 value heads of 128, every token
 writing a state): 7.7 us at batch 1, 196 us at 128 decodes, against 61 and 301 us for the op chain it
-replaced; in a Qwen3-Next-shaped batch-1 decode step it exposes ~12 us a layer (perf/RESULTS.md).
+replaced; in a Qwen3-Next-shaped batch-1 decode step it exposed ~12 us a layer before its first reads
+moved ahead of the PDL wait (the step 1.354 -> 1.326 ms then; perf/RESULTS.md).
 """
 from __future__ import annotations
 
